@@ -1,0 +1,410 @@
+"""Readout consistency judgement (B3.11 / B3.12): prefill_last top-1 vs the first decode top-1.
+
+A readout trace (``GRETA_TRACE_READOUT=1``) is JSONL: a ``prefill_last`` line opens a prompt and
+the ``decode`` lines after it are that prompt's decode steps. A prompt is "OK" when
+``prefill_last_top1 == decode0_top1`` and no line of it has ``readout_mismatch=true``; otherwise
+"NO OK". The aggregator is streaming: feed it lines as the engine writes them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+PHASE_PREFILL_LAST = "prefill_last"
+PHASE_DECODE = "decode"
+PHASES = (PHASE_PREFILL_LAST, PHASE_DECODE)
+
+VERDICT_OK = "OK"
+VERDICT_NO_OK = "NO OK"
+
+NO_DECODE_NOTE = "no decode step"
+COLLAPSE_MIN_STEPS = 3
+
+BUFFER_KINDS = ("seq", "single_token")
+
+_INT = "non-negative integer"
+_NUM = "finite number"
+_STR = "string"
+_BOOL = "boolean"
+
+REQUIRED_FIELDS: dict[str, str] = {
+    "phase": _STR,
+    "step": _INT,
+    "tokens_total": _INT,
+    "top1_id": _INT,
+    "top1_logit": _NUM,
+    "top2_id": _INT,
+    "top2_logit": _NUM,
+    "gap": _NUM,
+    "readout_mismatch": _BOOL,
+}
+
+# Fields named in seeds 001 / 003: not required, but checked when a line carries them.
+OPTIONAL_FIELDS: dict[str, str] = {
+    "prompt": _STR,
+    "readout_buffer_kind": _STR,
+    "hidden_source_tag": _STR,
+    "seq_len": _INT,
+    "pos_id": _INT,
+    "token_index": _INT,
+    "used_index": _INT,
+    "logical_last_index": _INT,
+    "expected_last_index": _INT,
+    "hidden_token_index_used": _INT,
+    "hidden_src_ptr": _INT,
+    "hidden_alloc_bytes": _INT,
+    "hidden_stride_bytes": _INT,
+    "hidden_offset_bytes": _INT,
+    "hidden_hash": _INT,
+    "hidden_min": _NUM,
+    "hidden_max": _NUM,
+    "hidden_mean": _NUM,
+    "rms_in_ptr": _INT,
+    "rms_out_ptr": _INT,
+    "lm_in_ptr": _INT,
+    "rms_offset_bytes": _INT,
+    "rms_hash": _INT,
+    "rms_min": _NUM,
+    "rms_max": _NUM,
+    "rms_mean": _NUM,
+    "logits_ptr": _INT,
+    "logits_offset_bytes": _INT,
+    "logits_hash": _INT,
+    "logits_min": _NUM,
+    "logits_max": _NUM,
+    "logits_mean": _NUM,
+    "vocab": _INT,
+}
+
+_FIX_LINE = "fix or regenerate the trace line (GRETA_TRACE_READOUT=1 writes one JSON object a line)"
+
+
+class TraceError(ValueError):
+    """A readout trace line that cannot be judged; str() is ``FILE:LINE: message — what to do``."""
+
+    def __init__(
+        self, file: str, line: int, message: str, hint: str = _FIX_LINE, key: str | None = None
+    ) -> None:
+        self.file = file or "<input>"
+        self.line = line
+        self.message = message
+        self.hint = hint
+        self.key = key
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        where = f"{self.file}:{self.line}" if self.line > 0 else self.file
+        return f"{where}: {self.message} — {self.hint}"
+
+
+def _check_value(key: str, value: Any, kind: str, file: str, line_no: int) -> None:
+    if kind == _STR:
+        ok = isinstance(value, str)
+    elif kind == _BOOL:
+        ok = isinstance(value, bool)
+    elif kind == _INT:
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    else:
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok:
+        raise TraceError(
+            file,
+            line_no,
+            f"field {key!r} must be a {kind}, got {value!r} ({type(value).__name__})",
+            key=key,
+        )
+
+
+def validate_record(record: Any, line_no: int, file: str = "") -> dict[str, Any]:
+    """Check one parsed trace record against the seed contract; return it unchanged."""
+    if not isinstance(record, dict):
+        raise TraceError(file, line_no, f"expected a JSON object, got {type(record).__name__}")
+    missing = [key for key in REQUIRED_FIELDS if key not in record]
+    if missing:
+        raise TraceError(
+            file,
+            line_no,
+            f"missing required field(s): {', '.join(missing)}",
+            key=missing[0],
+        )
+    for key, kind in REQUIRED_FIELDS.items():
+        _check_value(key, record[key], kind, file, line_no)
+    for key, kind in OPTIONAL_FIELDS.items():
+        if key in record:
+            _check_value(key, record[key], kind, file, line_no)
+    if record["phase"] not in PHASES:
+        raise TraceError(
+            file,
+            line_no,
+            f"unknown phase {record['phase']!r} (expected one of: {', '.join(PHASES)})",
+            hint="this reader knows the seed phases only; check the engine's trace version",
+            key="phase",
+        )
+    kind = record.get("readout_buffer_kind")
+    if kind is not None and kind not in BUFFER_KINDS:
+        raise TraceError(
+            file,
+            line_no,
+            f"unknown readout_buffer_kind {kind!r} (expected one of: {', '.join(BUFFER_KINDS)})",
+            hint="this reader knows the B3.12 buffer kinds only; check the engine's trace version",
+            key="readout_buffer_kind",
+        )
+    vocab = record.get("vocab")
+    if vocab is not None:
+        for key in ("top1_id", "top2_id"):
+            if record[key] >= vocab:
+                raise TraceError(
+                    file,
+                    line_no,
+                    f"{key} {record[key]} is outside the vocab ({vocab})",
+                    hint="the token id and vocab size disagree; check the model and the trace",
+                    key=key,
+                )
+    return record
+
+
+def parse_line(raw: bytes | str, line_no: int, file: str = "") -> dict[str, Any]:
+    """Parse and validate one JSONL line (trailing newline allowed)."""
+    text = raw.rstrip(b"\r\n") if isinstance(raw, bytes) else raw.rstrip("\r\n")
+    if not text.strip():
+        raise TraceError(file, line_no, "blank line where a trace record was expected")
+    try:
+        record = orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise TraceError(file, line_no, f"not valid JSON ({exc})") from None
+    return validate_record(record, line_no, file)
+
+
+@dataclass(slots=True)
+class _Prompt:
+    name: str
+    file: str
+    line: int
+    prefill_top1: int
+    prefill_gap: float
+    mismatches: int
+    last_step: int
+    top1_seq: list[int] = field(default_factory=list)
+    gap_seq: list[float] = field(default_factory=list)
+
+    def row(self) -> dict[str, Any]:
+        steps = len(self.top1_seq)
+        decode0_top1 = self.top1_seq[0] if steps else None
+        collapsed = (
+            steps >= COLLAPSE_MIN_STEPS
+            and len(set(self.top1_seq)) == 1
+            and self.top1_seq[0] != self.prefill_top1
+        )
+        notes: list[str] = []
+        if not steps:
+            notes.append(NO_DECODE_NOTE)
+        elif decode0_top1 != self.prefill_top1:
+            notes.append(f"prefill_last_top1 {self.prefill_top1} != decode0_top1 {decode0_top1}")
+        if self.mismatches:
+            notes.append(f"readout_mismatch=true on {self.mismatches} line(s)")
+        if collapsed:
+            notes.append(f"collapsed: decode top-1 stuck on {decode0_top1} for {steps} steps")
+        if self.mismatches:
+            verdict: str | None = VERDICT_NO_OK
+        elif not steps:
+            verdict = None
+        elif decode0_top1 == self.prefill_top1:
+            verdict = VERDICT_OK
+        else:
+            verdict = VERDICT_NO_OK
+        if verdict == VERDICT_OK:
+            notes.append("prefill_last_top1 == decode0_top1, readout_mismatch=false")
+        return {
+            "prompt": self.name,
+            "file": self.file,
+            "line": self.line,
+            "prefill_last_top1": self.prefill_top1,
+            "prefill_last_gap": self.prefill_gap,
+            "decode0_top1": decode0_top1,
+            "decode0_gap": self.gap_seq[0] if steps else None,
+            "decode_steps": steps,
+            "top1_seq": list(self.top1_seq),
+            "gap_seq": list(self.gap_seq),
+            "readout_mismatch_count": self.mismatches,
+            "collapsed": collapsed,
+            "verdict": verdict,
+            "note": "; ".join(notes),
+        }
+
+
+class ReadoutAggregator:
+    """Streaming per-prompt readout table; feed lines in file order."""
+
+    def __init__(self) -> None:
+        self._prompts: list[_Prompt] = []
+
+    def feed_line(self, raw: bytes | str, line_no: int, file: str = "") -> list[dict[str, Any]]:
+        """Parse one line, fold it in, and return the rows it changed."""
+        return self._fold(parse_line(raw, line_no, file), line_no, file)
+
+    def feed(self, record: dict[str, Any], line_no: int, file: str = "") -> list[dict[str, Any]]:
+        """Validate one record, fold it in, and return the rows it changed."""
+        return self._fold(validate_record(record, line_no, file), line_no, file)
+
+    def _fold(self, record: dict[str, Any], line_no: int, file: str) -> list[dict[str, Any]]:
+        mismatch = 1 if record["readout_mismatch"] else 0
+        if record["phase"] == PHASE_PREFILL_LAST:
+            name = record.get("prompt") or f"prompt {len(self._prompts) + 1}"
+            prompt = _Prompt(
+                name=name,
+                file=file,
+                line=line_no,
+                prefill_top1=record["top1_id"],
+                prefill_gap=record["gap"],
+                mismatches=mismatch,
+                last_step=record["step"],
+            )
+            self._prompts.append(prompt)
+            return [prompt.row()]
+
+        if not self._prompts:
+            raise TraceError(
+                file,
+                line_no,
+                "decode line before any prefill_last line",
+                hint="the trace must start with the prompt's prefill_last record; "
+                "check that the file is complete from its first line",
+                key="phase",
+            )
+        prompt = self._prompts[-1]
+        named = record.get("prompt")
+        if named is not None and named != prompt.name:
+            raise TraceError(
+                file,
+                line_no,
+                f"decode line for prompt {named!r} while prompt {prompt.name!r} "
+                f"(line {prompt.line}) is open",
+                hint="each prompt's decode lines must follow its own prefill_last line",
+                key="prompt",
+            )
+        if prompt.top1_seq and record["step"] <= prompt.last_step:
+            raise TraceError(
+                file,
+                line_no,
+                f"decode step {record['step']} does not follow step {prompt.last_step} "
+                f"of prompt {prompt.name!r}",
+                hint="decode steps must increase within a prompt; "
+                "were two traces written into one file?",
+                key="step",
+            )
+        prompt.last_step = record["step"]
+        prompt.top1_seq.append(record["top1_id"])
+        prompt.gap_seq.append(record["gap"])
+        prompt.mismatches += mismatch
+        return [prompt.row()]
+
+    def rows(self) -> list[dict[str, Any]]:
+        return [prompt.row() for prompt in self._prompts]
+
+    def verdict(self) -> str:
+        """ "OK" only when there is at least one prompt and every prompt is OK."""
+        return overall(self.rows())[0]
+
+    def reason(self) -> str:
+        return overall(self.rows())[1]
+
+
+def overall(rows: Iterable[dict[str, Any]], limit: int = 5) -> tuple[str, str]:
+    """The trace's verdict and a one-line reason naming the prompts that are not OK."""
+    rows = list(rows)
+    if not rows:
+        return VERDICT_NO_OK, "no prompts in the trace (no prefill_last line)"
+    bad = [row for row in rows if row["verdict"] != VERDICT_OK]
+    if not bad:
+        return VERDICT_OK, (
+            f"all {len(rows)} prompt(s): prefill_last_top1 == decode0_top1, readout_mismatch=false"
+        )
+    parts = [f"{row['prompt']} (line {row['line']}): {row['note']}" for row in bad[:limit]]
+    if len(bad) > limit:
+        parts.append(f"and {len(bad) - limit} more prompt(s) not OK")
+    return VERDICT_NO_OK, "; ".join(parts)
+
+
+def _cell(value: Any) -> str:
+    # Prompt names come from the trace: keep them from breaking the markdown table.
+    return str(value).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+
+
+def format_table(rows: list[dict[str, Any]], verdict: str) -> str:
+    """The seeds' readout table as markdown, with the mismatch count and the overall verdict."""
+    lines = [
+        "| Prompt | prefill_last_top1 | decode0_top1 | readout_mismatch | verdict |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for row in rows:
+        decode0 = NO_DECODE_NOTE if row["decode_steps"] == 0 else row["decode0_top1"]
+        cells = [
+            row["prompt"],
+            row["prefill_last_top1"],
+            decode0,
+            row["readout_mismatch_count"],
+            row["verdict"] or "—",
+        ]
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    total = sum(row["readout_mismatch_count"] for row in rows)
+    lines.append("")
+    lines.append(f"`readout_mismatch=true` count: **{total}**")
+    lines.append(f"Verdict: **{verdict}** — {_cell(overall(rows)[1])}")
+    return "\n".join(lines) + "\n"
+
+
+def to_json(rows: list[dict[str, Any]], verdict: str) -> dict[str, Any]:
+    """The table as a JSON-ready dict (for ``--json``)."""
+    return {
+        "verdict": verdict,
+        "reason": overall(rows)[1],
+        "readout_mismatch_count": sum(row["readout_mismatch_count"] for row in rows),
+        "prompts": rows,
+    }
+
+
+def analyze_trace(path: str | Path) -> ReadoutAggregator:
+    """Read a readout JSONL file line by line and fold every line into a new aggregator."""
+    file = str(path)
+    agg = ReadoutAggregator()
+    try:
+        with open(path, "rb") as handle:
+            _feed_lines(agg, handle, file)
+    except OSError as exc:
+        raise TraceError(
+            file, 0, f"cannot read trace: {exc.strerror or exc}", hint="check the path"
+        ) from None
+    return agg
+
+
+def _feed_lines(agg: ReadoutAggregator, lines: Iterable[bytes], file: str) -> None:
+    blank_since = 0  # first of a run of blank lines: allowed only at the end of the file
+    for line_no, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            blank_since = blank_since or line_no
+            continue
+        if blank_since:
+            raise TraceError(
+                file,
+                blank_since,
+                "blank line inside the trace",
+                hint="remove the blank line, or check how the file was written",
+            )
+        if not raw.endswith(b"\n"):
+            try:
+                orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                raise TraceError(
+                    file,
+                    line_no,
+                    "truncated last line (no newline at end and not valid JSON)",
+                    hint="the writer was cut off or is still writing; "
+                    "wait for the run to finish or re-run it",
+                ) from None
+        agg.feed_line(raw, line_no, file)

@@ -1,0 +1,356 @@
+"""The `tracedeck` command: the console with no arguments, headless subcommands otherwise."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+EXIT_USAGE, EXIT_INFRA, EXIT_INTERRUPT = 2, 3, 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tracedeck",
+        description="Operator console for GPU inference verification runs. "
+        "With no command, opens the console.",
+    )
+    sub = parser.add_subparsers(dest="command")
+
+    run = sub.add_parser("run", help="run a preset headless")
+    run.add_argument("preset", help="preset name (see `tracedeck presets`) or path to a .toml")
+    run.add_argument("--target", help="local | ssh://user@host:port | ALIAS (default: the preset's)")
+    run.add_argument("--out", type=Path, help="local run directory root (default: ~/.local/share/tracedeck/runs)")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a preset field, TOML value syntax (e.g. matrix.seed=[0])")
+    run.add_argument("--json", action="store_true", help="print events as JSONL")
+
+    attach = sub.add_parser("attach", help="reconnect to a run and follow it to the end")
+    attach.add_argument("run", help="local run directory or run id")
+    attach.add_argument("--out", type=Path)
+    attach.add_argument("--json", action="store_true")
+
+    cancel = sub.add_parser("cancel", help="stop a run: TERM its process group, KILL after a grace")
+    cancel.add_argument("run", help="local run directory or run id")
+    cancel.add_argument("--out", type=Path)
+    cancel.add_argument("--grace", type=float, default=5.0, help="seconds between TERM and KILL")
+
+    replay = sub.add_parser("replay", help="replay a recorded run from its events.jsonl")
+    replay.add_argument("dir", type=Path)
+    replay.add_argument("--headless", action="store_true", help="print instead of opening the console")
+    replay.add_argument("--speed", type=float, default=0.0,
+                        help="1 = real time, 10 = ten times faster, 0 = at once (headless default)")
+    replay.add_argument("--json", action="store_true")
+
+    analyze = sub.add_parser("analyze", help="judge a B3.67 artifacts tree or a readout trace")
+    analyze.add_argument("path", type=Path, help="artifacts dir (B3.67) or trace .jsonl (B3.11/12)")
+    analyze.add_argument("--json", action="store_true", help="print the result as JSON")
+
+    sub.add_parser("presets", help="list shipped and user presets")
+
+    trust = sub.add_parser("trust", help="add a host's key to ~/.ssh/known_hosts after showing it")
+    trust.add_argument("host", help="HOST or HOST:PORT")
+    trust.add_argument("--yes", action="store_true", help="trust without asking")
+
+    ui = sub.add_parser("ui", help="open the console (the default)")
+    ui.add_argument("--out", type=Path)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    command = args.command or "ui"
+    handler = {
+        "run": cmd_run,
+        "attach": cmd_attach,
+        "cancel": cmd_cancel,
+        "replay": cmd_replay,
+        "analyze": cmd_analyze,
+        "presets": cmd_presets,
+        "trust": cmd_trust,
+        "ui": cmd_ui,
+    }[command]
+    try:
+        return handler(args)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPT
+
+
+def _err(message: str) -> None:
+    print(f"tracedeck: {message}", file=sys.stderr)
+
+
+def _infra_error(exc: Exception) -> int:
+    from runners.targets.base import HostKeyUnknown
+
+    _err(str(exc))
+    if isinstance(exc, HostKeyUnknown):
+        _err(f"to trust it: {exc.trust_command}")
+    return EXIT_INFRA
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from console.headless import Printer
+    from runners.presets import PresetError, load_preset, resolve_preset
+    from runners.session import Session, default_out_dir
+    from runners.targets.base import TargetError
+
+    try:
+        preset = load_preset(resolve_preset(args.preset), args.overrides)
+        target = args.target or preset.section("target")["host"]
+        session = Session.create(preset, target, args.out or default_out_dir(),
+                                 Printer(json_lines=args.json))
+    except (PresetError, ValueError) as exc:
+        _err(str(exc))
+        return EXIT_USAGE
+    try:
+        return asyncio.run(_launch_and_follow(session))
+    except TargetError as exc:
+        return _infra_error(exc)
+
+
+async def _launch_and_follow(session) -> int:  # type: ignore[no-untyped-def]
+    try:
+        await session.launch()
+    except Exception:
+        await session.close()
+        raise
+    return await _follow_interruptible(session)
+
+
+async def _follow_interruptible(session) -> int:  # type: ignore[no-untyped-def]
+    """Follow to the end; the first Ctrl-C cancels the run on the target, a second detaches."""
+    loop = asyncio.get_running_loop()
+    follow = asyncio.ensure_future(session.follow())
+    interrupts = 0
+
+    def on_sigint() -> None:
+        nonlocal interrupts
+        interrupts += 1
+        if interrupts == 1:
+            _err("interrupt: cancelling the run (Ctrl-C again to detach and leave it running)")
+            asyncio.ensure_future(session.cancel())
+        else:
+            _err(f"detached; the run goes on. Reattach: tracedeck attach {session.local_dir}")
+            follow.cancel()
+
+    loop.add_signal_handler(signal.SIGINT, on_sigint)
+    try:
+        result = await follow
+        return result.exit_code
+    except asyncio.CancelledError:
+        return EXIT_INTERRUPT
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+        await session.close()
+
+
+def find_run(run: str, out: Path | None) -> Path:
+    """A run directory as given, or the run with that id under the out dir."""
+    from runners.session import default_out_dir
+
+    path = Path(run)
+    if (path / "run.json").exists():
+        return path
+    root = out or default_out_dir()
+    for candidate in root.glob("**/run.json"):
+        if candidate.parent.name == run or run in candidate.read_text(errors="replace")[:400]:
+            return candidate.parent
+    raise FileNotFoundError(f"no run {run!r}: not a run directory, and no run with that id "
+                            f"under {root}; pass the directory `tracedeck run` printed")
+
+
+def cmd_attach(args: argparse.Namespace) -> int:
+    from console.headless import Printer
+    from runners.session import Session
+    from runners.targets.base import TargetError
+
+    printer = Printer(json_lines=args.json)
+    try:
+        local = find_run(args.run, args.out)
+        session = Session.attach(local, printer, replay=printer)
+    except (FileNotFoundError, ValueError, KeyError) as exc:
+        _err(str(exc))
+        return EXIT_USAGE
+    try:
+        return asyncio.run(_follow_interruptible(session))
+    except TargetError as exc:
+        return _infra_error(exc)
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    from console.headless import Printer
+    from runners.session import Session
+    from runners.targets.base import TargetError
+
+    try:
+        local = find_run(args.run, args.out)
+        session = Session.attach(local, Printer(), replay=lambda e: None)
+    except (FileNotFoundError, ValueError, KeyError) as exc:
+        _err(str(exc))
+        return EXIT_USAGE
+    if session.finished is not None:
+        _err(f"run {session.record.run_id} already finished: {session.finished.verdict}")
+        return 0
+
+    async def go() -> int:
+        try:
+            await session.target.connect()
+            outcome = await session.cancel(args.grace)
+            result = await session.follow()
+            print(f"cancel: {outcome.removeprefix('TRACEDECK_').lower().replace('_', ' ')}; "
+                  f"run {session.record.run_id} ended {result.verdict}")
+            return 0
+        finally:
+            await session.close()
+
+    try:
+        return asyncio.run(go())
+    except TargetError as exc:
+        return _infra_error(exc)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from runners.record import EVENTS, read_events
+
+    path = args.dir / EVENTS
+    if not path.exists():
+        _err(f"{path}: no recorded events; pass a run directory written by `tracedeck run`")
+        return EXIT_USAGE
+    if not args.headless:
+        from console.app import run_app
+
+        return run_app(replay_dir=args.dir, speed=args.speed or 1.0)
+    from console.headless import Printer
+
+    try:
+        recorded = read_events(path)
+    except ValueError as exc:
+        _err(str(exc))
+        return EXIT_USAGE
+    printer = Printer(json_lines=args.json)
+    previous = None
+    code = 0
+    for event in recorded.events:
+        if args.speed > 0 and previous is not None:
+            time.sleep(max(0.0, (event.t - previous) / args.speed))
+        previous = event.t
+        printer(event)
+        code = getattr(event, "exit_code", code)
+    if recorded.torn_tail:
+        _err(f"{path}: the last line is incomplete (the console stopped mid-write); "
+             f"`tracedeck attach {args.dir}` resumes from the last complete event")
+    return code
+
+
+def cmd_analyze(args: argparse.Namespace) -> int:
+    import orjson
+
+    from analysis.logits import InputError
+
+    path: Path = args.path
+    if path.is_dir():
+        from analysis.equivalence import exit_code_for
+        from runners.equivalence_tree import analyze_tree
+
+        try:
+            summary, results = analyze_tree(path)
+        except (InputError, ValueError, OSError) as exc:
+            _err(str(exc))
+            return EXIT_USAGE
+        if args.json:
+            print(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode())
+        else:
+            for r in results:
+                m = r.metrics
+                print(f"kv_aligned={r.kv_aligned} seed={r.seed}: {r.verdict}  "
+                      f"max_abs_diff={m['max_abs_diff']:.6g} p99_abs_diff={m['p99_abs_diff']:.6g} "
+                      f"top1_agreement={m['top1_agreement']:.6g} cos_sim_mean={m['cos_sim_mean']:.6g}")
+            ff = summary.get("first_fail")
+            if ff:
+                print(f"first fail: kv_aligned={ff['kv_aligned']} seed={ff['seed']} token "
+                      f"{ff['token_idx']} {ff['metric']}={ff['value']:.6g} "
+                      f"(threshold {ff['threshold']})")
+            print(f"global verdict: {summary['global_verdict']}  "
+                  f"(wrote summary.json, metrics/, B3_67_EQUIVALENCE_GUARDRAIL.md in {path})")
+        return exit_code_for(summary["global_verdict"])
+    if path.is_file():
+        from analysis.readout import TraceError, analyze_trace, format_table, to_json
+
+        try:
+            agg = analyze_trace(path)
+        except (TraceError, OSError) as exc:
+            _err(str(exc))
+            return EXIT_USAGE
+        verdict = agg.verdict()
+        if args.json:
+            print(orjson.dumps(to_json(agg.rows(), verdict), option=orjson.OPT_INDENT_2).decode())
+        else:
+            print(format_table(agg.rows(), verdict))
+        return 0 if verdict == "OK" else 1
+    _err(f"{path}: no such file or directory; pass a B3.67 artifacts dir or a readout trace .jsonl")
+    return EXIT_USAGE
+
+
+def cmd_presets(args: argparse.Namespace) -> int:
+    from runners.presets import PresetError, load_preset, preset_files
+
+    rows = []
+    broken = 0
+    for path in preset_files():
+        try:
+            p = load_preset(path)
+            rows.append((p.name, p.kind, str(p.cell_count()), p.description, str(path)))
+        except PresetError as exc:
+            broken += 1
+            _err(str(exc))
+    widths = [max([len(r[i]) for r in rows] + [len(h)]) for i, h in
+              enumerate(("name", "kind", "cells"))]
+    print(f"{'name':<{widths[0]}}  {'kind':<{widths[1]}}  {'cells':>{widths[2]}}  description")
+    for name, kind, cells, desc, _ in rows:
+        print(f"{name:<{widths[0]}}  {kind:<{widths[1]}}  {cells:>{widths[2]}}  {desc}")
+    return EXIT_USAGE if broken else 0
+
+
+def cmd_trust(args: argparse.Namespace) -> int:
+    from runners.trust import fetch_host_key, trust_host
+
+    host, _, port_text = args.host.partition(":")
+    try:
+        port = int(port_text) if port_text else 22
+    except ValueError:
+        _err(f"{args.host}: port must be a number (HOST or HOST:PORT)")
+        return EXIT_USAGE
+    try:
+        key_type, fingerprint, _ = asyncio.run(fetch_host_key(host, port))
+    except OSError as exc:
+        _err(f"{host}:{port}: could not fetch the host key ({exc})")
+        return EXIT_INFRA
+    print(f"{host}:{port} presents {key_type} {fingerprint}")
+    if not args.yes:
+        if not sys.stdin.isatty():
+            _err("not a terminal: compare the fingerprint out of band, then rerun with --yes")
+            return EXIT_USAGE
+        answer = input("Trust this key and add it to ~/.ssh/known_hosts? [y/N] ")
+        if answer.strip().lower() not in ("y", "yes"):
+            print("not trusted")
+            return 1
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(trust_host(host, port))
+    print(f"trusted {host}:{port}")
+    return 0
+
+
+def cmd_ui(args: argparse.Namespace) -> int:
+    from console.app import run_app
+
+    return run_app(out_dir=getattr(args, "out", None))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

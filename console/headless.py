@@ -1,0 +1,142 @@
+"""Headless output: the same events the console shows, printed as text lines or JSONL."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, TextIO
+
+from runners.events import (
+    ArtifactFetched,
+    CellFinished,
+    CellStarted,
+    Connection,
+    Error,
+    Event,
+    LockAcquired,
+    LockBusy,
+    OutputLines,
+    PairVerdict,
+    ReadoutRow,
+    RunFinished,
+    RunStarted,
+    TraceRecords,
+)
+
+
+def _params(params: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in params.items())
+
+
+def _num(value: Any) -> str:
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
+class Printer:
+    """Turns events into the lines a headless run prints; replay feeds it the recorded events."""
+
+    def __init__(self, out: TextIO | None = None, json_lines: bool = False) -> None:
+        self.out = out or sys.stdout
+        self.json_lines = json_lines
+        self.total = 0
+        self.cells: dict[int, dict[str, Any]] = {}
+
+    def __call__(self, event: Event) -> None:
+        if self.json_lines:
+            self.out.write(event.to_json().decode() + "\n")
+        else:
+            for line in self.lines(event):
+                self.out.write(line + "\n")
+        self.out.flush()
+
+    def _tag(self, cell: int) -> str:
+        if cell < 0:
+            return "[setup]"
+        width = len(str(self.total))
+        return f"[{cell + 1:>{width}}/{self.total}]"
+
+    def lines(self, event: Event) -> list[str]:
+        if isinstance(event, RunStarted):
+            self.total = len(event.cells)
+            self.cells = {c["index"]: {"params": c["params"], "state": "pending"}
+                          for c in event.cells}
+            env = " ".join(f"{k}={v}" for k, v in event.env.items()) or "(none)"
+            verb = "attached to" if event.attached else "run"
+            return [
+                f"tracedeck {verb} {event.run_id}: preset {event.preset} ({event.kind}), "
+                f"{self.total} cells on {event.target}",
+                f"  local dir:   {event.local_dir}",
+                f"  remote dir:  {event.remote_dir}",
+                f"  determinism: profile {event.profile}; {env}",
+            ]
+        if isinstance(event, LockAcquired):
+            h = event.holder
+            return [f"  lock:        {event.lock} held by {h.get('user')}@{h.get('console_host')} "
+                    f"(run {h.get('run_id')}, pgid {h.get('pgid')})"]
+        if isinstance(event, LockBusy):
+            h = event.holder
+            return [f"lock busy: {event.lock} is held by run {h.get('run_id')} of "
+                    f"{h.get('user')}@{h.get('console_host')} (preset {h.get('preset')}, "
+                    f"started {h.get('started_at')}, pgid {h.get('pgid')})"]
+        if isinstance(event, CellStarted):
+            self.cells.setdefault(event.cell, {"params": event.params})["state"] = "running"
+            return [f"{self._tag(event.cell)} start  {_params(event.params)}"]
+        if isinstance(event, OutputLines):
+            mark = "|" if event.stream == "stdout" else "!"
+            return [f"{self._tag(event.cell)} {mark} {line}" for line in event.lines]
+        if isinstance(event, CellFinished):
+            info = self.cells.setdefault(event.cell, {"params": {}})
+            info.update(state=event.state, exit_code=event.exit_code, duration=event.duration_s)
+            took = f" in {event.duration_s:.1f}s" if event.duration_s is not None else ""
+            code = f" exit {event.exit_code}" if event.exit_code is not None else ""
+            return [f"{self._tag(event.cell)} {event.state}{code}{took}"]
+        if isinstance(event, ArtifactFetched):
+            return [f"{self._tag(event.cell)} fetched {event.path} ({event.size} bytes, "
+                    f"sha256 {event.sha256[:16]})"]
+        if isinstance(event, PairVerdict):
+            m = event.metrics
+            lines = [
+                f"verdict kv_aligned={event.kv_aligned} seed={event.seed}: {event.verdict}  "
+                + " ".join(f"{k}={_num(m[k])}" for k in
+                           ("max_abs_diff", "p99_abs_diff", "top1_agreement", "cos_sim_mean")
+                           if k in m)
+            ]
+            if event.first_fail:
+                ff = event.first_fail
+                lines.append(
+                    f"  first fail: token {ff.get('token_idx')} {ff.get('metric')}="
+                    f"{_num(ff.get('value'))} (threshold {_num(ff.get('threshold'))})"
+                )
+            return lines
+        if isinstance(event, ReadoutRow):
+            r = event.row
+            return [f"readout {r.get('prompt')}: prefill_last_top1={r.get('prefill_last_top1')} "
+                    f"decode0_top1={r.get('decode0_top1')} readout_mismatch="
+                    f"{r.get('readout_mismatch_count')} -> {r.get('verdict') or r.get('note')}"]
+        if isinstance(event, TraceRecords):
+            return []
+        if isinstance(event, Connection):
+            extra = f" (attempt {event.attempt})" if event.attempt else ""
+            return [f"connection {event.state}{extra}: {event.message}"]
+        if isinstance(event, Error):
+            return [f"error: {event.message}"]
+        if isinstance(event, RunFinished):
+            return self._final(event)
+        return []
+
+    def _final(self, event: RunFinished) -> list[str]:
+        lines = []
+        if self.cells:
+            lines.append("")
+            lines.append(f"{'cell':>5}  {'state':<10} {'exit':>4} {'time':>7}  params")
+            for index in sorted(self.cells):
+                c = self.cells[index]
+                dur = c.get("duration")
+                lines.append(
+                    f"{'setup' if index < 0 else index + 1:>5}  {c.get('state', 'pending'):<10} "
+                    f"{'' if c.get('exit_code') is None else c['exit_code']:>4} "
+                    f"{'' if dur is None else f'{dur:.1f}s':>7}  {_params(c.get('params', {}))}"
+                )
+        if event.summary.get("error"):
+            lines.append(str(event.summary["error"]))
+        lines.append(f"RESULT: {event.verdict} (exit {event.exit_code})")
+        return lines

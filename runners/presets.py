@@ -1,0 +1,360 @@
+"""Presets: TOML files loaded, overridden with --set, validated and expanded into cells."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shlex
+import string
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+KINDS = ("command", "equivalence", "readout", "kv_invariance", "dsa_trace")
+PROFILES = ("rocm", "cuda", "cpu", "none")
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "presets"
+
+Scalar = (str, int, float, bool)
+
+# section -> key -> (expected type(s), required, default)
+SCHEMA: dict[str, dict[str, tuple[Any, bool, Any]]] = {
+    "preset": {
+        "name": (str, True, None),
+        "kind": (str, True, None),
+        "description": (str, False, ""),
+    },
+    "target": {
+        "host": (str, False, "local"),
+        "workdir": (str, False, "."),
+        "runs": (str, False, ".tracedeck/runs"),
+        "lock": (str, False, "/tmp/tracedeck.lock"),
+        "python": (str, False, ""),
+        "connect_timeout_s": ((int, float), False, 10.0),
+        "keepalive_s": ((int, float), False, 5.0),
+        "reconnect_attempts": (int, False, 5),
+    },
+    "determinism": {
+        "profile": (str, False, "none"),
+        "env": (dict, False, {}),
+    },
+    "engine": {
+        "command": (str, True, None),
+        "setup": (list, False, []),
+        "ship_reference": (bool, False, False),
+        "env": (dict, False, {}),
+    },
+    "matrix": {},  # free keys, each a non-empty list of scalars
+    "vars": {},  # free keys, each a scalar: operator paths and constants for the templates
+    "artifacts": {
+        "dir": (str, False, "{date}/{name}"),
+        "fetch": (list, False, []),
+    },
+    "thresholds": {
+        "p99_abs_diff_max": ((int, float), False, 1e-3),
+        "max_abs_diff_max": ((int, float), False, 5e-3),
+        "top1_agreement_min": ((int, float), False, 0.999),
+    },
+    "traces": {
+        "follow": (list, False, []),
+        "prompts": (list, False, []),
+    },
+}
+REQUIRED_SECTIONS = ("preset", "engine", "matrix")
+
+# Placeholders every template may use besides the matrix keys.
+BUILTIN_PLACEHOLDERS = ("python", "out", "run_dir", "workdir", "cell", "date", "run_id")
+
+
+class PresetError(Exception):
+    """A preset that cannot be used; the message names the file and the key path."""
+
+    def __init__(self, source: str, key: str, message: str) -> None:
+        self.source = source
+        self.key = key
+        super().__init__(f"{source}: {key}: {message}" if key else f"{source}: {message}")
+
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    index: int
+    params: dict[str, Any]
+
+    def label(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.params.items())
+
+
+@dataclass(slots=True)
+class Preset:
+    source: str
+    data: dict[str, Any]
+    overrides: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.data["preset"]["name"]
+
+    @property
+    def kind(self) -> str:
+        return self.data["preset"]["kind"]
+
+    @property
+    def description(self) -> str:
+        return self.data["preset"]["description"]
+
+    def section(self, name: str) -> dict[str, Any]:
+        return self.data[name]
+
+    @property
+    def matrix(self) -> dict[str, list[Any]]:
+        return self.data["matrix"]
+
+    @property
+    def vars(self) -> dict[str, Any]:
+        return self.data["vars"]
+
+    def cells(self) -> list[Cell]:
+        keys = list(self.matrix)
+        combos = itertools.product(*(self.matrix[k] for k in keys))
+        return [Cell(i, dict(zip(keys, combo, strict=True))) for i, combo in enumerate(combos)]
+
+    def cell_count(self) -> int:
+        n = 1
+        for values in self.matrix.values():
+            n *= len(values)
+        return n
+
+
+def parse_value(raw: str) -> Any:
+    """A --set value in TOML value syntax; a bare word that is not TOML is taken as a string."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def apply_override(data: dict[str, Any], assignment: str, source: str) -> None:
+    if "=" not in assignment:
+        raise PresetError(source, assignment, "--set needs key.path=VALUE (e.g. matrix.seed=[0])")
+    path, raw = assignment.split("=", 1)
+    keys = [k.strip() for k in path.strip().split(".")]
+    if len(keys) < 2 or not all(keys):
+        raise PresetError(source, path, "--set key path must be section.key (e.g. target.host)")
+    node = data
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise PresetError(source, path, f"{key} is not a table")
+    node[keys[-1]] = parse_value(raw.strip())
+
+
+def _type_name(expected: Any) -> str:
+    if isinstance(expected, tuple):
+        return " or ".join(t.__name__ for t in expected)
+    return expected.__name__
+
+
+def _check_type(source: str, key: str, value: Any, expected: Any) -> None:
+    # bool is an int in Python; a number field must not accept true/false.
+    wanted = expected if isinstance(expected, tuple) else (expected,)
+    if isinstance(value, bool) and bool not in wanted:
+        ok = False
+    else:
+        ok = isinstance(value, wanted)
+    if not ok:
+        raise PresetError(
+            source, key, f"expected {_type_name(expected)}, got {type(value).__name__} {value!r}"
+        )
+
+
+def template_fields(template: str, source: str, key: str) -> list[str]:
+    names: list[str] = []
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise PresetError(source, key, f"bad template ({exc}); write literal braces as {{{{ }}}}")
+    for _, name, spec, conv in parsed:
+        if name is None:
+            continue
+        if not name or not name.isidentifier() or spec or conv:
+            raise PresetError(source, key, f"placeholder {{{name}}} must be a plain {{name}}")
+        names.append(name)
+    return names
+
+
+def validate(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """Check every section and key, fill defaults; returns the completed data."""
+    for section in data:
+        if section not in SCHEMA:
+            raise PresetError(source, section, f"unknown section; known: {', '.join(SCHEMA)}")
+    for section in REQUIRED_SECTIONS:
+        if section not in data:
+            raise PresetError(source, section, "missing section")
+    out: dict[str, Any] = {}
+    for section, keys in SCHEMA.items():
+        given = data.get(section, {})
+        if not isinstance(given, dict):
+            raise PresetError(source, section, "must be a table")
+        if section == "matrix":
+            out[section] = _validate_matrix(given, source)
+            continue
+        if section == "vars":
+            out[section] = _validate_vars(given, source, set(out.get("matrix", {})))
+            continue
+        filled: dict[str, Any] = {}
+        for key, value in given.items():
+            if key not in keys:
+                raise PresetError(
+                    source, f"{section}.{key}", f"unknown key; known: {', '.join(keys)}"
+                )
+            _check_type(source, f"{section}.{key}", value, keys[key][0])
+            filled[key] = value
+        for key, (_, required, default) in keys.items():
+            if key not in filled:
+                if required:
+                    raise PresetError(source, f"{section}.{key}", "missing required key")
+                filled[key] = default.copy() if isinstance(default, (dict, list)) else default
+        out[section] = filled
+
+    if out["preset"]["kind"] not in KINDS:
+        raise PresetError(source, "preset.kind", f"must be one of {', '.join(KINDS)}")
+    if out["determinism"]["profile"] not in PROFILES:
+        raise PresetError(source, "determinism.profile", f"must be one of {', '.join(PROFILES)}")
+    for table in ("determinism.env", "engine.env"):
+        sec, key = table.split(".")
+        for name, value in out[sec][key].items():
+            if not name.isidentifier():
+                raise PresetError(source, f"{table}.{name}", "not a valid environment name")
+            _check_type(source, f"{table}.{name}", value, (str, int, float))
+    for table in ("engine.setup", "artifacts.fetch", "traces.follow", "traces.prompts"):
+        sec, key = table.split(".")
+        for i, item in enumerate(out[sec][key]):
+            _check_type(source, f"{table}[{i}]", item, str)
+
+    known = set(out["matrix"]) | set(out["vars"]) | set(BUILTIN_PLACEHOLDERS)
+    for sec, key in (("engine", "command"), ("artifacts", "dir")):
+        _check_placeholders(source, f"{sec}.{key}", out[sec][key], known | {"name"})
+    for sec, key in (("engine", "setup"), ("artifacts", "fetch")):
+        for i, item in enumerate(out[sec][key]):
+            _check_placeholders(source, f"{sec}.{key}[{i}]", item, known)
+    # A trace is followed for the whole run, so only run-wide names can shape its path.
+    run_wide = set(out["vars"]) | {"date", "run_id"}
+    for i, item in enumerate(out["traces"]["follow"]):
+        _check_placeholders(source, f"traces.follow[{i}]", item, run_wide)
+    for sec in ("determinism", "engine"):
+        for name, value in out[sec]["env"].items():
+            _check_placeholders(source, f"{sec}.env.{name}", str(value), known)
+    return out
+
+
+def _check_placeholders(source: str, key: str, template: str, known: set[str]) -> None:
+    for name in template_fields(template, source, key):
+        if name not in known:
+            raise PresetError(
+                source, key, f"unknown placeholder {{{name}}}; known: {', '.join(sorted(known))}"
+            )
+
+
+def _validate_matrix(matrix: dict[str, Any], source: str) -> dict[str, list[Any]]:
+    if not matrix:
+        raise PresetError(source, "matrix", "needs at least one key (a list of values)")
+    for key, values in matrix.items():
+        if not key.isidentifier() or key in BUILTIN_PLACEHOLDERS:
+            raise PresetError(source, f"matrix.{key}", "must be an identifier, not a built-in name")
+        if not isinstance(values, list) or not values:
+            raise PresetError(source, f"matrix.{key}", f"must be a non-empty list, got {values!r}")
+        for i, value in enumerate(values):
+            if not isinstance(value, Scalar):
+                raise PresetError(source, f"matrix.{key}[{i}]", f"must be a scalar, got {value!r}")
+    return matrix
+
+
+def _validate_vars(given: dict[str, Any], source: str, matrix: set[str]) -> dict[str, Any]:
+    for key, value in given.items():
+        if not key.isidentifier() or key in BUILTIN_PLACEHOLDERS or key in matrix:
+            raise PresetError(
+                source, f"vars.{key}", "must be an identifier, not a built-in or matrix name"
+            )
+        _check_type(source, f"vars.{key}", value, (str, int, float, bool))
+    return given
+
+
+def load_preset(path: str | os.PathLike[str], overrides: list[str] | None = None) -> Preset:
+    source = str(path)
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise PresetError(source, "", "no such preset file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise PresetError(source, "", f"not valid TOML: {exc}") from None
+    for assignment in overrides or []:
+        apply_override(data, assignment, f"{source} (--set {assignment})")
+    try:
+        validated = validate(data, source)
+    except PresetError as exc:
+        culprit = _override_for(exc.key, overrides or [])
+        if culprit is None:
+            raise
+        raise PresetError(f"{source} (--set {culprit})", exc.key, str(exc).split(": ", 2)[-1])
+    return Preset(source=source, data=validated, overrides=list(overrides or []))
+
+
+def _override_for(key: str, overrides: list[str]) -> str | None:
+    """The --set assignment that wrote the key an error is about, if one did."""
+    for assignment in reversed(overrides):
+        path = assignment.split("=", 1)[0].strip()
+        if key == path or key.startswith(path + ".") or key.startswith(path + "["):
+            return assignment
+    return None
+
+
+def user_dir() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "tracedeck" / "presets"
+
+
+def preset_files() -> list[Path]:
+    """Shipped presets, then the operator's own (~/.config/tracedeck/presets)."""
+    files: list[Path] = []
+    for folder in (SHIPPED_DIR, user_dir()):
+        if folder.is_dir():
+            files.extend(sorted(folder.glob("*.toml")))
+    return files
+
+
+def resolve_preset(name_or_path: str) -> Path:
+    """A path as given, or a preset name looked up among preset_files()."""
+    if os.sep in name_or_path or name_or_path.endswith(".toml"):
+        return Path(name_or_path)
+    for path in preset_files():
+        if path.stem == name_or_path:
+            return path
+    known = ", ".join(p.stem for p in preset_files()) or "none"
+    raise PresetError(name_or_path, "", f"no preset of that name; known presets: {known}")
+
+
+def render(template: str, values: dict[str, Any]) -> str:
+    """Fill {placeholders}, each value shell-quoted: data can never become shell syntax."""
+    parts: list[str] = []
+    for literal, name, _, _ in string.Formatter().parse(template):
+        parts.append(literal)
+        if name is not None:
+            parts.append(shlex.quote(_text(values[name])))
+    return "".join(parts)
+
+
+def render_plain(template: str, values: dict[str, Any]) -> str:
+    """Fill {placeholders} without quoting, for paths and env values that are quoted later."""
+    parts: list[str] = []
+    for literal, name, _, _ in string.Formatter().parse(template):
+        parts.append(literal)
+        if name is not None:
+            parts.append(_text(values[name]))
+    return "".join(parts)
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    return str(value)

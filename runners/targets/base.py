@@ -1,0 +1,68 @@
+"""The one interface every target (local, ssh) implements; sessions know nothing else."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+
+class TargetError(Exception):
+    """An infrastructure failure on or reaching a target (CLI exit 3)."""
+
+
+class ConnectionLost(TargetError):
+    """The link to the target failed or dropped; the caller may reconnect and resume."""
+
+
+class HostKeyUnknown(TargetError):
+    """The host's key is not in known_hosts: refuse, show the fingerprint, say how to trust it."""
+
+    def __init__(self, host: str, port: int, fingerprint: str, key_type: str) -> None:
+        self.host = host
+        self.port = port
+        self.fingerprint = fingerprint
+        self.key_type = key_type
+        spec = host if port == 22 else f"{host}:{port}"
+        self.trust_command = f"tracedeck trust {spec}"
+        super().__init__(
+            f"host key for {spec} is not known ({key_type} {fingerprint}); "
+            f"refusing to connect. If this fingerprint is right, run: {self.trust_command}"
+        )
+
+
+class HostKeyMismatch(TargetError):
+    """The host presented a key that differs from known_hosts: never connect."""
+
+
+@dataclass(frozen=True, slots=True)
+class CommandResult:
+    exit_status: int
+    stdout: str
+    stderr: str
+
+
+class Target(Protocol):
+    """Paths are POSIX strings on the target; relative ones are relative to its home (ssh) or cwd."""
+
+    name: str
+
+    async def connect(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def run(self, command: str, timeout: float | None = None) -> CommandResult:
+        """Run a shell command to completion (sh -c semantics) and return its result."""
+        ...
+
+    async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        """Write atomically: to path.part, then rename."""
+        ...
+
+    async def read_from(self, path: str, offset: int, max_bytes: int) -> bytes | None:
+        """Bytes of path from offset (at most max_bytes); None when the file does not exist."""
+        ...
+
+    async def download(self, path: str, local: Path) -> None:
+        """Copy a file home: to local.part, renamed when complete."""
+        ...

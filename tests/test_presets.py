@@ -1,0 +1,157 @@
+"""Presets: loading, validation errors that name file and key, --set overrides, quoting."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from runners.plan import build_plan, plan_files
+from runners.presets import (
+    PresetError,
+    load_preset,
+    parse_value,
+    preset_files,
+    render,
+)
+
+BASE = """
+[preset]
+name = "t"
+kind = "command"
+description = "test"
+
+[engine]
+command = "echo {word} {n}"
+
+[matrix]
+word = ["a", "b"]
+n = [1, 2, 3]
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "p.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_cells_are_the_product_in_key_order(tmp_path: Path) -> None:
+    preset = load_preset(write(tmp_path, BASE))
+    cells = preset.cells()
+    assert len(cells) == preset.cell_count() == 6
+    assert [c.params for c in cells[:3]] == [
+        {"word": "a", "n": 1},
+        {"word": "a", "n": 2},
+        {"word": "a", "n": 3},
+    ]
+    assert preset.section("target")["host"] == "local"  # defaults filled
+    assert preset.section("thresholds")["p99_abs_diff_max"] == 1e-3
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "words"),
+    [
+        (BASE + "\n[bogus]\nx = 1\n", "bogus", "unknown section"),
+        (BASE.replace('description = "test"', 'descr = "x"'), "preset.descr", "unknown key"),
+        (BASE.replace('name = "t"\n', ""), "preset.name", "missing required key"),
+        (BASE.replace('kind = "command"', "kind = 3"), "preset.kind", "expected str"),
+        (BASE.replace('kind = "command"', 'kind = "nope"'), "preset.kind", "must be one of"),
+        (BASE.replace("n = [1, 2, 3]", "n = []"), "matrix.n", "non-empty list"),
+        (BASE.replace("n = [1, 2, 3]", "n = 3"), "matrix.n", "non-empty list"),
+        (BASE.replace("{word}", "{wrod}"), "engine.command", "unknown placeholder {wrod}"),
+        (BASE + '\n[target]\nreconnect_attempts = "5"\n', "target.reconnect_attempts", "int"),
+        (BASE + "\n[target]\nconnect_timeout_s = true\n", "target.connect_timeout_s", "got bool"),
+        (BASE + '\n[determinism]\nprofile = "fast"\n', "determinism.profile", "one of"),
+        (BASE + '\n[determinism]\nenv = { "A-B" = "1" }\n', "determinism.env.A-B", "environment"),
+        (BASE.replace("[matrix]", "[matrix]\npython = [1]"), "matrix.python", "built-in"),
+    ],
+)
+def test_bad_presets_name_file_and_key(tmp_path: Path, text: str, key: str, words: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(PresetError) as info:
+        load_preset(path)
+    message = str(info.value)
+    assert message.startswith(str(path))
+    assert key in message
+    assert words in message
+
+
+def test_bad_toml_names_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "[preset\nname=")
+    with pytest.raises(PresetError, match="not valid TOML"):
+        load_preset(path)
+
+
+def test_overrides_use_toml_values(tmp_path: Path) -> None:
+    path = write(tmp_path, BASE)
+    preset = load_preset(path, ["matrix.n=[7]", "target.host=gpu1", "target.reconnect_attempts=2"])
+    assert preset.matrix["n"] == [7]
+    assert preset.section("target")["host"] == "gpu1"
+    assert preset.section("target")["reconnect_attempts"] == 2
+    assert preset.cell_count() == 2
+
+
+def test_override_errors_name_the_assignment(tmp_path: Path) -> None:
+    path = write(tmp_path, BASE)
+    with pytest.raises(PresetError, match=r"--set matrix.n=5.*matrix.n.*non-empty list"):
+        load_preset(path, ["matrix.n=5"])
+    with pytest.raises(PresetError, match="target.nope.*unknown key"):
+        load_preset(path, ["target.nope=1"])
+    with pytest.raises(PresetError, match="key.path=VALUE"):
+        load_preset(path, ["matrix"])
+
+
+def test_parse_value() -> None:
+    assert parse_value("[0, 1]") == [0, 1]
+    assert parse_value('"x y"') == "x y"
+    assert parse_value("1e-3") == 1e-3
+    assert parse_value("true") is True
+    assert parse_value("gpu-node-7") == "gpu-node-7"
+
+
+HOSTILE = [
+    "x; touch {marker}",
+    "$(touch {marker})",
+    "`touch {marker}`",
+    "a b 'c' \"d\"",
+    "line1\nline2; touch {marker}",
+    "&& touch {marker} ||",
+    "$HOME ${{IFS}}",
+]
+
+
+@pytest.mark.parametrize("template", HOSTILE)
+def test_render_passes_values_as_data(tmp_path: Path, template: str) -> None:
+    marker = tmp_path / "pwned"
+    value = template.format(marker=marker)
+    command = render("printf '%s' {v}", {"v": value})
+    out = subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=True)
+    assert out.stdout == value
+    assert not marker.exists()
+
+
+def test_hostile_matrix_value_reaches_the_cell_script_as_data(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    text = BASE.replace('word = ["a", "b"]', f'word = ["x; touch {marker}", "$(touch {marker})"]')
+    text = text.replace("[matrix]", f'[determinism]\nenv = {{ W = "{{word}}; touch {marker}" }}\n'
+                        "\n[matrix]")
+    preset = load_preset(write(tmp_path, text))
+    plan = build_plan(preset, run_id="r", run_dir=str(tmp_path / "run"), workdir=str(tmp_path),
+                      python="python3", date="2026-01-01")
+    files = plan_files(plan, {})
+    for name, body in files.items():
+        if name.endswith("cmd.sh"):
+            script = tmp_path / "cmd.sh"
+            script.write_text(body)
+            out = subprocess.run(["sh", str(script)], capture_output=True, text=True)
+            assert out.returncode == 0, out.stderr
+    assert not marker.exists()
+
+
+def test_shipped_presets_all_load() -> None:
+    files = preset_files()
+    assert {p.stem for p in files} >= {"hello_command"}
+    for path in files:
+        load_preset(path)
