@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import signal
 import sys
 import time
@@ -24,10 +23,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run a preset headless")
     run.add_argument("preset", help="preset name (see `tracedeck presets`) or path to a .toml")
-    run.add_argument("--target", help="local | ssh://user@host:port | ALIAS (default: the preset's)")
-    run.add_argument("--out", type=Path, help="local run directory root (default: ~/.local/share/tracedeck/runs)")
-    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a preset field, TOML value syntax (e.g. matrix.seed=[0])")
+    run.add_argument(
+        "--target", help="local | ssh://user@host:port | ALIAS (default: the preset's)"
+    )
+    run.add_argument(
+        "--out", type=Path, help="local run directory root (default: ~/.local/share/tracedeck/runs)"
+    )
+    run.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a preset field, TOML value syntax (e.g. matrix.seed=[0])",
+    )
     run.add_argument("--json", action="store_true", help="print events as JSONL")
 
     attach = sub.add_parser("attach", help="reconnect to a run and follow it to the end")
@@ -42,9 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     replay = sub.add_parser("replay", help="replay a recorded run from its events.jsonl")
     replay.add_argument("dir", type=Path)
-    replay.add_argument("--headless", action="store_true", help="print instead of opening the console")
-    replay.add_argument("--speed", type=float, default=0.0,
-                        help="1 = real time, 10 = ten times faster, 0 = at once (headless default)")
+    replay.add_argument(
+        "--headless", action="store_true", help="print instead of opening the console"
+    )
+    replay.add_argument(
+        "--speed",
+        type=float,
+        default=0.0,
+        help="1 = real time, 10 = ten times faster, 0 = at once (headless default)",
+    )
     replay.add_argument("--json", action="store_true")
 
     analyze = sub.add_parser("analyze", help="judge a B3.67 artifacts tree or a readout trace")
@@ -103,8 +118,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         preset = load_preset(resolve_preset(args.preset), args.overrides)
         target = args.target or preset.section("target")["host"]
-        session = Session.create(preset, target, args.out or default_out_dir(),
-                                 Printer(json_lines=args.json))
+        session = Session.create(
+            preset, target, args.out or default_out_dir(), Printer(json_lines=args.json)
+        )
     except (PresetError, ValueError) as exc:
         _err(str(exc))
         return EXIT_USAGE
@@ -161,8 +177,10 @@ def find_run(run: str, out: Path | None) -> Path:
     for candidate in root.glob("**/run.json"):
         if candidate.parent.name == run or run in candidate.read_text(errors="replace")[:400]:
             return candidate.parent
-    raise FileNotFoundError(f"no run {run!r}: not a run directory, and no run with that id "
-                            f"under {root}; pass the directory `tracedeck run` printed")
+    raise FileNotFoundError(
+        f"no run {run!r}: not a run directory, and no run with that id "
+        f"under {root}; pass the directory `tracedeck run` printed"
+    )
 
 
 def cmd_attach(args: argparse.Namespace) -> int:
@@ -203,8 +221,10 @@ def cmd_cancel(args: argparse.Namespace) -> int:
             await session.target.connect()
             outcome = await session.cancel(args.grace)
             result = await session.follow()
-            print(f"cancel: {outcome.removeprefix('TRACEDECK_').lower().replace('_', ' ')}; "
-                  f"run {session.record.run_id} ended {result.verdict}")
+            print(
+                f"cancel: {outcome.removeprefix('TRACEDECK_').lower().replace('_', ' ')}; "
+                f"run {session.record.run_id} ended {result.verdict}"
+            )
             return 0
         finally:
             await session.close()
@@ -243,8 +263,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
         printer(event)
         code = getattr(event, "exit_code", code)
     if recorded.torn_tail:
-        _err(f"{path}: the last line is incomplete (the console stopped mid-write); "
-             f"`tracedeck attach {args.dir}` resumes from the last complete event")
+        _err(
+            f"{path}: the last line is incomplete (the console stopped mid-write); "
+            f"`tracedeck attach {args.dir}` resumes from the last complete event"
+        )
     return code
 
 
@@ -268,16 +290,22 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         else:
             for r in results:
                 m = r.metrics
-                print(f"kv_aligned={r.kv_aligned} seed={r.seed}: {r.verdict}  "
-                      f"max_abs_diff={m['max_abs_diff']:.6g} p99_abs_diff={m['p99_abs_diff']:.6g} "
-                      f"top1_agreement={m['top1_agreement']:.6g} cos_sim_mean={m['cos_sim_mean']:.6g}")
+                print(
+                    f"kv_aligned={r.kv_aligned} seed={r.seed}: {r.verdict}  "
+                    f"max_abs_diff={m['max_abs_diff']:.6g} p99_abs_diff={m['p99_abs_diff']:.6g} "
+                    f"top1_agreement={m['top1_agreement']:.6g} cos_sim_mean={m['cos_sim_mean']:.6g}"
+                )
             ff = summary.get("first_fail")
             if ff:
-                print(f"first fail: kv_aligned={ff['kv_aligned']} seed={ff['seed']} token "
-                      f"{ff['token_idx']} {ff['metric']}={ff['value']:.6g} "
-                      f"(threshold {ff['threshold']})")
-            print(f"global verdict: {summary['global_verdict']}  "
-                  f"(wrote summary.json, metrics/, B3_67_EQUIVALENCE_GUARDRAIL.md in {path})")
+                print(
+                    f"first fail: kv_aligned={ff['kv_aligned']} seed={ff['seed']} token "
+                    f"{ff['token_idx']} {ff['metric']}={ff['value']:.6g} "
+                    f"(threshold {ff['threshold']})"
+                )
+            print(
+                f"global verdict: {summary['global_verdict']}  "
+                f"(wrote summary.json, metrics/, B3_67_EQUIVALENCE_GUARDRAIL.md in {path})"
+            )
         return exit_code_for(summary["global_verdict"])
     if path.is_file():
         from analysis.readout import TraceError, analyze_trace, format_table, to_json
@@ -309,8 +337,9 @@ def cmd_presets(args: argparse.Namespace) -> int:
         except PresetError as exc:
             broken += 1
             _err(str(exc))
-    widths = [max([len(r[i]) for r in rows] + [len(h)]) for i, h in
-              enumerate(("name", "kind", "cells"))]
+    widths = [
+        max([len(r[i]) for r in rows] + [len(h)]) for i, h in enumerate(("name", "kind", "cells"))
+    ]
     print(f"{'name':<{widths[0]}}  {'kind':<{widths[1]}}  {'cells':>{widths[2]}}  description")
     for name, kind, cells, desc, _ in rows:
         print(f"{name:<{widths[0]}}  {kind:<{widths[1]}}  {cells:>{widths[2]}}  {desc}")
@@ -340,8 +369,13 @@ def cmd_trust(args: argparse.Namespace) -> int:
         if answer.strip().lower() not in ("y", "yes"):
             print("not trusted")
             return 1
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(trust_host(host, port))
+    from runners.targets.base import TargetError
+
+    try:
+        asyncio.run(trust_host(host, port, expected_fingerprint=fingerprint))
+    except TargetError as exc:  # the key changed between showing and trusting
+        _err(str(exc))
+        return EXIT_INFRA
     print(f"trusted {host}:{port}")
     return 0
 

@@ -57,8 +57,9 @@ class Printer:
     def lines(self, event: Event) -> list[str]:
         if isinstance(event, RunStarted):
             self.total = len(event.cells)
-            self.cells = {c["index"]: {"params": c["params"], "state": "pending"}
-                          for c in event.cells}
+            self.cells = {
+                c["index"]: {"params": c["params"], "state": "pending"} for c in event.cells
+            }
             env = " ".join(f"{k}={v}" for k, v in event.env.items()) or "(none)"
             verb = "attached to" if event.attached else "run"
             return [
@@ -70,13 +71,17 @@ class Printer:
             ]
         if isinstance(event, LockAcquired):
             h = event.holder
-            return [f"  lock:        {event.lock} held by {h.get('user')}@{h.get('console_host')} "
-                    f"(run {h.get('run_id')}, pgid {h.get('pgid')})"]
+            return [
+                f"  lock:        {event.lock} held by {h.get('user')}@{h.get('console_host')} "
+                f"(run {h.get('run_id')}, pgid {h.get('pgid')})"
+            ]
         if isinstance(event, LockBusy):
             h = event.holder
-            return [f"lock busy: {event.lock} is held by run {h.get('run_id')} of "
-                    f"{h.get('user')}@{h.get('console_host')} (preset {h.get('preset')}, "
-                    f"started {h.get('started_at')}, pgid {h.get('pgid')})"]
+            return [
+                f"lock busy: {event.lock} is held by run {h.get('run_id')} of "
+                f"{h.get('user')}@{h.get('console_host')} (preset {h.get('preset')}, "
+                f"started {h.get('started_at')}, pgid {h.get('pgid')})"
+            ]
         if isinstance(event, CellStarted):
             self.cells.setdefault(event.cell, {"params": event.params})["state"] = "running"
             return [f"{self._tag(event.cell)} start  {_params(event.params)}"]
@@ -90,15 +95,19 @@ class Printer:
             code = f" exit {event.exit_code}" if event.exit_code is not None else ""
             return [f"{self._tag(event.cell)} {event.state}{code}{took}"]
         if isinstance(event, ArtifactFetched):
-            return [f"{self._tag(event.cell)} fetched {event.path} ({event.size} bytes, "
-                    f"sha256 {event.sha256[:16]})"]
+            return [
+                f"{self._tag(event.cell)} fetched {event.path} ({event.size} bytes, "
+                f"sha256 {event.sha256[:16]})"
+            ]
         if isinstance(event, PairVerdict):
             m = event.metrics
             lines = [
                 f"verdict kv_aligned={event.kv_aligned} seed={event.seed}: {event.verdict}  "
-                + " ".join(f"{k}={_num(m[k])}" for k in
-                           ("max_abs_diff", "p99_abs_diff", "top1_agreement", "cos_sim_mean")
-                           if k in m)
+                + " ".join(
+                    f"{k}={_num(m[k])}"
+                    for k in ("max_abs_diff", "p99_abs_diff", "top1_agreement", "cos_sim_mean")
+                    if k in m
+                )
             ]
             if event.first_fail:
                 ff = event.first_fail
@@ -109,9 +118,11 @@ class Printer:
             return lines
         if isinstance(event, ReadoutRow):
             r = event.row
-            return [f"readout {r.get('prompt')}: prefill_last_top1={r.get('prefill_last_top1')} "
-                    f"decode0_top1={r.get('decode0_top1')} readout_mismatch="
-                    f"{r.get('readout_mismatch_count')} -> {r.get('verdict') or r.get('note')}"]
+            return [
+                f"readout {r.get('prompt')}: prefill_last_top1={r.get('prefill_last_top1')} "
+                f"decode0_top1={r.get('decode0_top1')} readout_mismatch="
+                f"{r.get('readout_mismatch_count')} -> {r.get('verdict') or r.get('note')}"
+            ]
         if isinstance(event, TraceRecords):
             return []
         if isinstance(event, Connection):

@@ -146,6 +146,8 @@ class Error(Event):
     type: ClassVar[str] = "error"
     message: str
     where: str = ""
+    # False for trouble reaching the target, which says nothing about the engine's results.
+    affects_verdict: bool = True
 
 
 @dataclass(slots=True)

@@ -51,7 +51,7 @@ class Judge:
             self.finished[event.cell] = event
         elif isinstance(event, ArtifactFetched):
             self.fetched.setdefault(event.cell, []).append(event.path)
-        elif isinstance(event, Error):
+        elif isinstance(event, Error) and event.affects_verdict:
             self.errors.append(event.message)
 
     def cell_finished(self, event: CellFinished) -> None:
@@ -61,7 +61,8 @@ class Judge:
         self.fetched.setdefault(event.cell, []).append(event.path)
 
     def error(self, event: Error) -> None:
-        self.errors.append(event.message)
+        if event.affects_verdict:
+            self.errors.append(event.message)
 
     async def advance(self) -> None:
         """Judge whatever has become judgeable; emits verdict events."""
@@ -173,11 +174,12 @@ class EquivalenceJudge(Judge):
             if self.judged.get(key) is None:
                 continue
             kv, seed = key
-            results.append(
-                equivalence_tree.load_pair_result(self.ctx.local_dir, kv, seed)
-            )
-        unjudged = [f"kv_aligned_{k}/seed_{s}" for k, s in self._matrix_order()
-                    if self.judged.get((k, s)) is None]
+            results.append(equivalence_tree.load_pair_result(self.ctx.local_dir, kv, seed))
+        unjudged = [
+            f"kv_aligned_{k}/seed_{s}"
+            for k, s in self._matrix_order()
+            if self.judged.get((k, s)) is None
+        ]
         matrix = self.ctx.preset.matrix
         config_matrix = {
             "kv_aligned": matrix["kv_aligned"],
@@ -251,7 +253,8 @@ class ReadoutJudge(Judge):
         ok = verdict == "OK" and self.cells_ok() and not self.errors
         summary = {**to_json(self.aggregator.rows(), verdict), "errors": self.errors}
         return RunFinished(
-            verdict="OK" if ok else "NO OK", exit_code=EXIT_PASS if ok else EXIT_FAIL,
+            verdict="OK" if ok else "NO OK",
+            exit_code=EXIT_PASS if ok else EXIT_FAIL,
             summary=summary,
         )
 

@@ -102,7 +102,9 @@ def cell_script(plan: RunPlan, env: dict[str, str], commands: list[str]) -> str:
     """One cell: cd, export its environment (never via SSH env requests), run its command(s)."""
     lines = ["set -e", f"cd {shlex.quote(plan.workdir)}"]
     if plan.pythonpath:
-        lines.append(f"export PYTHONPATH={shlex.quote(plan.pythonpath)}${{PYTHONPATH:+:$PYTHONPATH}}")
+        lines.append(
+            f"export PYTHONPATH={shlex.quote(plan.pythonpath)}${{PYTHONPATH:+:$PYTHONPATH}}"
+        )
     lines += [f"export {name}={shlex.quote(value)}" for name, value in env.items()]
     lines += commands
     return "\n".join(lines) + "\n"
@@ -111,7 +113,6 @@ def cell_script(plan: RunPlan, env: dict[str, str], commands: list[str]) -> str:
 RUN_SH = r"""#!/bin/sh
 # Written by tracedeck: runs detached (setsid) and holds the host lock through fd 9.
 cd {run_dir}
-echo $$ > pgid.part && mv pgid.part pgid
 now() {{ date +%s.%N; }}
 ev() {{ printf '%s\n' "$1" >> progress.jsonl; }}
 run_cell() {{
@@ -137,6 +138,8 @@ if ! flock -n 9; then
 fi
 setsid sh {run_dir}/run.sh < /dev/null > runner.out 2> runner.err &
 pid=$!
+# Not a group leader (no job control here), so setsid did not fork: $! is the new group's id.
+echo "$pid" > pgid.part && mv pgid.part pgid
 sed "s/\"pgid\": null/\"pgid\": $pid/" holder.json > {holder}.part && mv {holder}.part {holder}
 echo "TRACEDECK_STARTED $pid"
 """
@@ -147,7 +150,9 @@ LOCK_BUSY = 75
 def run_script(plan: RunPlan) -> str:
     body = []
     if plan.setup:
-        body.append('run_cell setup || { ev "{\\"e\\":\\"done\\",\\"setup_failed\\":true}"; exit 1; }')
+        body.append(
+            'run_cell setup || { ev "{\\"e\\":\\"done\\",\\"setup_failed\\":true}"; exit 1; }'
+        )
     body += [f"run_cell {cell_dir_name(c.index)}" for c in plan.cells]
     return RUN_SH.format(run_dir=shlex.quote(plan.run_dir), body="\n".join(body))
 
@@ -198,4 +203,6 @@ if kill -0 -"$pg" 2>/dev/null; then echo TRACEDECK_STILL_ALIVE; exit 72; fi
 
 def alive_command(run_dir: str) -> str:
     d = shlex.quote(run_dir)
-    return f'pg=$(cat {d}/pgid 2>/dev/null) && kill -0 -"$pg" 2>/dev/null && echo alive || echo gone'
+    return (
+        f'pg=$(cat {d}/pgid 2>/dev/null) && kill -0 -"$pg" 2>/dev/null && echo alive || echo gone'
+    )

@@ -157,10 +157,7 @@ def _type_name(expected: Any) -> str:
 def _check_type(source: str, key: str, value: Any, expected: Any) -> None:
     # bool is an int in Python; a number field must not accept true/false.
     wanted = expected if isinstance(expected, tuple) else (expected,)
-    if isinstance(value, bool) and bool not in wanted:
-        ok = False
-    else:
-        ok = isinstance(value, wanted)
+    ok = isinstance(value, wanted) and not (isinstance(value, bool) and bool not in wanted)
     if not ok:
         raise PresetError(
             source, key, f"expected {_type_name(expected)}, got {type(value).__name__} {value!r}"
@@ -172,7 +169,9 @@ def template_fields(template: str, source: str, key: str) -> list[str]:
     try:
         parsed = list(string.Formatter().parse(template))
     except ValueError as exc:
-        raise PresetError(source, key, f"bad template ({exc}); write literal braces as {{{{ }}}}")
+        raise PresetError(
+            source, key, f"bad template ({exc}); write literal braces as {{{{ }}}}"
+        ) from None
     for _, name, spec, conv in parsed:
         if name is None:
             continue
@@ -296,7 +295,8 @@ def load_preset(path: str | os.PathLike[str], overrides: list[str] | None = None
         culprit = _override_for(exc.key, overrides or [])
         if culprit is None:
             raise
-        raise PresetError(f"{source} (--set {culprit})", exc.key, str(exc).split(": ", 2)[-1])
+        message = str(exc).split(": ", 2)[-1]
+        raise PresetError(f"{source} (--set {culprit})", exc.key, message) from None
     return Preset(source=source, data=validated, overrides=list(overrides or []))
 
 

@@ -35,7 +35,7 @@ from runners.events import (
 )
 from runners.follow import FileFollower
 from runners.judges import EXIT_INFRA, Judge, JudgeContext, judge_for
-from runners.plan import RunPlan, build_plan, cell_dir_name
+from runners.plan import RunPlan, build_plan
 from runners.presets import Preset, render_plain
 from runners.record import EVENTS, Recorder, RunRecord, drop_torn_tail, read_events
 from runners.targets.base import ConnectionLost, Target, TargetError
@@ -45,14 +45,17 @@ POLL_S = 0.1
 ALIVE_EVERY_S = 2.0
 CANCEL_GRACE_S = 5.0
 EXIT_INTERRUPT = 130
+DISCONNECTED = "DISCONNECTED"
 REFERENCE_DIR = Path(__file__).resolve().parent / "reference"
 
 
 class LockBusyError(TargetError):
     def __init__(self, lock: str, holder: dict[str, Any], target: str) -> None:
         self.holder = holder
-        who = ", ".join(f"{k}={holder.get(k)}" for k in ("run_id", "user", "console_host",
-                                                          "preset", "started_at", "pgid"))
+        who = ", ".join(
+            f"{k}={holder.get(k)}"
+            for k in ("run_id", "user", "console_host", "preset", "started_at", "pgid")
+        )
         super().__init__(
             f"{target}: lock {lock} is held ({who or 'holder unknown'}); wait for that run to "
             f"end, or ask its owner to `tracedeck cancel` it"
@@ -199,8 +202,11 @@ class Session:
             holder = _parse_holder("\n".join(out[1:]))
             self.emit(LockBusy(lock=plan.lock, holder=holder))
             error = LockBusyError(plan.lock, holder, self.target.name)
-            self._finish(RunFinished(verdict="LOCK_BUSY", exit_code=EXIT_INFRA,
-                                     summary={"error": str(error)}))
+            self._finish(
+                RunFinished(
+                    verdict="LOCK_BUSY", exit_code=EXIT_INFRA, summary={"error": str(error)}
+                )
+            )
             raise error
         if result.exit_status != 0 or not out or not out[-1].startswith("TRACEDECK_STARTED"):
             message = (
@@ -208,8 +214,9 @@ class Session:
                 f"(exit {result.exit_status}): {result.stderr.strip() or result.stdout.strip()}"
             )
             self.emit(Error(message=message, where=run_dir))
-            self._finish(RunFinished(verdict="NOT_STARTED", exit_code=EXIT_INFRA,
-                                     summary={"error": message}))
+            self._finish(
+                RunFinished(verdict="NOT_STARTED", exit_code=EXIT_INFRA, summary={"error": message})
+            )
             raise TargetError(message)
         pgid = int(out[-1].split()[1])
         self.emit(LockAcquired(lock=plan.lock, holder=self._holder(pgid)))
@@ -247,8 +254,10 @@ class Session:
             "run_id": plan.run_id,
             "preset": self.preset.name,
             "kind": self.preset.kind,
-            "cells": [{"index": c.index, "params": c.params, "command": c.command, "env": c.env}
-                      for c in plan.cells],
+            "cells": [
+                {"index": c.index, "params": c.params, "command": c.command, "env": c.env}
+                for c in plan.cells
+            ],
             "setup": plan.setup,
         }
 
@@ -272,7 +281,9 @@ class Session:
             target=self.target.name,
             local_dir=str(self.local_dir),
             remote_dir=plan.run_dir,
-            cells=[{"index": c.index, "params": c.params, "command": c.command} for c in plan.cells],
+            cells=[
+                {"index": c.index, "params": c.params, "command": c.command} for c in plan.cells
+            ],
             profile=self.preset.section("determinism")["profile"],
             env=env,
             attached=attached,
@@ -301,7 +312,8 @@ class Session:
             python=extra["python"],
             date=record.date,
             pythonpath=f"{record.remote_dir}/pkg"
-            if preset.section("engine")["ship_reference"] else "",
+            if preset.section("engine")["ship_reference"]
+            else "",
         )
         session._init_cells(session.plan)
         events_path = Path(local_dir) / EVENTS
@@ -309,6 +321,8 @@ class Session:
         if recorded is not None:
             drop_torn_tail(events_path, recorded)
             for event in recorded.events:
+                if isinstance(event, RunFinished) and event.verdict == DISCONNECTED:
+                    continue  # the console gave up following; the run itself went on
                 session._restore(event)
                 replay(event)
         session._recorder = Recorder(local_dir)
@@ -383,9 +397,14 @@ class Session:
             f"({message}). The run goes on on the target; reattach with: "
             f"tracedeck attach {self.local_dir}"
         )
-        self.emit(Error(message=text, where=self.target.name))
-        self._finish(RunFinished(verdict="DISCONNECTED", exit_code=EXIT_INFRA,
-                                 summary={"error": text, "attach": str(self.local_dir)}))
+        self.emit(Error(message=text, where=self.target.name, affects_verdict=False))
+        self._finish(
+            RunFinished(
+                verdict=DISCONNECTED,
+                exit_code=EXIT_INFRA,
+                summary={"error": text, "attach": str(self.local_dir)},
+            )
+        )
         return False
 
     async def _poll_once(self) -> bool:
@@ -412,8 +431,11 @@ class Session:
             cell = self.cells[index]
             if kind == "start" and cell.started is None:
                 cell.started = float(entry["t"])
-                self.emit(CellStarted(cell=index, params=cell.params, command=cell.command,
-                                      t=cell.started))
+                self.emit(
+                    CellStarted(
+                        cell=index, params=cell.params, command=cell.command, t=cell.started
+                    )
+                )
             elif kind == "end" and not cell.finished:
                 await self._drain_outputs(cell)
                 await self._poll_traces()
@@ -428,8 +450,13 @@ class Session:
     async def _cell_ended(self, cell: CellState, rc: int, t: float) -> None:
         cell.finished = True
         duration = t - cell.started if cell.started is not None else None
-        event = CellFinished(cell=cell.index, state="passed" if rc == 0 else "failed",
-                             exit_code=rc, duration_s=duration, t=t)
+        event = CellFinished(
+            cell=cell.index,
+            state="passed" if rc == 0 else "failed",
+            exit_code=rc,
+            duration_s=duration,
+            t=t,
+        )
         self.emit(event)
         self.judge.cell_finished(event)
         if rc == 0 and cell.index >= 0:
@@ -442,10 +469,18 @@ class Session:
 
     async def _fetch_artifacts(self, cell: CellState) -> None:
         assert self.plan is not None
-        values = {**self.preset.vars, **plan_mod.placeholder_values(self.plan.run_dir, self.plan.workdir,
-                                                self.plan.python, self.plan.run_id,
-                                                self.record.date),
-                  **cell.params, "cell": cell.index}
+        values = {
+            **self.preset.vars,
+            **plan_mod.placeholder_values(
+                self.plan.run_dir,
+                self.plan.workdir,
+                self.plan.python,
+                self.plan.run_id,
+                self.record.date,
+            ),
+            **cell.params,
+            "cell": cell.index,
+        }
         for template in self.preset.section("artifacts")["fetch"]:
             rel = render_plain(template, values)
             local = self.local_dir / rel
@@ -462,8 +497,9 @@ class Session:
                 )
                 continue
             digest = await asyncio.to_thread(_sha256, local)
-            event = ArtifactFetched(cell=cell.index, path=rel, size=local.stat().st_size,
-                                    sha256=digest)
+            event = ArtifactFetched(
+                cell=cell.index, path=rel, size=local.stat().st_size, sha256=digest
+            )
             self.emit(event)
             self.judge.artifact_fetched(event)
 
@@ -490,8 +526,15 @@ class Session:
             got = await follower.poll()
             if got is not None:
                 text = [line.decode("utf-8", "replace") for line in got.lines]
-                self.emit(OutputLines(cell=cell.index, stream=stream, lines=text,
-                                      file=follower.path, end_offset=got.end_offset))
+                self.emit(
+                    OutputLines(
+                        cell=cell.index,
+                        stream=stream,
+                        lines=text,
+                        file=follower.path,
+                        end_offset=got.end_offset,
+                    )
+                )
 
     async def _poll_traces(self) -> None:
         running = [c.index for c in self.cells.values() if c.started and not c.finished]
@@ -507,17 +550,26 @@ class Session:
                 try:
                     record = orjson.loads(raw)
                 except orjson.JSONDecodeError as exc:
-                    self._error(f"{path}:{n}: not valid JSON ({exc}); the engine wrote a bad "
-                                f"trace line", where=f"{path}:{n}")
+                    self._error(
+                        f"{path}:{n}: not valid JSON ({exc}); the engine wrote a bad trace line",
+                        where=f"{path}:{n}",
+                    )
                     continue
                 if not isinstance(record, dict):
-                    self._error(f"{path}:{n}: a trace line must be a JSON object",
-                                where=f"{path}:{n}")
+                    self._error(
+                        f"{path}:{n}: a trace line must be a JSON object", where=f"{path}:{n}"
+                    )
                     continue
                 record["__line__"] = n
                 records.append(record)
-            event = TraceRecords(cell=cell, file=path, records=records, first_line=got.first_line,
-                                 last_line=follower.lines_read, end_offset=got.end_offset)
+            event = TraceRecords(
+                cell=cell,
+                file=path,
+                records=records,
+                first_line=got.first_line,
+                last_line=follower.lines_read,
+                end_offset=got.end_offset,
+            )
             self.emit(event)
             self.judge.trace(event)
 
@@ -543,15 +595,15 @@ class Session:
                 await self._drain_outputs(cell) if cell.started else None
                 cell.finished = True
                 state = "cancelled" if self.cancelled else "lost"
-                event = CellFinished(cell=cell.index, state=state, exit_code=None,
-                                     duration_s=None)
+                event = CellFinished(cell=cell.index, state=state, exit_code=None, duration_s=None)
                 self.emit(event)
                 self.judge.cell_finished(event)
         await self.judge.advance()
         result = await asyncio.to_thread(self.judge.finish, len(self.plan.cells))  # type: ignore[union-attr]
         if self.cancelled:
-            result = RunFinished(verdict="CANCELLED", exit_code=EXIT_INTERRUPT,
-                                 summary=result.summary)
+            result = RunFinished(
+                verdict="CANCELLED", exit_code=EXIT_INTERRUPT, summary=result.summary
+            )
         elif crashed:
             result = RunFinished(verdict="CRASHED", exit_code=EXIT_INFRA, summary=result.summary)
         self._finish(result)

@@ -135,11 +135,18 @@ def test_render_passes_values_as_data(tmp_path: Path, template: str) -> None:
 def test_hostile_matrix_value_reaches_the_cell_script_as_data(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     text = BASE.replace('word = ["a", "b"]', f'word = ["x; touch {marker}", "$(touch {marker})"]')
-    text = text.replace("[matrix]", f'[determinism]\nenv = {{ W = "{{word}}; touch {marker}" }}\n'
-                        "\n[matrix]")
+    text = text.replace(
+        "[matrix]", f'[determinism]\nenv = {{ W = "{{word}}; touch {marker}" }}\n\n[matrix]'
+    )
     preset = load_preset(write(tmp_path, text))
-    plan = build_plan(preset, run_id="r", run_dir=str(tmp_path / "run"), workdir=str(tmp_path),
-                      python="python3", date="2026-01-01")
+    plan = build_plan(
+        preset,
+        run_id="r",
+        run_dir=str(tmp_path / "run"),
+        workdir=str(tmp_path),
+        python="python3",
+        date="2026-01-01",
+    )
     files = plan_files(plan, {})
     for name, body in files.items():
         if name.endswith("cmd.sh"):

@@ -1,0 +1,101 @@
+"""The local target: /bin/sh subprocesses and this machine's filesystem."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+from pathlib import Path
+
+from runners.targets.base import CommandResult, TargetError
+
+
+class LocalTarget:
+    """Runs everything on this machine; relative paths are relative to the process cwd."""
+
+    name = "local"
+
+    async def connect(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def run(self, command: str, timeout: float | None = None) -> CommandResult:
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                "/bin/sh",
+                "-c",
+                command,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,  # so a timeout can kill the whole process group
+            )
+        except OSError as exc:
+            raise TargetError(f"cannot start /bin/sh on this machine: {exc}") from exc
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), timeout)
+        except (TimeoutError, asyncio.CancelledError) as exc:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            raise TargetError(
+                f"local command did not finish within {timeout:g} s and was killed: {command[:200]}"
+            ) from exc
+        assert proc.returncode is not None
+        return CommandResult(
+            proc.returncode, out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
+        )
+
+    async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        await asyncio.to_thread(_write_atomic, Path(path), data, mode)
+
+    async def read_from(self, path: str, offset: int, max_bytes: int) -> bytes | None:
+        if offset < 0 or max_bytes < 0:
+            raise ValueError(f"read_from({path!r}): offset and max_bytes must be >= 0")
+        return await asyncio.to_thread(_read_from, Path(path), offset, max_bytes)
+
+    async def download(self, path: str, local: Path) -> None:
+        await asyncio.to_thread(_copy_atomic, Path(path), local)
+
+
+def _write_atomic(path: Path, data: bytes, mode: int) -> None:
+    part = path.with_name(path.name + ".part")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with part.open("wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        part.chmod(mode)
+        os.replace(part, path)
+    except OSError as exc:
+        part.unlink(missing_ok=True)
+        raise TargetError(f"cannot write {path} on this machine: {exc}") from exc
+
+
+def _read_from(path: Path, offset: int, max_bytes: int) -> bytes | None:
+    try:
+        with path.open("rb") as f:
+            f.seek(offset)
+            return f.read(max_bytes)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise TargetError(f"cannot read {path} on this machine: {exc}") from exc
+
+
+def _copy_atomic(src: Path, local: Path) -> None:
+    part = local.with_name(local.name + ".part")
+    try:
+        local.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, part)
+        os.replace(part, local)
+    except OSError as exc:
+        part.unlink(missing_ok=True)
+        raise TargetError(f"cannot download {src} to {local}: {exc}") from exc

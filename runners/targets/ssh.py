@@ -1,0 +1,322 @@
+"""The SSH target: commands over exec channels, files over one multiplexed SFTP session."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import posixpath
+import shlex
+from pathlib import Path
+
+import asyncssh
+
+from runners.targets.base import (
+    CommandResult,
+    ConnectionLost,
+    HostKeyMismatch,
+    HostKeyUnknown,
+    TargetError,
+)
+from runners.trust import (
+    ResolvedHost,
+    describe_mismatch,
+    known_keys,
+    resolve_host,
+    server_key,
+)
+
+# sshd allows 10 sessions per connection (MaxSessions); SFTP holds one, leave one spare.
+MAX_COMMAND_CHANNELS = 8
+
+# Errors that mean the link itself failed, whatever operation was under way. (A refused channel,
+# ChannelOpenError, means that only when the connection is gone too: see _failure.)
+_LINK_ERRORS = (
+    asyncssh.ConnectionLost,
+    asyncssh.DisconnectError,
+    asyncssh.sftp.SFTPConnectionLost,
+    asyncssh.sftp.SFTPNoConnection,
+    ConnectionError,
+    BrokenPipeError,
+)
+
+
+class _Client(asyncssh.SSHClient):
+    """Remembers that the connection went away, so the next call fails fast and clearly."""
+
+    def __init__(self, owner: SshTarget, generation: int) -> None:
+        self._owner = owner
+        self._generation = generation
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._owner._generation == self._generation:  # not a late word from an old link
+            self._owner._lost = exc or ConnectionResetError("connection closed")
+
+
+class SshTarget:
+    """A host reached over SSH; host may be a hostname or an alias in ~/.ssh/config."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int | None = None,
+        username: str | None = None,
+        *,
+        connect_timeout: float = 10.0,
+        keepalive_interval: float = 5.0,
+        keepalive_count_max: int = 3,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.username = username
+        self.connect_timeout = connect_timeout
+        self.keepalive_interval = keepalive_interval
+        self.keepalive_count_max = keepalive_count_max
+        user = f"{username}@" if username else ""
+        where = f"[{host}]" if ":" in host else host
+        self.name = f"ssh://{user}{where}" + (f":{port}" if port is not None else "")
+        self._conn: asyncssh.SSHClientConnection | None = None
+        self._sftp: asyncssh.SFTPClient | None = None
+        self._lost: BaseException | None = None
+        self._generation = 0
+        self._resolved: ResolvedHost | None = None
+        self._connect_lock = asyncio.Lock()
+        self._channels = asyncio.Semaphore(MAX_COMMAND_CHANNELS)
+
+    # -- connection -------------------------------------------------------------------------
+
+    @property
+    def _where(self) -> str:
+        r = self._resolved
+        if r is None:
+            return self.name
+        return f"{r.username}@{r.host}:{r.port}"
+
+    async def connect(self) -> None:
+        """Open the connection and its SFTP session; after a loss, open fresh ones."""
+        async with self._connect_lock:
+            if self._conn is not None and self._lost is None:
+                return
+            await self._drop()
+            resolved = await resolve_host(
+                self.host,
+                self.port,
+                self.username,
+                connect_timeout=self.connect_timeout,
+                keepalive_interval=self.keepalive_interval,
+                keepalive_count_max=self.keepalive_count_max,
+            )
+            self._resolved = resolved
+            self._lost = None
+            self._generation += 1
+            generation = self._generation
+            extra: dict[str, object] = {}
+            if resolved.known_hosts:
+                # asyncssh fails on a configured known_hosts file that does not exist yet;
+                # for us that file simply vouches for nobody.
+                present = [str(p) for p in resolved.known_hosts if p.is_file()]
+                extra["known_hosts"] = present or asyncssh.import_known_hosts("")
+            try:
+                conn = await asyncssh.connect(
+                    self.host,
+                    self.port if self.port is not None else (),
+                    options=resolved.options,
+                    client_factory=lambda: _Client(self, generation),
+                    **extra,
+                )
+            except asyncssh.HostKeyNotVerifiable as exc:
+                raise await self._host_key_error(resolved, exc) from exc
+            except asyncssh.PermissionDenied as exc:
+                raise TargetError(self._auth_message(resolved)) from exc
+            except TimeoutError as exc:
+                raise ConnectionLost(
+                    f"no SSH answer from {self._where} within {self.connect_timeout:g} s: the host "
+                    "is down, unreachable, or something other than sshd listens on that port. "
+                    "Check the host and the port, then try again."
+                ) from exc
+            except OSError as exc:
+                if exc.filename is None:
+                    raise self._connect_failed(exc) from exc
+                raise TargetError(
+                    f"cannot read {exc.filename} to connect to {self._where}: {exc.strerror}. "
+                    "Check the files ~/.ssh/config names (IdentityFile, UserKnownHostsFile)."
+                ) from exc
+            except asyncssh.Error as exc:
+                raise self._connect_failed(exc) from exc
+            try:
+                sftp = await conn.start_sftp_client()
+            except (OSError, asyncssh.Error) as exc:
+                conn.abort()
+                if self._lost is not None or isinstance(exc, _LINK_ERRORS):
+                    raise self._lost_error(exc) from exc
+                raise TargetError(
+                    f"{self._where} refused an SFTP session ({_reason(exc)}); enable the sftp "
+                    "subsystem in the host's sshd_config (Subsystem sftp internal-sftp)."
+                ) from exc
+            self._conn, self._sftp = conn, sftp
+
+    def _connect_failed(self, exc: BaseException) -> ConnectionLost:
+        return ConnectionLost(
+            f"cannot connect to {self._where}: {_reason(exc)}. Check that the host is up, "
+            "reachable from here, and that sshd listens on that port; then try again."
+        )
+
+    async def close(self) -> None:
+        async with self._connect_lock:
+            await self._drop()
+
+    async def _drop(self) -> None:
+        sftp, conn = self._sftp, self._conn
+        self._sftp = self._conn = None
+        if sftp is not None:
+            sftp.exit()
+        if conn is not None:
+            conn.close()
+            try:
+                await asyncio.wait_for(conn.wait_closed(), timeout=2.0)
+            except (TimeoutError, OSError, asyncssh.Error):
+                conn.abort()
+
+    async def _host_key_error(self, resolved: ResolvedHost, exc: Exception) -> TargetError:
+        known = known_keys(resolved)
+        algorithms = sorted({k.get_algorithm() for _, k in known}) or None
+        try:
+            key = await server_key(resolved, algorithms)
+        except ConnectionLost:
+            if not algorithms:
+                raise
+            key = await server_key(resolved)  # the server no longer offers the known key type
+        if not known:
+            # Name the host as the operator wrote it, so `tracedeck trust` resolves it the same way.
+            return HostKeyUnknown(
+                self.host, resolved.port, key.get_fingerprint("sha256"), key.get_algorithm()
+            )
+        if any(k.public_data == key.public_data for _, k in known):
+            return TargetError(
+                f"{self._where}: host key refused ({exc}); check for a revoked entry or a host "
+                f"certificate problem in {', '.join(str(p) for p in resolved.known_hosts)}"
+            )
+        return HostKeyMismatch(describe_mismatch(resolved, known, key))
+
+    def _auth_message(self, resolved: ResolvedHost) -> str:
+        tried = [_key_label(k) for k in resolved.options.client_keys or ()]
+        if resolved.options.agent_path:  # from $SSH_AUTH_SOCK or IdentityAgent
+            tried.append(f"keys from the ssh-agent at {resolved.options.agent_path}")
+        keys = ", ".join(tried) if tried else "none (no key files in ~/.ssh, no agent)"
+        return (
+            f"{resolved.host}:{resolved.port} refused user {resolved.username!r}: public key "
+            f"authentication failed. Keys tried: {keys}. Add your public key to "
+            f"~{resolved.username}/.ssh/authorized_keys on the host, or name the right key with "
+            "IdentityFile (and User) in ~/.ssh/config."
+        )
+
+    def _lost_error(self, exc: BaseException | None = None) -> ConnectionLost:
+        reason = _reason(exc or self._lost) if (exc or self._lost) else "not connected"
+        return ConnectionLost(
+            f"lost the SSH connection to {self._where} ({reason}). Work started on the host keeps "
+            "running; check the network, then reconnect to resume."
+        )
+
+    def _live(self) -> tuple[asyncssh.SSHClientConnection, asyncssh.SFTPClient]:
+        if self._conn is None or self._sftp is None or self._lost is not None:
+            raise self._lost_error()
+        return self._conn, self._sftp
+
+    # -- operations -------------------------------------------------------------------------
+
+    async def run(self, command: str, timeout: float | None = None) -> CommandResult:
+        conn, _ = self._live()
+        # The login shell may not be sh: hand the command to sh so quoting means the same.
+        wrapped = "exec /bin/sh -c " + shlex.quote(command)
+        async with self._channels:
+            try:
+                result = await conn.run(
+                    wrapped, check=False, timeout=timeout, encoding="utf-8", errors="replace"
+                )
+            except asyncssh.TimeoutError as exc:
+                raise TargetError(
+                    f"command on {self._where} did not finish within {timeout:g} s and was "
+                    f"abandoned (it may still be running there): {command[:200]}"
+                ) from exc
+            except (OSError, asyncssh.Error) as exc:
+                raise self._failure(exc, "run a command") from exc
+        status = result.returncode
+        if status is None:
+            if self._lost is not None:
+                raise self._lost_error()
+            raise TargetError(f"{self._where} gave no exit status for: {command[:200]}")
+        return CommandResult(status, str(result.stdout or ""), str(result.stderr or ""))
+
+    async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        _, sftp = self._live()
+        part = path + ".part"
+        try:
+            parent = posixpath.dirname(path)
+            if parent:
+                await sftp.makedirs(parent, exist_ok=True)
+            async with sftp.open(part, "wb") as f:
+                await f.write(data)
+                with contextlib.suppress(asyncssh.sftp.SFTPOpUnsupported):
+                    await f.fsync()
+            await sftp.chmod(part, mode)
+            try:
+                await sftp.posix_rename(part, path)
+            except asyncssh.sftp.SFTPOpUnsupported:
+                if await sftp.exists(path):
+                    await sftp.remove(path)
+                await sftp.rename(part, path)
+        except (OSError, asyncssh.Error) as exc:
+            failure = self._failure(exc, f"write {path}")
+            if not isinstance(failure, ConnectionLost):
+                with contextlib.suppress(OSError, asyncssh.Error):
+                    await sftp.remove(part)
+            raise failure from exc
+
+    async def read_from(self, path: str, offset: int, max_bytes: int) -> bytes | None:
+        if offset < 0 or max_bytes < 0:
+            raise ValueError(f"read_from({path!r}): offset and max_bytes must be >= 0")
+        _, sftp = self._live()
+        try:
+            async with sftp.open(path, "rb") as f:
+                data = await f.read(max_bytes, offset) if max_bytes else b""
+        except asyncssh.sftp.SFTPNoSuchFile:
+            return None
+        except (OSError, asyncssh.Error) as exc:
+            raise self._failure(exc, f"read {path}") from exc
+        return bytes(data)
+
+    async def download(self, path: str, local: Path) -> None:
+        _, sftp = self._live()
+        local.parent.mkdir(parents=True, exist_ok=True)
+        part = local.with_name(local.name + ".part")
+        try:
+            await sftp.get(path, part)
+            os.replace(part, local)
+        except BaseException as exc:
+            part.unlink(missing_ok=True)
+            if isinstance(exc, OSError | asyncssh.Error):
+                raise self._failure(exc, f"download {path} to {local}") from exc
+            raise
+
+    def _failure(self, exc: BaseException, what: str) -> TargetError:
+        """ConnectionLost when the link is gone (whatever the error said), else a TargetError."""
+        gone = self._lost is not None or (self._conn is not None and self._conn.is_closed())
+        if gone or isinstance(exc, _LINK_ERRORS):
+            return self._lost_error(exc)
+        return TargetError(f"cannot {what} on {self._where}: {_reason(exc)}")
+
+
+def _key_label(keypair: asyncssh.SSHKeyPair) -> str:
+    try:
+        key = asyncssh.public_key.decode_ssh_public_key(keypair.public_data)
+        label = f"{key.get_algorithm()} {key.get_fingerprint('sha256')}"
+    except (ValueError, asyncssh.KeyImportError):
+        label = keypair.get_algorithm()
+    comment = keypair.get_comment()
+    return f"{label} ({comment})" if comment else label
+
+
+def _reason(exc: BaseException | None) -> str:
+    if exc is None:
+        return "connection closed"
+    return str(exc).strip() or type(exc).__name__

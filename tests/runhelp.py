@@ -1,0 +1,123 @@
+"""Helpers for tests that run the real `tracedeck` CLI in a subprocess."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+ROOT = Path(__file__).resolve().parent.parent
+
+LINES_PRESET = """
+[preset]
+name = "lines"
+kind = "command"
+description = "numbered output lines, slowly"
+
+[target]
+runs = "{runs}"
+lock = "{lock}"
+reconnect_attempts = {attempts}
+connect_timeout_s = 5
+keepalive_s = 1
+
+[engine]
+command = "sh -c 'i=1; while [ $i -le $1 ]; do echo \\"cell $2 line $i\\"; i=$((i+1)); sleep $3; done; exit $4' x {{lines}} {{n}} {{pause}} {{rc}}"
+
+[matrix]
+n = [1, 2, 3]
+lines = [{lines}]
+pause = [{pause}]
+rc = [0]
+"""
+
+
+def write_lines_preset(
+    tmp: Path, *, lines: int = 5, pause: float = 0.05, attempts: int = 5, lock: Path | None = None
+) -> Path:
+    path = tmp / "lines.toml"
+    path.write_text(
+        LINES_PRESET.format(
+            runs=tmp / "remote-runs",
+            lock=lock or tmp / "gpu.lock",
+            attempts=attempts,
+            lines=lines,
+            pause=pause,
+        )
+    )
+    return path
+
+
+def cli_env(home: Path, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(HOME=str(home), TRACEDECK_HOME=str(home / "td"), PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def tracedeck(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "console.cli", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def spawn(*args: str, env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "console.cli", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def events(local_dir: Path) -> list[dict[str, Any]]:
+    path = local_dir / "events.jsonl"
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    return [orjson.loads(line) for line in data[: data.rfind(b"\n") + 1].splitlines()]
+
+
+def run_dirs(out: Path) -> list[Path]:
+    return sorted(p.parent for p in out.glob("**/run.json"))
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 60, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def output_lines(evts: list[dict[str, Any]]) -> list[str]:
+    return [line for e in evts if e["type"] == "output" for line in e["lines"]]
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)

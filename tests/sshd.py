@@ -1,0 +1,384 @@
+"""Test helpers: a real OpenSSH sshd on loopback, a HOME that trusts it, a cuttable TCP proxy."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import pwd
+import signal
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SSHD = Path("/usr/sbin/sshd")
+SSH_KEYGEN = "ssh-keygen"
+ALIAS = "testbox"
+PROXY_ALIAS = "testbox-proxy"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def keygen(path: Path, comment: str) -> None:
+    """Generate an ed25519 key pair at path (private) and path.pub, without a passphrase."""
+    subprocess.run(
+        [SSH_KEYGEN, "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)],
+        check=True,
+        capture_output=True,
+    )
+
+
+def fingerprint(pub: Path) -> str:
+    """The SHA256 fingerprint of a public key file, as `ssh-keygen -lf` prints it."""
+    out = subprocess.run(
+        [SSH_KEYGEN, "-lf", str(pub)], check=True, capture_output=True, text=True
+    ).stdout
+    return out.split()[1]
+
+
+def known_hosts_line(host: str, port: int, pub: Path) -> str:
+    """One known_hosts line for host:port with the key in pub (key type and base64 only)."""
+    key_type, key_b64 = pub.read_text().split()[:2]
+    name = host if port == 22 else f"[{host}]:{port}"
+    return f"{name} {key_type} {key_b64}\n"
+
+
+@dataclass
+class SshServer:
+    """A running sshd: where it listens, who may log in, and how to trust it."""
+
+    host: str
+    port: int
+    user: str
+    dir: Path
+    client_key: Path  # private key authorised for `user`; client_key.with_suffix(".pub") too
+    host_key_pub: Path
+    known_hosts: Path  # contains "[127.0.0.1]:PORT ssh-ed25519 ..."
+    fingerprint: str  # "SHA256:..." of the host key, from ssh-keygen -lf
+    key_type: str  # "ssh-ed25519"
+    log: Path
+    pid: int
+    process: subprocess.Popen[bytes] = field(repr=False)
+
+    @property
+    def spec(self) -> str:
+        return f"ssh://{self.user}@{self.host}:{self.port}"
+
+    def known_hosts_line(self, port: int | None = None) -> str:
+        """The known_hosts line trusting this server's key at 127.0.0.1:port (default: its own)."""
+        return known_hosts_line(self.host, self.port if port is None else port, self.host_key_pub)
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.kill(self.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                os.kill(self.pid, signal.SIGKILL)
+                self.process.wait(timeout=5)
+
+
+def _sshd_config(d: Path, port: int) -> str:
+    return "\n".join(
+        [
+            f"Port {port}",
+            "ListenAddress 127.0.0.1",
+            f"HostKey {d / 'ssh_host_ed25519_key'}",
+            f"PidFile {d / 'sshd.pid'}",
+            f"AuthorizedKeysFile {d / 'authorized_keys'}",
+            "PubkeyAuthentication yes",
+            "PasswordAuthentication no",
+            "KbdInteractiveAuthentication no",
+            "UsePAM no",
+            "StrictModes no",
+            "PermitRootLogin prohibit-password",
+            "PrintMotd no",
+            "UseDNS no",
+            "LogLevel VERBOSE",
+            "Subsystem sftp internal-sftp",
+            "",
+        ]
+    )
+
+
+def start_sshd(d: Path, *, attempts: int = 3) -> SshServer:
+    """Start /usr/sbin/sshd on a free loopback port with fresh keys in d; wait until it listens."""
+    d.mkdir(parents=True, exist_ok=True)
+    host_key = d / "ssh_host_ed25519_key"
+    client_key = d / "id_ed25519"
+    if not host_key.exists():
+        keygen(host_key, "tracedeck-test-host")
+        keygen(client_key, "tracedeck-test-client")
+    (d / "authorized_keys").write_text(client_key.with_suffix(".pub").read_text())
+    if os.geteuid() == 0:
+        Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # privilege separation dir
+    user = pwd.getpwuid(os.geteuid()).pw_name
+    host_pub = host_key.with_suffix(".pub")
+    log = d / "sshd.log"
+    last_error = ""
+    for _ in range(attempts):
+        port = free_port()
+        config = d / "sshd_config"
+        config.write_text(_sshd_config(d, port))
+        with log.open("ab") as log_file:
+            proc = subprocess.Popen(
+                [str(SSHD), "-D", "-e", "-f", str(config)],
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=log_file,
+                preexec_fn=_die_with_parent,
+            )
+        if _wait_listening(proc, port, timeout=10.0):
+            known_hosts = d / "known_hosts"
+            known_hosts.write_text(known_hosts_line("127.0.0.1", port, host_pub))
+            return SshServer(
+                host="127.0.0.1",
+                port=port,
+                user=user,
+                dir=d,
+                client_key=client_key,
+                host_key_pub=host_pub,
+                known_hosts=known_hosts,
+                fingerprint=fingerprint(host_pub),
+                key_type=host_pub.read_text().split()[0],
+                log=log,
+                pid=proc.pid,
+                process=proc,
+            )
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=5)
+        last_error = log.read_text(errors="replace")[-2000:]
+    raise RuntimeError(f"sshd did not start after {attempts} attempts; its log:\n{last_error}")
+
+
+def _die_with_parent() -> None:
+    """In the child: ask Linux to TERM sshd if the test process dies without stopping it."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _wait_listening(proc: subprocess.Popen[bytes], port: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@dataclass
+class SshHome:
+    """A HOME whose .ssh has a config (alias testbox), the authorised key and a known_hosts."""
+
+    path: Path
+    server: SshServer
+    alias: str = ALIAS
+
+    @property
+    def ssh_dir(self) -> Path:
+        return self.path / ".ssh"
+
+    @property
+    def config(self) -> Path:
+        return self.ssh_dir / "config"
+
+    @property
+    def known_hosts(self) -> Path:
+        return self.ssh_dir / "known_hosts"
+
+    @property
+    def identity(self) -> Path:
+        return self.ssh_dir / "id_ed25519"
+
+    def add_alias(self, name: str, port: int, host: str = "127.0.0.1") -> None:
+        """Append a Host block naming host:port as the given user with this home's identity."""
+        with self.config.open("a") as f:
+            f.write(
+                f"\nHost {name}\n  HostName {host}\n  Port {port}\n"
+                f"  User {self.server.user}\n  IdentityFile {self.identity}\n"
+            )
+
+    def trust(self, port: int) -> None:
+        """Add the test server's host key for [127.0.0.1]:port to this home's known_hosts."""
+        with self.known_hosts.open("a") as f:
+            f.write(self.server.known_hosts_line(port))
+
+
+def make_ssh_home(server: SshServer, path: Path) -> SshHome:
+    """Create (but do not activate) a HOME at path that reaches server as alias `testbox`."""
+    ssh_dir = path / ".ssh"
+    ssh_dir.mkdir(parents=True, exist_ok=True)
+    ssh_dir.chmod(0o700)
+    home = SshHome(path=path, server=server)
+    for suffix in ("", ".pub"):
+        src = Path(str(server.client_key) + suffix)
+        dst = Path(str(home.identity) + suffix)
+        dst.write_bytes(src.read_bytes())
+        dst.chmod(0o600 if suffix == "" else 0o644)
+    home.config.write_text("")
+    home.add_alias(ALIAS, server.port)
+    home.known_hosts.write_text(server.known_hosts_line())
+    home.known_hosts.chmod(0o600)
+    return home
+
+
+class CuttableProxy:
+    """A loopback TCP proxy to (host, port) on its own thread and loop, whose links can be cut.
+
+    cut() drops every open connection at once (new ones are still accepted); pause() makes new
+    connections close at once, resume() accepts them again; stall() stops moving bytes on every
+    connection (a link that went silent, as when a cable is pulled) until resume().
+    """
+
+    def __init__(self, host: str, port: int) -> None:
+        self.target = (host, port)
+        self.host = "127.0.0.1"
+        self.port = 0
+        self.accepted = 0
+        self._paused = False
+        self._conns: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
+        self._loop = asyncio.new_event_loop()
+        self._flowing: asyncio.Event | None = None
+        self._server: asyncio.Server | None = None
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    def start(self) -> CuttableProxy:
+        self._thread.start()
+        self._call(self._start())
+        return self
+
+    def _call(self, coro: object, timeout: float = 10.0) -> object:
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]
+        return fut.result(timeout)
+
+    async def _start(self) -> None:
+        self._flowing = asyncio.Event()
+        self._flowing.set()
+        self._server = await asyncio.start_server(self._handle, self.host, 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.accepted += 1
+        if self._paused:
+            writer.transport.abort()
+            return
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self.target)
+        except OSError:
+            writer.transport.abort()
+            return
+        pair = (writer, up_writer)
+        self._conns.add(pair)
+        try:
+            await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer))
+        finally:
+            self._conns.discard(pair)
+            writer.transport.abort()
+            up_writer.transport.abort()
+
+    async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        assert self._flowing is not None
+        with contextlib.suppress(OSError):
+            while True:
+                await self._flowing.wait()
+                data = await src.read(65536)
+                if not data:
+                    break
+                await self._flowing.wait()  # bytes read while stalling are held, not lost
+                dst.write(data)
+                await dst.drain()
+        dst.transport.abort()
+
+    @property
+    def spec(self) -> str:
+        return f"ssh://{pwd.getpwuid(os.geteuid()).pw_name}@{self.host}:{self.port}"
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._conns)
+
+    def cut(self) -> None:
+        """Drop every open connection now (both sides see a reset); keep accepting new ones."""
+
+        async def _cut() -> None:
+            for client, upstream in list(self._conns):
+                client.transport.abort()
+                upstream.transport.abort()
+            self._conns.clear()
+
+        self._call(_cut())
+
+    def pause(self) -> None:
+        """Refuse new connections (accepted, then closed at once) until resume()."""
+        self._paused = True
+
+    def stall(self) -> None:
+        """Stop moving bytes on every connection, open or new, until resume()."""
+        assert self._flowing is not None
+        self._loop.call_soon_threadsafe(self._flowing.clear)
+
+    def resume(self) -> None:
+        """Undo pause() and stall()."""
+        self._paused = False
+        assert self._flowing is not None
+        self._loop.call_soon_threadsafe(self._flowing.set)
+
+    def stop(self) -> None:
+        if not self._thread.is_alive():
+            return
+
+        async def _stop() -> None:
+            assert self._server is not None
+            self._server.close()
+            for client, upstream in list(self._conns):
+                client.transport.abort()
+                upstream.transport.abort()
+            self._conns.clear()
+
+        self._call(_stop())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._loop.close()
+
+
+class SilentServer:
+    """A loopback TCP listener that accepts connections and never says a word (a hung sshd)."""
+
+    def __init__(self) -> None:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(16)
+        self.port: int = self._sock.getsockname()[1]
+        self._clients: list[socket.socket] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        self._sock.settimeout(0.1)
+        while not self._stop.is_set():
+            with contextlib.suppress(TimeoutError, OSError):
+                conn, _ = self._sock.accept()
+                self._clients.append(conn)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        for c in self._clients:
+            c.close()
+        self._sock.close()

@@ -1,0 +1,405 @@
+"""Targets against the real thing: the local machine and a real OpenSSH sshd on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shlex
+import stat
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+from sshd import CuttableProxy, SilentServer, SshHome, SshServer, free_port, keygen
+
+from runners.targets.base import (
+    ConnectionLost,
+    HostKeyMismatch,
+    HostKeyUnknown,
+    Target,
+    TargetError,
+)
+from runners.targets.factory import parse_target, ssh_config_aliases
+from runners.targets.local import LocalTarget
+from runners.targets.ssh import SshTarget
+from runners.trust import fetch_host_key, trust_host
+
+T = TypeVar("T")
+
+# Far above any real wait here: only there so a hang fails the test instead of the suite.
+GUARD_S = 30.0
+
+
+async def guard(aw: Awaitable[T]) -> T:
+    return await asyncio.wait_for(aw, GUARD_S)
+
+
+@pytest.fixture(params=["local", "ssh"])
+async def target(request: pytest.FixtureRequest) -> AsyncIterator[Target]:
+    if request.param == "local":
+        t: Target = LocalTarget()
+    else:
+        server: SshServer = request.getfixturevalue("sshd")
+        request.getfixturevalue("ssh_home")
+        t = parse_target(server.spec)
+    await guard(t.connect())
+    yield t
+    await t.close()
+
+
+# -- both targets -----------------------------------------------------------------------------
+
+
+async def test_run_reports_status_stdout_and_stderr(target: Target) -> None:
+    result = await guard(target.run("echo out; echo err >&2; exit 3"))
+    assert (result.exit_status, result.stdout, result.stderr) == (3, "out\n", "err\n")
+    assert (await guard(target.run("true"))).exit_status == 0
+
+
+async def test_run_has_sh_quoting(target: Target) -> None:
+    weird = 'it\'s "quoted" $HOME `x` \\ ; | & ünï\nline2'
+    result = await guard(target.run(f"printf %s {shlex.quote(weird)} | cat; printf '[%s]' $0"))
+    assert result.stdout == weird + "[/bin/sh]"
+    assert result.exit_status == 0
+
+
+async def test_run_timeout_is_an_error(target: Target) -> None:
+    with pytest.raises(TargetError, match="did not finish within"):
+        await guard(target.run("sleep 3", timeout=0.3))
+    assert (await guard(target.run("echo still-usable"))).stdout == "still-usable\n"
+
+
+async def test_write_file_replaces_by_rename_and_makes_parents(
+    target: Target, tmp_path: Path
+) -> None:
+    path = tmp_path / "a" / "b" / "plan.json"
+    await guard(target.write_file(str(path), b"first", mode=0o600))
+    first_inode = path.stat().st_ino
+    assert path.read_bytes() == b"first"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    await guard(target.write_file(str(path), b"second, longer", mode=0o755))
+    assert path.read_bytes() == b"second, longer"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o755
+    assert path.stat().st_ino != first_inode  # a new file renamed over, not rewritten in place
+    assert sorted(p.name for p in path.parent.iterdir()) == ["plan.json"]
+
+
+async def test_read_from_offsets_and_missing_file(target: Target, tmp_path: Path) -> None:
+    data = bytes(range(256)) * 4096  # 1 MiB: larger than one SFTP read
+    path = tmp_path / "trace.bin"
+    path.write_bytes(data)
+    p = str(path)
+    assert await guard(target.read_from(p, 0, 10)) == data[:10]
+    assert await guard(target.read_from(p, 1000, 300)) == data[1000:1300]
+    assert await guard(target.read_from(p, 0, len(data) + 5)) == data
+    assert await guard(target.read_from(p, len(data) - 3, 100)) == data[-3:]
+    assert await guard(target.read_from(p, len(data), 100)) == b""
+    assert await guard(target.read_from(p, len(data) + 10, 100)) == b""
+    assert await guard(target.read_from(p, 5, 0)) == b""
+    assert await guard(target.read_from(str(tmp_path / "absent.jsonl"), 0, 100)) is None
+    with path.open("ab") as f:  # a follower sees what was appended since
+        f.write(b"tail\n")
+    assert await guard(target.read_from(p, len(data), 100)) == b"tail\n"
+
+
+async def test_download_renames_part_when_complete(target: Target, tmp_path: Path) -> None:
+    remote = tmp_path / "remote" / "logits.bin"
+    remote.parent.mkdir()
+    remote.write_bytes(os.urandom(300_000))
+    local = tmp_path / "fetched" / "cell-1" / "logits.bin"
+    local.parent.mkdir(parents=True)
+    local.with_name("logits.bin.part").write_bytes(b"stale partial")
+    await guard(target.download(str(remote), local))
+    assert local.read_bytes() == remote.read_bytes()
+    assert sorted(p.name for p in local.parent.iterdir()) == ["logits.bin"]
+
+
+async def test_download_of_missing_file_leaves_nothing(target: Target, tmp_path: Path) -> None:
+    local = tmp_path / "fetched" / "x.bin"
+    with pytest.raises(TargetError, match="absent.bin"):
+        await guard(target.download(str(tmp_path / "absent.bin"), local))
+    assert not local.exists()
+    assert list(local.parent.iterdir()) == []
+
+
+async def test_relative_paths_use_home_or_cwd(
+    target: Target, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # local: relative to cwd; ssh: relative to the login home
+    name = f"tracedeck-test-{uuid.uuid4().hex}.txt"
+    try:
+        await guard(target.write_file(name, b"relative\n"))
+        assert await guard(target.read_from(name, 0, 100)) == b"relative\n"
+        assert (await guard(target.run(f"cat {name}"))).stdout == "relative\n"
+    finally:
+        await guard(target.run(f"rm -f {name}"))
+
+
+# -- ssh: links that fail ---------------------------------------------------------------------
+
+
+async def test_cut_link_raises_connection_lost_on_every_call_then_reconnects(
+    ssh_proxy: CuttableProxy, tmp_path: Path
+) -> None:
+    t = parse_target(ssh_proxy.spec)
+    (tmp_path / "f").write_bytes(b"x")
+    calls = {
+        "run": lambda: t.run("true"),
+        "read_from": lambda: t.read_from(str(tmp_path / "f"), 0, 10),
+        "write_file": lambda: t.write_file(str(tmp_path / "g"), b"y"),
+        "download": lambda: t.download(str(tmp_path / "f"), tmp_path / "h"),
+    }
+    try:
+        for call in calls.values():
+            await guard(t.connect())  # after a loss, connect() again on the same object
+            assert (await guard(t.run("echo up"))).stdout == "up\n"
+            ssh_proxy.cut()
+            with pytest.raises(ConnectionLost, match=f"127.0.0.1:{ssh_proxy.port}"):
+                await guard(call())
+            with pytest.raises(ConnectionLost):  # and stays lost until reconnected
+                await guard(t.run("true"))
+        await guard(t.connect())
+        assert (await guard(t.read_from(str(tmp_path / "f"), 0, 10))) == b"x"
+    finally:
+        await t.close()
+
+
+async def test_silent_link_is_noticed_by_keepalive(ssh_proxy: CuttableProxy) -> None:
+    t = SshTarget("127.0.0.1", ssh_proxy.port, keepalive_interval=0.2, keepalive_count_max=2)
+    try:
+        await guard(t.connect())
+        ssh_proxy.stall()
+        with pytest.raises(ConnectionLost):
+            await guard(t.run("true"))
+        ssh_proxy.resume()
+        await guard(t.connect())
+        assert (await guard(t.run("echo back"))).stdout == "back\n"
+    finally:
+        await t.close()
+
+
+async def test_refused_connection_is_lost_until_resumed(ssh_proxy: CuttableProxy) -> None:
+    t = parse_target(ssh_proxy.spec)
+    ssh_proxy.pause()
+    with pytest.raises(ConnectionLost, match="cannot connect"):
+        await guard(t.connect())
+    ssh_proxy.resume()
+    await guard(t.connect())
+    assert (await guard(t.run("echo ok"))).stdout == "ok\n"
+    await t.close()
+
+
+async def test_port_that_never_speaks_ssh_fails_within_connect_timeout(ssh_home: SshHome) -> None:
+    silent = SilentServer()
+    try:
+        t = parse_target(f"ssh://127.0.0.1:{silent.port}", connect_timeout=0.5)
+        with pytest.raises(ConnectionLost, match="no SSH answer"):
+            await guard(t.connect())
+    finally:
+        silent.stop()
+
+
+async def test_closed_port_is_connection_lost(ssh_home: SshHome) -> None:
+    t = parse_target(f"ssh://127.0.0.1:{free_port()}", connect_timeout=2.0)
+    with pytest.raises(ConnectionLost, match="cannot connect"):
+        await guard(t.connect())
+    with pytest.raises(ConnectionLost, match="not connected"):
+        await guard(t.run("true"))
+
+
+async def test_commands_beyond_the_channel_limit_queue_on_one_connection(
+    sshd: SshServer, ssh_home: SshHome, tmp_path: Path
+) -> None:
+    t = parse_target(sshd.spec)
+    await guard(t.connect())
+    try:
+        # sshd allows 10 sessions per connection (SFTP holds one); 12 at once must queue, not fail.
+        results = await guard(asyncio.gather(*(t.run(f"sleep 0.2; echo {i}") for i in range(12))))
+        assert [r.stdout for r in results] == [f"{i}\n" for i in range(12)]
+        for i in range(30):
+            (tmp_path / f"{i}.jsonl").write_text(f"line {i}\n")
+        reads = await guard(
+            asyncio.gather(*(t.read_from(str(tmp_path / f"{i}.jsonl"), 0, 99) for i in range(30)))
+        )
+        assert reads == [f"line {i}\n".encode() for i in range(30)]
+    finally:
+        await t.close()
+
+
+# -- ssh: host keys, auth, config -------------------------------------------------------------
+
+
+async def test_unknown_host_is_refused_with_fingerprint_then_trusted(
+    sshd: SshServer, ssh_home: SshHome
+) -> None:
+    ssh_home.known_hosts.write_text("")
+    t = parse_target(sshd.spec)
+    with pytest.raises(HostKeyUnknown) as info:
+        await guard(t.connect())
+    err = info.value
+    assert (err.host, err.port) == ("127.0.0.1", sshd.port)
+    assert err.fingerprint == sshd.fingerprint  # what `ssh-keygen -lf` says of the real key
+    assert err.key_type == "ssh-ed25519"
+    assert err.trust_command == f"tracedeck trust 127.0.0.1:{sshd.port}"
+    assert err.trust_command in str(err) and sshd.fingerprint in str(err)
+    assert ssh_home.known_hosts.read_text() == ""  # never trusted silently
+
+    key_type, fp, line = await guard(fetch_host_key("127.0.0.1", sshd.port))
+    assert (key_type, fp, line) == (
+        "ssh-ed25519",
+        sshd.fingerprint,
+        sshd.known_hosts_line().strip(),
+    )
+    assert await guard(trust_host("127.0.0.1", sshd.port, expected_fingerprint=fp)) == fp
+    assert ssh_home.known_hosts.read_text() == sshd.known_hosts_line()
+    assert await guard(trust_host("127.0.0.1", sshd.port)) == fp  # already trusted: no-op
+    assert ssh_home.known_hosts.read_text() == sshd.known_hosts_line()
+    await guard(t.connect())
+    assert (await guard(t.run("echo trusted"))).stdout == "trusted\n"
+    await t.close()
+
+
+async def test_unknown_alias_names_the_alias_in_the_trust_command(
+    sshd: SshServer, ssh_home: SshHome
+) -> None:
+    ssh_home.known_hosts.unlink()
+    with pytest.raises(HostKeyUnknown) as info:
+        await guard(parse_target("testbox").connect())
+    assert info.value.trust_command == f"tracedeck trust testbox:{sshd.port}"
+    host, _, port = info.value.trust_command.split()[-1].partition(":")
+    assert await guard(trust_host(host, int(port))) == sshd.fingerprint
+    assert ssh_home.known_hosts.read_text() == sshd.known_hosts_line()
+    t = parse_target("testbox")
+    await guard(t.connect())
+    await t.close()
+
+
+async def test_trust_creates_ssh_dir_and_known_hosts_private(
+    sshd: SshServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    home = tmp_path / "bare-home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    assert await guard(trust_host("127.0.0.1", sshd.port)) == sshd.fingerprint
+    assert stat.S_IMODE((home / ".ssh").stat().st_mode) == 0o700
+    known = home / ".ssh" / "known_hosts"
+    assert stat.S_IMODE(known.stat().st_mode) == 0o600
+    assert known.read_text() == sshd.known_hosts_line()
+    other = tmp_path / "elsewhere" / "kh"
+    await guard(trust_host("127.0.0.1", sshd.port, other))
+    assert other.read_text() == sshd.known_hosts_line()
+
+
+async def test_changed_host_key_is_refused_and_not_overwritten(
+    sshd: SshServer, ssh_home: SshHome, tmp_path: Path
+) -> None:
+    impostor = tmp_path / "old_host_key"
+    keygen(impostor, "old")
+    key_type, b64 = impostor.with_suffix(".pub").read_text().split()[:2]
+    ssh_home.known_hosts.write_text(f"[127.0.0.1]:{sshd.port} {key_type} {b64}\n")
+    before = ssh_home.known_hosts.read_text()
+    with pytest.raises(HostKeyMismatch) as info:
+        await guard(parse_target(sshd.spec).connect())
+    message = str(info.value)
+    assert "CHANGED" in message and sshd.fingerprint in message and "ssh-keygen -R" in message
+    with pytest.raises(HostKeyMismatch):
+        await guard(trust_host("127.0.0.1", sshd.port))
+    assert ssh_home.known_hosts.read_text() == before
+
+
+async def test_trust_refuses_a_key_other_than_the_one_shown(
+    sshd: SshServer, ssh_home: SshHome
+) -> None:
+    ssh_home.known_hosts.write_text("")
+    with pytest.raises(HostKeyMismatch, match="nothing was trusted"):
+        await guard(trust_host("127.0.0.1", sshd.port, expected_fingerprint="SHA256:not-it"))
+    assert ssh_home.known_hosts.read_text() == ""
+
+
+async def test_alias_from_ssh_config(sshd: SshServer, ssh_home: SshHome) -> None:
+    t = parse_target("testbox")
+    await guard(t.connect())
+    try:
+        result = await guard(t.run("id -un; pwd"))
+        assert result.stdout == f"{sshd.user}\n{os.path.expanduser('~' + sshd.user)}\n"
+    finally:
+        await t.close()
+
+
+async def test_refused_key_names_user_and_keys_tried(sshd: SshServer, ssh_home: SshHome) -> None:
+    ssh_home.identity.unlink()
+    ssh_home.identity.with_suffix(".pub").unlink()
+    keygen(ssh_home.identity, "not-authorised")
+    with pytest.raises(TargetError) as info:
+        await guard(parse_target("testbox").connect())
+    assert not isinstance(info.value, ConnectionLost)
+    message = str(info.value)
+    assert f"user {sshd.user!r}" in message and "not-authorised" in message
+    assert "authorized_keys" in message
+
+
+async def test_missing_identity_file_is_named(ssh_home: SshHome) -> None:
+    ssh_home.identity.unlink()
+    with pytest.raises(TargetError, match="id_ed25519") as info:
+        await guard(parse_target("testbox").connect())
+    assert not isinstance(info.value, ConnectionLost)
+    assert "IdentityFile" in str(info.value)
+
+
+async def test_trust_writes_where_ssh_config_says_known_hosts_are(
+    sshd: SshServer, ssh_home: SshHome, tmp_path: Path
+) -> None:
+    elsewhere = tmp_path / "team_known_hosts"
+    with ssh_home.config.open("a") as f:
+        f.write(f"\nHost *\n  UserKnownHostsFile {elsewhere}\n")
+    with pytest.raises(HostKeyUnknown):
+        await guard(parse_target("testbox").connect())
+    await guard(trust_host("testbox"))
+    assert elsewhere.read_text() == sshd.known_hosts_line()
+    t = parse_target("testbox")
+    await guard(t.connect())
+    await t.close()
+
+
+# -- parsing ----------------------------------------------------------------------------------
+
+
+def test_parse_target_forms() -> None:
+    assert isinstance(parse_target("local"), LocalTarget)
+    t = parse_target("ssh://alice@gpu-7.lab:2222", connect_timeout=3.0, keepalive=1.0)
+    assert isinstance(t, SshTarget)
+    assert (t.host, t.port, t.username, t.name) == ("gpu-7.lab", 2222, "alice", t.name)
+    assert t.name == "ssh://alice@gpu-7.lab:2222"
+    assert (t.connect_timeout, t.keepalive_interval) == (3.0, 1.0)
+    alias = parse_target("MI300X-box")
+    assert isinstance(alias, SshTarget)
+    assert (alias.host, alias.port, alias.username) == ("MI300X-box", None, None)
+    plain = parse_target("ssh://gpu1")
+    assert isinstance(plain, SshTarget)
+    assert (plain.host, plain.port, plain.username) == ("gpu1", None, None)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["ssh://", "ssh://host:notaport", "ssh://host:0", "ssh://host:99999", "ssh://h/p", "a b", ""],
+)
+def test_parse_target_rejects_bad_specs(spec: str) -> None:
+    with pytest.raises(ValueError, match="ssh://\\[user@\\]host\\[:port\\]") as info:
+        parse_target(spec)
+    assert repr(spec) in str(info.value)
+
+
+def test_ssh_config_aliases(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    ssh = tmp_path / ".ssh"
+    (ssh / "conf.d").mkdir(parents=True)
+    (ssh / "config").write_text(
+        "# lab hosts\nInclude conf.d/*.conf\nHost gpu1 gpu2 *.lab !bad\n  User me\n"
+        "Host=mi300x\n  HostName 10.0.0.7\nMatch host foo\n  User x\n"
+        "Host *\n  ServerAliveInterval 5\n"
+    )
+    (ssh / "conf.d" / "extra.conf").write_text("host cluster-head # front node\n")
+    assert ssh_config_aliases() == ["cluster-head", "gpu1", "gpu2", "mi300x"]
+    assert ssh_config_aliases(tmp_path / "nope") == []
