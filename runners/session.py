@@ -113,6 +113,8 @@ class Session:
             else int(preset.section("target")["reconnect_attempts"])
         )
         self._recorder: Recorder | None = None
+        self.pgid: int | None = None
+        self._cancelling = False
         self.judge: Judge = judge_for(
             JudgeContext(preset=preset, local_dir=self.local_dir, date=record.date, emit=self.emit)
         )
@@ -218,8 +220,8 @@ class Session:
                 RunFinished(verdict="NOT_STARTED", exit_code=EXIT_INFRA, summary={"error": message})
             )
             raise TargetError(message)
-        pgid = int(out[-1].split()[1])
-        self.emit(LockAcquired(lock=plan.lock, holder=self._holder(pgid)))
+        self.pgid = int(out[-1].split()[1])
+        self.emit(LockAcquired(lock=plan.lock, holder=self._holder(self.pgid)))
 
     async def _resolve_dir(self, path: str, key: str) -> str:
         """An absolute path on the target; relative paths are relative to the target's home."""
@@ -575,9 +577,8 @@ class Session:
 
     async def _check_alive(self) -> None:
         assert self.plan is not None
-        result = await self.target.run(plan_mod.alive_command(self.plan.run_dir))
-        if result.stdout.strip() != "gone":
-            return
+        if self._cancelling or await self._run_alive():
+            return  # a cancel in flight writes its own "cancelled" line once the group is dead
         # The run may have written "done" just before exiting: read once more before judging.
         if await self._poll_once():
             return
@@ -588,6 +589,23 @@ class Session:
             where=self.plan.run_dir,
         )
         await self._finish_run(crashed=True)
+
+    async def _run_alive(self) -> bool:
+        """Is the run's group leader alive? /proc over the open SFTP session, else kill -0."""
+        assert self.plan is not None
+        if self.pgid is None:
+            raw = await self.target.read_from(f"{self.plan.run_dir}/pgid", 0, 64)
+            if raw is None or not raw.strip().isdigit():
+                return False
+            self.pgid = int(raw)
+        stat = await self.target.read_from(f"/proc/{self.pgid}/stat", 0, 4096)
+        if stat is not None:
+            # Field 3, after the command name in parentheses, is the state; Z is a zombie.
+            return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z"
+        if await self.target.read_from("/proc/self/stat", 0, 64) is not None:
+            return False  # /proc works on this host and the leader is gone
+        result = await self.target.run(plan_mod.alive_command(self.plan.run_dir))
+        return result.stdout.strip() == "alive"
 
     async def _finish_run(self, crashed: bool = False) -> None:
         for cell in self.cells.values():
@@ -617,7 +635,11 @@ class Session:
     async def cancel(self, grace_s: float = CANCEL_GRACE_S) -> str:
         """TERM the run's process group, KILL after the grace; the follower records the cells."""
         assert self.plan is not None
-        result = await self.target.run(plan_mod.cancel_script(self.plan.run_dir, grace_s))
+        self._cancelling = True
+        try:
+            result = await self.target.run(plan_mod.cancel_script(self.plan.run_dir, grace_s))
+        finally:
+            self._cancelling = False
         words = result.stdout.split()
         if result.exit_status != 0:
             raise TargetError(
