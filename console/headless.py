@@ -109,6 +109,11 @@ class Printer:
                     if k in m
                 )
             ]
+            if m.get("diverged_at_token") is not None:
+                lines.append(
+                    f"  greedy decoding parted ways at token {m['diverged_at_token']}: "
+                    f"compared {m.get('pair_count')} tokens, later ones follow other prefixes"
+                )
             if event.first_fail:
                 ff = event.first_fail
                 lines.append(

@@ -151,7 +151,11 @@ class EquivalenceJudge(Judge):
                 seed=seed,
                 kv_aligned=kv,
                 verdict=result.verdict,
-                metrics={**result.metrics, "pair_count": result.pair_count},
+                metrics={
+                    **result.metrics,
+                    "pair_count": result.pair_count,
+                    "diverged_at_token": result.diverged_at_token,
+                },
                 thresholds=result.thresholds,
                 first_fail=result.first_fail,
                 metrics_path=f"metrics/kv_aligned_{kv}/seed_{seed}_metrics.json",

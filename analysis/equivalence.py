@@ -1,0 +1,576 @@
+"""B3.67 judgement: prefill-vs-decode pair metrics, verdicts and summary (seed sections 2-3, 8).
+
+Metrics follow seed section 8 on float32 logits: max_abs_diff and p99_abs_diff over every
+|prefill - decode| element of the pair, top1_agreement as the fraction of tokens whose argmax
+agree, cos_sim_mean as the mean of the per-token cosines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from analysis.logits import InputError, LogitsTable, iter_logits
+
+THRESHOLDS: dict[str, float] = {
+    "p99_abs_diff_max": 1e-3,
+    "max_abs_diff_max": 5e-3,
+    "top1_agreement_min": 0.999,
+}
+
+PASS_EQUIV = "PASS_EQUIV"
+FAIL_EQUIV = "FAIL_EQUIV"
+EXPECTED_DRIFT = "EXPECTED_DRIFT"
+PASS_GUARDRAIL = "PASS_GUARDRAIL"
+FAIL_GUARDRAIL = "FAIL_GUARDRAIL"
+
+METRIC_KEYS = ("max_abs_diff", "p99_abs_diff", "top1_agreement", "cos_sim_mean")
+PAIR_HINT = "the two sides did not run the same tokens; re-run the pair with the same seed"
+
+
+def resolve_thresholds(thresholds: dict[str, float] | None = None) -> dict[str, float]:
+    """The seed's thresholds with any given ones laid over them."""
+    resolved = dict(THRESHOLDS)
+    for key, value in (thresholds or {}).items():
+        if key not in THRESHOLDS:
+            raise ValueError(f"unknown threshold '{key}' (known: {', '.join(THRESHOLDS)})")
+        if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+            raise ValueError(f"threshold '{key}' must be a number, got {value!r}")
+        resolved[key] = float(value)
+    return resolved
+
+
+@dataclass
+class PairResult:
+    seed: int
+    kv_aligned: int
+    dtype: str
+    prompt_len: int
+    gen_len: int
+    pair_count: int
+    metrics: dict[str, float]
+    verdict: str
+    thresholds: dict[str, float]
+    first_fail: dict[str, Any] | None
+    prefill_path: str = ""
+    decode_path: str = ""
+    # Greedy decoding parted ways at this token: it and the ones before were compared.
+    diverged_at_token: int | None = None
+
+
+def pair_verdict(metrics: dict[str, float], kv_aligned: int, thresholds: dict[str, float]) -> str:
+    """Seed section 3.2."""
+    if kv_aligned == 0:
+        return EXPECTED_DRIFT
+    if kv_aligned != 1:
+        raise ValueError(f"kv_aligned must be 0 or 1, got {kv_aligned!r}")
+    ok = (
+        metrics["p99_abs_diff"] <= thresholds["p99_abs_diff_max"]
+        and metrics["max_abs_diff"] <= thresholds["max_abs_diff_max"]
+        and metrics["top1_agreement"] >= thresholds["top1_agreement_min"]
+    )
+    return PASS_EQUIV if ok else FAIL_EQUIV
+
+
+def failing_metrics(
+    metrics: dict[str, float], thresholds: dict[str, float]
+) -> list[tuple[str, float, float]]:
+    """(metric, value, threshold) for each pair metric that breaks its threshold."""
+    t = thresholds
+    checks = (
+        ("p99_abs_diff", t["p99_abs_diff_max"], metrics["p99_abs_diff"] > t["p99_abs_diff_max"]),
+        ("max_abs_diff", t["max_abs_diff_max"], metrics["max_abs_diff"] > t["max_abs_diff_max"]),
+        (
+            "top1_agreement",
+            t["top1_agreement_min"],
+            metrics["top1_agreement"] < t["top1_agreement_min"],
+        ),
+    )
+    return [(name, metrics[name], limit) for name, limit, bad in checks if bad]
+
+
+def global_verdict(results: list[PairResult]) -> str:
+    """Seed section 3.3: the kv_aligned == 1 pairs decide; drift-only runs are EXPECTED_DRIFT."""
+    if not results:
+        raise ValueError("no pairs were judged: there is no verdict to give")
+    aligned = [r for r in results if r.kv_aligned == 1]
+    if not aligned:
+        return EXPECTED_DRIFT
+    return PASS_GUARDRAIL if all(r.verdict == PASS_EQUIV for r in aligned) else FAIL_GUARDRAIL
+
+
+def exit_code_for(verdict: str) -> int:
+    """0 when the guardrail passes or drift is only expected, 1 when it fails."""
+    codes = {PASS_GUARDRAIL: 0, EXPECTED_DRIFT: 0, FAIL_GUARDRAIL: 1}
+    if verdict not in codes:
+        raise ValueError(f"not a global verdict: {verdict!r}")
+    return codes[verdict]
+
+
+# ---------------------------------------------------------------- the pair judge
+
+
+def _top5(row: np.ndarray) -> list[list[Any]]:
+    """The five highest logits as [[token_id, logit], ...], ties broken by the lower id."""
+    n = min(5, row.shape[0])
+    fifth = np.partition(row, row.shape[0] - n)[row.shape[0] - n]
+    above = np.flatnonzero(row > fifth)
+    level = np.flatnonzero(row == fifth)[: n - above.shape[0]]
+    ids = np.concatenate([above, level])
+    ids = ids[np.lexsort((ids, -row[ids]))]
+    return [[int(i), float(row[i])] for i in ids]
+
+
+@dataclass
+class _Candidate:
+    token_idx: int
+    token_id: int
+    tripped: list[tuple[str, float, float]]
+    top5: dict[str, list[list[Any]]]
+    where: dict[str, str]
+
+
+@dataclass
+class _PairJudge:
+    """Takes a pair's rows one token at a time; keeps |Δ| for the exact p99 and O(1) per token."""
+
+    prefill_path: str
+    decode_path: str
+    kv_aligned: int
+    thresholds: dict[str, float]
+    capacity: int = 128
+    count: int = 0
+    vocab: int = 0
+    max_value: float = -1.0
+    agree: int = 0
+    cosines: list[float] = field(default_factory=list)
+    first: _Candidate | None = None
+    largest: _Candidate | None = None
+    largest_value: float = -1.0
+    diverged_at: int | None = None
+    skipped: int = 0
+    _diffs: np.ndarray | None = None
+
+    def add(
+        self,
+        token_idx: int,
+        prefill_id: int,
+        decode_id: int,
+        a: np.ndarray,
+        b: np.ndarray,
+        prefill_line: int,
+        decode_line: int,
+    ) -> None:
+        if prefill_id != decode_id and not _greedy_divergence(a, b, prefill_id, decode_id):
+            raise InputError(
+                self.prefill_path,
+                prefill_line,
+                f"token_idx {token_idx} has token_id {prefill_id} here but {decode_id} in "
+                f"{self.decode_path}:{decode_line}: the pair is not comparable",
+                PAIR_HINT,
+            )
+        if self._diffs is None:
+            self.vocab = a.shape[0]
+            self._diffs = np.empty(max(self.capacity, 1) * self.vocab, dtype=np.float32)
+        if a.shape != b.shape:
+            raise InputError(
+                self.prefill_path,
+                prefill_line,
+                f"vocab size {a.shape[0]} here but {b.shape[0]} in "
+                f"{self.decode_path}:{decode_line}: the pair is not comparable",
+                "both sides must log the full logits of the same model",
+            )
+        v = self.vocab
+        start = self.count * v
+        if start + v > self._diffs.shape[0]:
+            grown = np.empty(2 * self._diffs.shape[0], dtype=np.float32)
+            grown[:start] = self._diffs[:start]
+            self._diffs = grown
+        diff = self._diffs[start : start + v]
+        with np.errstate(over="ignore"):
+            np.subtract(a, b, out=diff)
+        np.abs(diff, out=diff)
+        row_max = float(diff.max())
+        if not np.isfinite(row_max):
+            raise InputError(
+                self.prefill_path,
+                prefill_line,
+                f"the difference with {self.decode_path}:{decode_line} overflows float32",
+                "the logits are out of any sane range; check the engine's output",
+            )
+        argmax_a = int(np.argmax(a))
+        argmax_b = int(np.argmax(b))
+        if prefill_id != decode_id:
+            # Each side took its own argmax here, so the logits at this token share a
+            # prefix and compare; every later token follows a different prefix and cannot.
+            self.diverged_at = token_idx
+        self.agree += argmax_a == argmax_b
+        self.cosines.append(_cosine(a, b))
+        if row_max > self.max_value:
+            self.max_value = row_max
+        self.count += 1
+        if self.kv_aligned == 1 and self.first is None:
+            self._track_failure(
+                token_idx,
+                prefill_id,
+                a,
+                b,
+                diff,
+                row_max,
+                argmax_a == argmax_b,
+                prefill_line,
+                decode_line,
+            )
+
+    def _track_failure(
+        self,
+        token_idx: int,
+        token_id: int,
+        a: np.ndarray,
+        b: np.ndarray,
+        diff: np.ndarray,
+        row_max: float,
+        agree: bool,
+        prefill_line: int,
+        decode_line: int,
+    ) -> None:
+        t = self.thresholds
+        tripped: list[tuple[str, float, float]] = []
+        if not agree:
+            tripped.append(("top1_agreement", 0.0, t["top1_agreement_min"]))
+        if row_max > t["max_abs_diff_max"]:
+            tripped.append(("max_abs_diff", row_max, t["max_abs_diff_max"]))
+        # The row's p99 lies at or below its (k+1)-th smallest value, so it can only exceed the
+        # threshold when at least v-k-1 values are near or above it; skip the sort otherwise.
+        v = diff.shape[0]
+        k = int(np.floor(0.99 * (v - 1)))
+        near = int(np.count_nonzero(diff > t["p99_abs_diff_max"] * 0.999))
+        if near >= v - k - 1:
+            p99 = float(np.percentile(diff, 99))
+            if p99 > t["p99_abs_diff_max"]:
+                tripped.append(("p99_abs_diff", p99, t["p99_abs_diff_max"]))
+        if tripped:
+            self.first = self._candidate(
+                token_idx, token_id, a, b, tripped, prefill_line, decode_line
+            )
+        elif row_max > self.largest_value:
+            self.largest_value = row_max
+            self.largest = self._candidate(token_idx, token_id, a, b, [], prefill_line, decode_line)
+
+    def _candidate(
+        self,
+        token_idx: int,
+        token_id: int,
+        a: np.ndarray,
+        b: np.ndarray,
+        tripped: list[tuple[str, float, float]],
+        prefill_line: int,
+        decode_line: int,
+    ) -> _Candidate:
+        return _Candidate(
+            token_idx=token_idx,
+            token_id=token_id,
+            tripped=tripped,
+            top5={"prefill": _top5(a), "decode": _top5(b)},
+            where={
+                "prefill": f"{self.prefill_path}:{prefill_line}",
+                "decode": f"{self.decode_path}:{decode_line}",
+            },
+        )
+
+    def metrics(self) -> dict[str, float]:
+        if self.count == 0 or self._diffs is None:
+            raise InputError(self.prefill_path, None, "no tokens to compare", PAIR_HINT)
+        flat = self._diffs[: self.count * self.vocab]
+        # np.percentile itself (linear interpolation) on every |Δ|, in place: the buffer
+        # is not needed afterwards.
+        p99 = float(np.percentile(flat, 99, overwrite_input=True))
+        self._diffs = None
+        return {
+            "max_abs_diff": self.max_value,
+            "p99_abs_diff": p99,
+            "top1_agreement": self.agree / self.count,
+            "cos_sim_mean": float(np.mean(np.asarray(self.cosines, dtype=np.float64))),
+        }
+
+    def first_fail(self, seed: int, metrics: dict[str, float]) -> dict[str, Any]:
+        t = self.thresholds
+        note = None
+        candidate = self.first
+        if candidate is None:
+            # The pair fails on an aggregate that no single token trips on its own.
+            candidate = self.largest
+            assert candidate is not None
+            failing = failing_metrics(metrics, t)
+            candidate.tripped = failing
+            note = (
+                f"no single token trips a threshold; the pair fails on its aggregate "
+                f"{failing[0][0]} ({failing[0][1]:.6g} vs {failing[0][2]:.6g}), so this is "
+                f"the token with the largest |Δ| ({self.largest_value:.6g})"
+            )
+        metric, value, threshold = candidate.tripped[0]
+        return {
+            "seed": seed,
+            "kv_aligned": self.kv_aligned,
+            "token_idx": candidate.token_idx,
+            "token_id": candidate.token_id,
+            "metric": metric,
+            "value": value,
+            "threshold": threshold,
+            "tripped": [name for name, _, _ in candidate.tripped],
+            "top5": candidate.top5,
+            "where": candidate.where,
+            "note": note,
+        }
+
+
+def _greedy_divergence(a: np.ndarray, b: np.ndarray, id_a: int, id_b: int) -> bool:
+    """Did each side pick a top logit of its own row (greedy decoding parting ways)?"""
+    v = a.shape[0]
+    if not (0 <= id_a < v and 0 <= id_b < v and b.shape[0] == v):
+        return False
+    return bool(a[id_a] == a.max() and b[id_b] == b.max())
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    """Seed section 8's cos_sim of one token, in float32; two zero rows count as identical."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        dot, norms = np.dot(a, b), np.linalg.norm(a) * np.linalg.norm(b)
+    if not (np.isfinite(dot) and np.isfinite(norms)):
+        # Huge logits overflow float32 sums; float64 holds them.
+        a, b = a.astype(np.float64), b.astype(np.float64)
+        dot, norms = np.dot(a, b), np.linalg.norm(a) * np.linalg.norm(b)
+    if norms == 0:
+        return 1.0 if np.array_equal(a, b) else 0.0
+    return float(dot / norms)
+
+
+def _result(
+    judge: _PairJudge,
+    *,
+    seed: int,
+    kv_aligned: int,
+    dtype: str,
+    prompt_len: int,
+    gen_len: int,
+) -> PairResult:
+    metrics = judge.metrics()
+    verdict = pair_verdict(metrics, kv_aligned, judge.thresholds)
+    first_fail = judge.first_fail(seed, metrics) if verdict == FAIL_EQUIV else None
+    return PairResult(
+        seed=seed,
+        kv_aligned=kv_aligned,
+        dtype=dtype,
+        prompt_len=prompt_len,
+        gen_len=gen_len,
+        pair_count=judge.count,
+        metrics=metrics,
+        verdict=verdict,
+        thresholds=dict(judge.thresholds),
+        first_fail=first_fail,
+        prefill_path=judge.prefill_path,
+        decode_path=judge.decode_path,
+        diverged_at_token=judge.diverged_at,
+    )
+
+
+def compare_pair(
+    prefill: LogitsTable,
+    decode: LogitsTable,
+    *,
+    seed: int,
+    kv_aligned: int,
+    dtype: str,
+    prompt_len: int,
+    gen_len: int,
+    thresholds: dict[str, float] | None = None,
+) -> PairResult:
+    """Judges two loaded tables (row i is line i + 1 of its file)."""
+    if kv_aligned not in (0, 1):
+        raise ValueError(f"kv_aligned must be 0 or 1, got {kv_aligned!r}")
+    for table in (prefill, decode):
+        t = table.logits.shape[0]
+        if table.logits.ndim != 2 or table.token_idx.shape != (t,) or table.token_id.shape != (t,):
+            raise ValueError(f"{table.path}: a LogitsTable needs (T,) ids and (T, V) logits")
+        bad = np.flatnonzero(table.token_idx != np.arange(t))
+        if bad.size:
+            i = int(bad[0])
+            raise InputError(
+                table.path,
+                i + 1,
+                f"token_idx {int(table.token_idx[i])} where {i} was expected",
+                "token_idx must run 0, 1, 2, ... one line each; re-run this side",
+            )
+    _check_lengths(prefill.path, prefill.logits.shape[0], decode.path, decode.logits.shape[0])
+    judge = _PairJudge(
+        prefill.path,
+        decode.path,
+        kv_aligned,
+        resolve_thresholds(thresholds),
+        capacity=prefill.logits.shape[0],
+    )
+    a32 = np.asarray(prefill.logits, dtype=np.float32)
+    b32 = np.asarray(decode.logits, dtype=np.float32)
+    for i in range(a32.shape[0]):
+        judge.add(
+            i, int(prefill.token_id[i]), int(decode.token_id[i]), a32[i], b32[i], i + 1, i + 1
+        )
+        if judge.diverged_at is not None:
+            break
+    return _result(
+        judge,
+        seed=seed,
+        kv_aligned=kv_aligned,
+        dtype=dtype,
+        prompt_len=prompt_len,
+        gen_len=gen_len,
+    )
+
+
+def _check_lengths(prefill_path: str, t_prefill: int, decode_path: str, t_decode: int) -> None:
+    if t_prefill != t_decode:
+        raise InputError(
+            prefill_path,
+            None,
+            f"{t_prefill} tokens here but {t_decode} in {decode_path}: the pair is not comparable",
+            PAIR_HINT,
+        )
+
+
+def compare_files(
+    prefill_path: str | Path,
+    decode_path: str | Path,
+    *,
+    seed: int,
+    kv_aligned: int,
+    dtype: str,
+    prompt_len: int,
+    gen_len: int,
+    thresholds: dict[str, float] | None = None,
+) -> PairResult:
+    """Judges a pair straight from its two logits.jsonl.gz files, streaming both in lockstep.
+
+    Memory is O(V) per side plus the float32 |Δ| of the pair (needed for the exact p99).
+    """
+    if kv_aligned not in (0, 1):
+        raise ValueError(f"kv_aligned must be 0 or 1, got {kv_aligned!r}")
+    prefill_path, decode_path = str(prefill_path), str(decode_path)
+    judge = _PairJudge(
+        prefill_path,
+        decode_path,
+        kv_aligned,
+        resolve_thresholds(thresholds),
+        capacity=min(max(gen_len, 1), 1024),  # a hint: the buffer grows if T is larger
+    )
+    rows_a = iter_logits(prefill_path)
+    rows_b = iter_logits(decode_path)
+    try:
+        while True:
+            ra = next(rows_a, None)
+            rb = next(rows_b, None)
+            if ra is None or rb is None:
+                if ra is not rb:
+                    # One side ended; count the other's tokens so the message is exact.
+                    rest = rows_b if ra is None else rows_a
+                    extra = 1 + sum(1 for _ in rest)
+                    t_a = judge.count + (0 if ra is None else extra)
+                    t_b = judge.count + (0 if rb is None else extra)
+                    _check_lengths(prefill_path, t_a, decode_path, t_b)
+                break
+            if judge.diverged_at is None:
+                judge.add(
+                    ra.token_idx, ra.token_id, rb.token_id, ra.logits, rb.logits, ra.line, rb.line
+                )
+            else:
+                judge.skipped += 1  # still read to the end: every line and the gzip are checked
+    finally:
+        rows_a.close()
+        rows_b.close()
+    return _result(
+        judge,
+        seed=seed,
+        kv_aligned=kv_aligned,
+        dtype=dtype,
+        prompt_len=prompt_len,
+        gen_len=gen_len,
+    )
+
+
+# ---------------------------------------------------------------- documents
+
+
+def metrics_document(result: PairResult, timestamp: str) -> dict[str, Any]:
+    """The seed section 2.2 metrics.json object for one pair."""
+    doc = {
+        "seed": result.seed,
+        "dtype": result.dtype,
+        "prompt_len": result.prompt_len,
+        "gen_len": result.gen_len,
+        "kv_aligned": result.kv_aligned,
+        "pair_count": result.pair_count,
+        "metrics": {key: result.metrics[key] for key in METRIC_KEYS},
+        "verdict": result.verdict,
+        "thresholds": dict(result.thresholds),
+        "first_fail": result.first_fail,
+        "timestamp": timestamp,
+    }
+    if result.diverged_at_token is not None:
+        # Beyond section 2.2, present only when greedy decoding parted ways mid-pair.
+        doc["diverged_at_token"] = result.diverged_at_token
+    return doc
+
+
+def _mean(values: list[float]) -> float | None:
+    return float(np.mean(values)) if values else None
+
+
+def _metrics_summary(results: list[PairResult]) -> dict[str, float | None]:
+    return {
+        "max_abs_diff_mean": _mean([r.metrics["max_abs_diff"] for r in results]),
+        "p99_abs_diff_mean": _mean([r.metrics["p99_abs_diff"] for r in results]),
+        "top1_agreement_mean": _mean([r.metrics["top1_agreement"] for r in results]),
+    }
+
+
+def summarize(
+    results: list[PairResult],
+    config_matrix: dict[str, Any],
+    thresholds: dict[str, float] | None,
+    date: str,
+) -> dict[str, Any]:
+    """The seed section 2.3 summary.json object, plus section 1's flat counts."""
+    verdict = global_verdict(results)
+    aligned = [r for r in results if r.kv_aligned == 1]
+    drift = [r for r in results if r.kv_aligned == 0]
+    pass_equiv = sum(r.verdict == PASS_EQUIV for r in aligned)
+    fail_equiv = sum(r.verdict == FAIL_EQUIV for r in aligned)
+    expected_drift = sum(r.verdict == EXPECTED_DRIFT for r in drift)
+    first_fail = next((r.first_fail for r in results if r.verdict == FAIL_EQUIV), None)
+    return {
+        "benchmark": "B3.67",
+        "date": date,
+        "config_matrix": config_matrix,
+        "total_runs": len(results),
+        "pass_equiv": pass_equiv,
+        "fail_equiv": fail_equiv,
+        "expected_drift": expected_drift,
+        "results": {
+            "kv_aligned_1": {
+                "total_runs": len(aligned),
+                "pass_equiv": pass_equiv,
+                "fail_equiv": fail_equiv,
+                "metrics_summary": _metrics_summary(aligned),
+            },
+            "kv_aligned_0": {
+                "total_runs": len(drift),
+                "expected_drift": expected_drift,
+                "metrics_summary": _metrics_summary(drift),
+            },
+        },
+        "first_fail": first_fail,
+        "global_verdict": verdict,
+        "threshold_config": resolve_thresholds(thresholds),
+    }

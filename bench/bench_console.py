@@ -1,0 +1,198 @@
+"""Console throughput: replay a synthetic 100k-event run through the app headless.
+
+Prints events per second through the Run screen (against the bare model as the baseline),
+the worst gap between the screen's drain ticks, and the worst event-loop stall seen by a
+10 ms heartbeat (what bounds how late a frame can be).
+
+    python bench/bench_console.py [--cells 100] [--events 100000] [--size 120x40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from console.app import create_app  # noqa: E402
+from console.run_model import RunModel  # noqa: E402
+from console.screens.run import TICK_HZ, RunScreen  # noqa: E402
+from console.widgets.banner import VerdictBanner  # noqa: E402
+from runners.events import (  # noqa: E402
+    CellFinished,
+    CellStarted,
+    Event,
+    OutputLines,
+    PairVerdict,
+    RunFinished,
+    RunStarted,
+)
+from runners.record import read_events  # noqa: E402
+
+THRESHOLDS = {"p99_abs_diff_max": 0.001, "max_abs_diff_max": 0.005, "top1_agreement_min": 0.999}
+
+
+def synthetic_run(folder: Path, cells: int, total: int) -> int:
+    """Write run.json and events.jsonl for a run of `cells` cells and about `total` events."""
+    t = 1_780_000_000.0
+    per_cell = max(1, (total - 2) // cells - 3)
+    params = [
+        {"kv_aligned": i % 2, "seed": i // 4, "mode": ("prefill", "decode")[(i // 2) % 2]}
+        for i in range(cells)
+    ]
+    events: list[Event] = [
+        RunStarted(
+            run_id="bench",
+            preset="bench",
+            kind="equivalence",
+            target="local",
+            local_dir=str(folder),
+            remote_dir="/tmp/bench",
+            cells=[{"index": i, "params": p, "command": "engine"} for i, p in enumerate(params)],
+            profile="none",
+            env={},
+            t=t,
+        )
+    ]
+    for i, p in enumerate(params):
+        events.append(CellStarted(cell=i, params=p, command="engine", t=t))
+        for n in range(per_cell):
+            t += 0.001
+            lines = [f"cell {i} step {n} token={n * 7 % 32000} logit={n * 0.001:.3f}"]
+            if n % 10 == 0:
+                lines.append(f"cell {i} step {n} [checkpoint] kv={n % 4096}")
+            events.append(
+                OutputLines(
+                    cell=i, stream="stdout", lines=lines, file="stdout.log", end_offset=n * 64, t=t
+                )
+            )
+        events.append(CellFinished(cell=i, state="passed", exit_code=0, duration_s=1.0, t=t))
+        if p["mode"] == "decode":
+            word = "PASS_EQUIV" if p["kv_aligned"] else "EXPECTED_DRIFT"
+            events.append(
+                PairVerdict(
+                    seed=p["seed"],
+                    kv_aligned=p["kv_aligned"],
+                    verdict=word,
+                    metrics={
+                        "max_abs_diff": 0.001,
+                        "p99_abs_diff": 0.0005,
+                        "top1_agreement": 1.0,
+                        "cos_sim_mean": 0.99999,
+                        "pair_count": 128,
+                    },
+                    thresholds=THRESHOLDS,
+                    first_fail=None,
+                    metrics_path="m.json",
+                    t=t,
+                )
+            )
+    events.append(RunFinished(verdict="PASS_GUARDRAIL", exit_code=0, summary={}, t=t + 0.1))
+    record = {
+        "run_id": "bench",
+        "preset": "bench",
+        "kind": "equivalence",
+        "source": "bench",
+        "overrides": [],
+        "preset_data": {},
+        "target": "local",
+        "remote_dir": "/tmp/bench",
+        "lock": "/tmp/bench.lock",
+        "local_dir": str(folder),
+        "started_at": "2026-01-01",
+        "user": "bench",
+        "console_host": "bench",
+        "date": "2026-01-01",
+        "extra": {},
+    }
+    (folder / "run.json").write_bytes(orjson.dumps(record))
+    with open(folder / "events.jsonl", "wb") as fh:
+        for event in events:
+            fh.write(event.to_json() + b"\n")
+    return len(events)
+
+
+def model_only(folder: Path) -> tuple[int, float]:
+    events = read_events(folder / "events.jsonl").events
+    model = RunModel()
+    start = time.perf_counter()
+    for event in events:
+        model.apply(event)
+    return len(events), time.perf_counter() - start
+
+
+async def through_app(folder: Path, size: tuple[int, int]) -> dict[str, float]:
+    app = create_app(out_dir=folder / "out", replay_dir=folder, speed=0)
+    stalls: list[float] = []
+    async with app.run_test(size=size) as pilot:
+        start = time.perf_counter()
+        while not isinstance(app.screen, RunScreen):
+            await asyncio.sleep(0.001)
+        screen = app.screen
+        screen.record_ticks = True
+        banner = screen.query_one("#banner", VerdictBanner)
+        loop = asyncio.get_running_loop()
+        last = loop.time()
+        while banner.verdict is None or screen.buffer:
+            await asyncio.sleep(0.01)
+            now = loop.time()
+            stalls.append(now - last - 0.01)
+            last = now
+        elapsed = time.perf_counter() - start
+        await pilot.pause()
+        ticks = screen.ticks
+        gaps = [b[0] - a[0] for a, b in zip(ticks, ticks[1:], strict=False)]
+        work = [end - begin for begin, end in ticks]
+        return {
+            "events": float(screen.model.events),
+            "seconds": elapsed,
+            "ticks": float(len(ticks)),
+            "worst_tick_gap": max(gaps) if gaps else float("nan"),
+            "mean_tick_gap": sum(gaps) / len(gaps) if gaps else float("nan"),
+            "worst_stall": max(stalls) if stalls else 0.0,
+            "worst_drain": max(work) if work else float("nan"),
+            "log_lines": float(screen.model.log_total),
+        }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cells", type=int, default=100)
+    parser.add_argument("--events", type=int, default=100_000)
+    parser.add_argument("--size", default="120x40")
+    args = parser.parse_args()
+    width, height = (int(v) for v in args.size.split("x"))
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        count = synthetic_run(folder, args.cells, args.events)
+        n, model_s = model_only(folder)
+        result = asyncio.run(through_app(folder, (width, height)))
+    rate = result["events"] / result["seconds"]
+    base = n / model_s
+    print(
+        f"synthetic run: {count} events ({args.cells} cells, "
+        f"{int(result['log_lines'])} log lines), screen {width}x{height}"
+    )
+    print(f"model only (baseline):  {base:12,.0f} events/s")
+    print(
+        f"through the Run screen: {rate:12,.0f} events/s  ({result['seconds']:.2f} s, "
+        f"{rate / base:.2f}x the bare model; includes reading events.jsonl)"
+    )
+    print(
+        f"drain ticks: {int(result['ticks'])}, target every {1000 / TICK_HZ:.0f} ms, mean "
+        f"{result['mean_tick_gap'] * 1000:.0f} ms, worst gap {result['worst_tick_gap'] * 1000:.0f} ms"
+    )
+    print(f"longest drain (apply a batch + update widgets): {result['worst_drain'] * 1000:.0f} ms")
+    print(f"worst event-loop stall (10 ms heartbeat): {result['worst_stall'] * 1000:.0f} ms")
+    if result["events"] != count:
+        raise SystemExit(f"only {int(result['events'])} of {count} events reached the model")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,830 @@
+"""B3.67 analysis: logits/metadata readers, section 8 metrics, verdicts, first_fail, documents."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from analysis.equivalence import (
+    EXPECTED_DRIFT,
+    FAIL_EQUIV,
+    FAIL_GUARDRAIL,
+    PASS_EQUIV,
+    PASS_GUARDRAIL,
+    THRESHOLDS,
+    PairResult,
+    compare_files,
+    compare_pair,
+    exit_code_for,
+    global_verdict,
+    metrics_document,
+    summarize,
+)
+from analysis.logits import InputError, LogitsTable, read_logits, read_metadata
+from analysis.report import report_markdown
+
+PAIR_KW: dict[str, Any] = {"dtype": "bf16", "prompt_len": 32, "gen_len": 8}
+
+
+# ---------------------------------------------------------------- writers (the engine side)
+
+
+def line_of(idx: int, token_id: int, row: Any) -> str:
+    return json.dumps({"token_idx": idx, "token_id": token_id, "logits": [float(x) for x in row]})
+
+
+def write_lines(path: Path, lines: list[str], newline_at_end: bool = True) -> Path:
+    text = "\n".join(lines) + ("\n" if newline_at_end else "")
+    with gzip.open(path, "wt") as fh:
+        fh.write(text)
+    return path
+
+
+def write_table(path: Path, logits: np.ndarray, ids: list[int] | np.ndarray) -> Path:
+    return write_lines(path, [line_of(i, int(ids[i]), row) for i, row in enumerate(logits)])
+
+
+def pair_data(
+    tokens: int = 8, vocab: int = 300, noise: float = 1e-4, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    a = rng.normal(-1.0, 3.0, (tokens, vocab)).astype(np.float32)
+    b = (a + rng.normal(0.0, noise, (tokens, vocab))).astype(np.float32)
+    return a, b, np.argmax(a, axis=1)
+
+
+def table(path: str, logits: np.ndarray, ids: np.ndarray) -> LogitsTable:
+    t = logits.shape[0]
+    return LogitsTable(path, np.arange(t, dtype=np.int64), np.asarray(ids, np.int64), logits)
+
+
+def section8(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
+    """Seed section 8, applied to float32 tables: whole-pair |Δ|, per-token top-1 and cosine."""
+    diffs = np.abs(np.array(a) - np.array(b))
+    cos = [
+        float(np.dot(x, y) / (np.linalg.norm(x) * np.linalg.norm(y)))
+        for x, y in zip(a, b, strict=True)
+    ]
+    return {
+        "max_abs_diff": float(np.max(diffs)),
+        "p99_abs_diff": float(np.percentile(diffs, 99)),
+        "top1_agreement": float(
+            np.mean([float(np.argmax(x) == np.argmax(y)) for x, y in zip(a, b, strict=True)])
+        ),
+        "cos_sim_mean": float(np.mean(cos)),
+    }
+
+
+def top5(row: np.ndarray) -> list[list[Any]]:
+    order = sorted(range(row.shape[0]), key=lambda i: (-float(row[i]), i))[:5]
+    return [[i, float(row[i])] for i in order]
+
+
+# ---------------------------------------------------------------- reading good files
+
+
+def test_read_logits_round_trips_float32_values(tmp_path: Path) -> None:
+    a, _, ids = pair_data(tokens=5, vocab=50)
+    path = write_table(tmp_path / "l.jsonl.gz", a, ids)
+    t = read_logits(path)
+    assert t.path == str(path)
+    assert t.logits.dtype == np.float32 and t.logits.shape == (5, 50)
+    assert np.array_equal(t.logits, a)
+    assert t.token_idx.dtype == np.int64 and t.token_idx.tolist() == [0, 1, 2, 3, 4]
+    assert t.token_id.dtype == np.int64 and t.token_id.tolist() == ids.tolist()
+
+
+def test_read_logits_accepts_ints_extra_keys_spaces_members_and_no_final_newline(
+    tmp_path: Path,
+) -> None:
+    lines = [
+        '{"token_idx": 0, "token_id": 2, "logits": [1, -2.5, 3e0], "mode": "prefill \\" x"}',
+        '{ "logits" : [ 0.5 , 1.5 , -0.0 ] , "token_id" : 1 , "token_idx" : 1 }',
+    ]
+    path = tmp_path / "l.jsonl.gz"
+    # Two gzip members back to back are one valid gzip file.
+    path.write_bytes(gzip.compress((lines[0] + "\n").encode()) + gzip.compress(lines[1].encode()))
+    t = read_logits(path)
+    assert t.logits.tolist() == [[1.0, -2.5, 3.0], [0.5, 1.5, 0.0]]
+    assert t.token_id.tolist() == [2, 1]
+
+
+def test_read_logits_grows_past_its_first_allocation(tmp_path: Path) -> None:
+    a, _, ids = pair_data(tokens=150, vocab=7)
+    t = read_logits(write_table(tmp_path / "l.jsonl.gz", a, ids))
+    assert np.array_equal(t.logits, a)
+
+
+# ---------------------------------------------------------------- bad logits files
+
+
+def expect_error(path: Path, line: int | None, *fragments: str) -> InputError:
+    with pytest.raises(InputError) as info:
+        read_logits(path)
+    err = info.value
+    assert err.file == str(path)
+    assert err.line == line
+    text = str(err)
+    prefix = f"{path}:{line}: " if line is not None else f"{path}: "
+    assert text.startswith(prefix), text
+    assert " — " in text, text  # says what to do
+    for fragment in fragments:
+        assert fragment in text, text
+    return err
+
+
+GOOD = [line_of(i, 1, [0.5, -1.0, 2.0]) for i in range(4)]
+
+
+def test_corrupt_gzip_names_the_file(tmp_path: Path) -> None:
+    raw = bytearray(gzip.compress(("\n".join(GOOD) + "\n").encode()))
+    raw[20:30] = b"\xff" * 10
+    path = tmp_path / "l.jsonl.gz"
+    path.write_bytes(bytes(raw))
+    expect_error(path, None, "corrupt gzip")
+
+
+def test_not_gzip_at_all(tmp_path: Path) -> None:
+    path = tmp_path / "l.jsonl.gz"
+    path.write_text("\n".join(GOOD) + "\n")
+    expect_error(path, None, "corrupt gzip")
+
+
+@pytest.mark.parametrize("cut", [1, 4, 8, 40])
+def test_truncated_gzip_never_passes(tmp_path: Path, cut: int) -> None:
+    raw = gzip.compress(("\n".join(GOOD) + "\n").encode())
+    path = tmp_path / "l.jsonl.gz"
+    path.write_bytes(raw[:-cut])
+    expect_error(path, None, "corrupt gzip", "truncated")
+
+
+def test_crc_mismatch_is_corrupt(tmp_path: Path) -> None:
+    raw = bytearray(gzip.compress(("\n".join(GOOD) + "\n").encode()))
+    raw[-8] ^= 0xFF  # the CRC32 in the trailer
+    path = tmp_path / "l.jsonl.gz"
+    path.write_bytes(bytes(raw))
+    expect_error(path, None, "corrupt gzip", "check")
+
+
+def test_trailing_garbage_is_corrupt(tmp_path: Path) -> None:
+    path = tmp_path / "l.jsonl.gz"
+    path.write_bytes(gzip.compress(("\n".join(GOOD) + "\n").encode()) + b"garbage!")
+    expect_error(path, None, "corrupt gzip")
+
+
+def test_empty_file_and_empty_stream(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.jsonl.gz"
+    empty.write_bytes(b"")
+    expect_error(empty, None, "empty file")
+    no_lines = tmp_path / "nolines.jsonl.gz"
+    no_lines.write_bytes(gzip.compress(b""))
+    expect_error(no_lines, None, "no token lines")
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    expect_error(tmp_path / "absent.jsonl.gz", None, "cannot read")
+
+
+def bad_line(tmp_path: Path, index: int, text: str, *fragments: str) -> InputError:
+    lines = list(GOOD)
+    lines[index] = text
+    path = write_lines(tmp_path / "l.jsonl.gz", lines)
+    return expect_error(path, index + 1, *fragments)
+
+
+@pytest.mark.parametrize(
+    ("text", "fragments"),
+    [
+        ('{"token_idx": 2, "token_id": 1, "logits": [0.5, -1.0,', ("not valid JSON",)),
+        ("[1, 2, 3]", ("JSON array, not an object",)),
+        ('{"token_idx": 2, "logits": [0.5, -1.0, 2.0]}', ("missing key 'token_id'",)),
+        ('{"token_id": 1, "logits": [0.5, -1.0, 2.0]}', ("missing key 'token_idx'",)),
+        ('{"token_idx": 2, "token_id": 1}', ("missing key 'logits'",)),
+        (
+            '{"token_idx": 2.0, "token_id": 1, "logits": [0.5, 1, 2]}',
+            ("token_idx must be an integer",),
+        ),
+        ('{"token_idx": true, "token_id": 1, "logits": [0.5, 1, 2]}', ("token_idx", "boolean")),
+        ('{"token_idx": "2", "token_id": 1, "logits": [0.5, 1, 2]}', ("token_idx", "string")),
+        (
+            '{"token_idx": 2, "token_id": 1.5, "logits": [0.5, 1, 2]}',
+            ("token_id must be an integer",),
+        ),
+        ('{"token_idx": 2, "token_id": -1, "logits": [0.5, 1, 2]}', ("token_id -1 is outside",)),
+        ('{"token_idx": 2, "token_id": 3, "logits": [0.5, 1, 2]}', ("token_id 3 is outside",)),
+        ('{"token_idx": 2, "token_id": 1, "logits": {"a": 1}}', ("logits must be an array",)),
+        ('{"token_idx": 2, "token_id": 1, "logits": []}', ("logits is empty",)),
+        ('{"token_idx": 2, "token_id": 1, "logits": [0.5, "1.0", 2]}', ("logits[1] is a string",)),
+        ('{"token_idx": 2, "token_id": 1, "logits": [0.5, 1, true]}', ("logits[2] is a boolean",)),
+        ('{"token_idx": 2, "token_id": 1, "logits": [false, 1, 2]}', ("logits[0] is a boolean",)),
+        ('{"token_idx": 2, "token_id": 1, "logits": [0.5, null, 2]}', ("logits[1] is a null",)),
+        ('{"token_idx": 2, "token_id": 1, "logits": [0.5, [1], 2]}', ("logits[1] is a array",)),
+        (
+            '{"token_idx": 2, "token_id": 1, "logits": [0.5, 1, 2, 3]}',
+            ("4 values but line 1 had 3",),
+        ),
+        ('{"token_idx": 2, "token_id": 1, "logits": [0.5, 1]}', ("2 values but line 1 had 3",)),
+        ("", ("empty line",)),
+    ],
+)
+def test_malformed_line_names_its_line(
+    tmp_path: Path, text: str, fragments: tuple[str, ...]
+) -> None:
+    bad_line(tmp_path, 2, text, *fragments)
+
+
+@pytest.mark.parametrize(
+    ("value", "position", "word"),
+    [("NaN", 1, "NaN"), ("Infinity", 0, "Infinity"), ("-Infinity", 2, "-Infinity")],
+)
+def test_non_finite_logits_name_line_and_position(
+    tmp_path: Path, value: str, position: int, word: str
+) -> None:
+    values = ["0.5", "-1.0", "2.0"]
+    values[position] = value
+    text = '{"token_idx": 1, "token_id": 1, "logits": [' + ", ".join(values) + "]}"
+    bad_line(tmp_path, 1, text, f"logits[{position}] is {word}")
+
+
+def test_numbers_beyond_range_are_rejected(tmp_path: Path) -> None:
+    # Beyond float64: Python's json reads it as Infinity.
+    bad_line(tmp_path, 1, '{"token_idx": 1, "token_id": 1, "logits": [1e400, 1, 2]}', "logits[0]")
+    # Finite in float64 but beyond float32.
+    bad_line(
+        tmp_path,
+        3,
+        '{"token_idx": 3, "token_id": 1, "logits": [0.5, 1, 1e39]}',
+        "logits[2]",
+        "float32",
+    )
+
+
+def test_missing_token(tmp_path: Path) -> None:
+    lines = [GOOD[0], GOOD[1], line_of(3, 1, [0, 1, 2])]
+    err = expect_error(write_lines(tmp_path / "l.jsonl.gz", lines), 3, "token 2 missing")
+    assert "token_idx 3 where 2 was expected" in str(err)
+
+
+def test_duplicate_token(tmp_path: Path) -> None:
+    lines = [GOOD[0], GOOD[1], GOOD[1]]
+    expect_error(write_lines(tmp_path / "l.jsonl.gz", lines), 3, "duplicate token_idx 1")
+
+
+def test_out_of_order_tokens(tmp_path: Path) -> None:
+    lines = [GOOD[0], GOOD[2], GOOD[1]]
+    expect_error(write_lines(tmp_path / "l.jsonl.gz", lines), 2, "token_idx 2 where 1")
+
+
+def test_first_token_must_be_zero(tmp_path: Path) -> None:
+    expect_error(write_lines(tmp_path / "l.jsonl.gz", GOOD[1:]), 1, "token 0 missing")
+
+
+def test_negative_token_idx(tmp_path: Path) -> None:
+    bad_line(tmp_path, 0, line_of(-1, 1, [0, 1, 2]), "negative")
+
+
+def test_blank_line_inside_the_file(tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "l.jsonl.gz", [GOOD[0], "", GOOD[1]])
+    expect_error(path, 2, "empty line")
+
+
+def test_error_after_many_good_lines_names_the_right_line(tmp_path: Path) -> None:
+    a, _, ids = pair_data(tokens=60, vocab=20)
+    lines = [line_of(i, int(ids[i]), a[i]) for i in range(60)]
+    lines[47] = lines[47].replace('"logits": [', '"logits": [NaN, ', 1)
+    path = write_lines(tmp_path / "l.jsonl.gz", lines)
+    expect_error(path, 48, "logits[0] is NaN")
+
+
+# ---------------------------------------------------------------- metadata
+
+
+META = {
+    "dtype": "bf16",
+    "prompt_len": 512,
+    "gen_len": 128,
+    "seed": 0,
+    "kv_aligned": 1,
+    "mode": "prefill",
+    "timestamp": "2026-02-07T20:00:00Z",
+    "git_commit": "abc123def",
+}
+
+
+def test_read_metadata_returns_the_object(tmp_path: Path) -> None:
+    path = tmp_path / "metadata.json"
+    path.write_text(json.dumps(META))
+    assert read_metadata(path) == META
+
+
+@pytest.mark.parametrize("key", ["dtype", "prompt_len", "gen_len", "seed", "kv_aligned", "mode"])
+def test_metadata_missing_key(tmp_path: Path, key: str) -> None:
+    path = tmp_path / "metadata.json"
+    path.write_text(json.dumps({k: v for k, v in META.items() if k != key}))
+    with pytest.raises(InputError) as info:
+        read_metadata(path)
+    assert str(info.value).startswith(f"{path}: missing key '{key}' — ")
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "fragment"),
+    [
+        ("dtype", 16, "must be a string"),
+        ("prompt_len", "512", "must be an integer"),
+        ("gen_len", 128.0, "must be an integer"),
+        ("seed", True, "must be an integer"),
+        ("kv_aligned", 2, "0 or 1"),
+        ("mode", "both", "'prefill' or 'decode'"),
+        ("seed", -1, "negative"),
+    ],
+)
+def test_metadata_wrong_type(tmp_path: Path, key: str, value: Any, fragment: str) -> None:
+    path = tmp_path / "metadata.json"
+    path.write_text(json.dumps({**META, key: value}))
+    with pytest.raises(InputError) as info:
+        read_metadata(path)
+    assert str(info.value).startswith(f"{path}: key '{key}'")
+    assert fragment in str(info.value)
+
+
+def test_metadata_bad_json_names_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "metadata.json"
+    path.write_text('{\n  "dtype": "bf16",\n  "seed": ,\n}')
+    with pytest.raises(InputError) as info:
+        read_metadata(path)
+    assert info.value.line == 3 and str(info.value).startswith(f"{path}:3: not valid JSON")
+
+
+def test_metadata_not_an_object(tmp_path: Path) -> None:
+    path = tmp_path / "metadata.json"
+    path.write_text("[1]")
+    with pytest.raises(InputError, match="not an object"):
+        read_metadata(path)
+
+
+# ---------------------------------------------------------------- metrics
+
+
+@pytest.mark.parametrize(("tokens", "vocab", "noise"), [(8, 300, 1e-4), (13, 1001, 0.3), (1, 7, 0)])
+def test_metrics_equal_an_independent_section8_computation(
+    tmp_path: Path, tokens: int, vocab: int, noise: float
+) -> None:
+    a, b, ids = pair_data(tokens, vocab, noise, seed=tokens)
+    expected = section8(a, b)
+    pre = write_table(tmp_path / "p.jsonl.gz", a, ids)
+    dec = write_table(tmp_path / "d.jsonl.gz", b, ids)
+    streamed = compare_files(pre, dec, seed=0, kv_aligned=1, **PAIR_KW)
+    loaded = compare_pair(read_logits(pre), read_logits(dec), seed=0, kv_aligned=1, **PAIR_KW)
+    for result in (streamed, loaded):
+        assert result.pair_count == tokens
+        for key in ("max_abs_diff", "p99_abs_diff", "top1_agreement"):
+            assert result.metrics[key] == expected[key], key
+        assert result.metrics["cos_sim_mean"] == pytest.approx(expected["cos_sim_mean"], abs=1e-6)
+
+
+def test_top1_agreement_counts_tokens(tmp_path: Path) -> None:
+    a, b, ids = pair_data(tokens=10, vocab=50, noise=0)
+    for i in (2, 7):  # flip the winner of two tokens on the decode side
+        b[i, ids[i]] = b[i].min() - 1
+    result = compare_pair(table("p", a, ids), table("d", b, ids), seed=0, kv_aligned=0, **PAIR_KW)
+    assert result.metrics["top1_agreement"] == 0.8
+
+
+def test_p99_uses_linear_interpolation_over_all_elements() -> None:
+    a = np.zeros((2, 50), np.float32)
+    b = a.copy()
+    b[0, :] = np.arange(50, dtype=np.float32)
+    b[1, :] = np.arange(50, 100, dtype=np.float32)
+    result = compare_pair(
+        table("p", a, [0, 0]), table("d", b, [0, 0]), seed=0, kv_aligned=0, **PAIR_KW
+    )
+    assert result.metrics["p99_abs_diff"] == pytest.approx(98.01)  # 0.99 * 99
+    assert result.metrics["max_abs_diff"] == 99.0
+
+
+def test_cosine_of_zero_rows_and_of_huge_logits() -> None:
+    a = np.zeros((2, 4), np.float32)
+    a[1] = [1e30, -1e30, 3e29, 0.0]  # float32 dot products overflow here
+    b = a.copy()
+    b[1, 3] = 1.0
+    result = compare_pair(
+        table("p", a, [0, 0]), table("d", b, [0, 0]), seed=0, kv_aligned=0, **PAIR_KW
+    )
+    assert result.metrics["cos_sim_mean"] == pytest.approx(1.0)
+
+
+def test_a_difference_beyond_float32_is_an_input_error() -> None:
+    a = np.zeros((2, 4), np.float32)
+    b = a.copy()
+    a[1, 2], b[1, 2] = 3e38, -3e38
+    with pytest.raises(InputError, match=r"^p:2: the difference with d:2 overflows float32"):
+        compare_pair(table("p", a, [0, 0]), table("d", b, [0, 0]), seed=0, kv_aligned=0, **PAIR_KW)
+
+
+# ---------------------------------------------------------------- pairing
+
+
+def test_token_id_mismatch_names_both_files_and_the_line(tmp_path: Path) -> None:
+    a, b, ids = pair_data(tokens=6, vocab=40)
+    other = ids.copy()
+    other[4] = (other[4] + 1) % 40
+    pre = write_table(tmp_path / "p.jsonl.gz", a, ids)
+    dec = write_table(tmp_path / "d.jsonl.gz", b, other)
+    threads = threading.active_count()
+    for judge in (
+        lambda: compare_files(pre, dec, seed=0, kv_aligned=1, **PAIR_KW),
+        lambda: compare_pair(read_logits(pre), read_logits(dec), seed=0, kv_aligned=1, **PAIR_KW),
+    ):
+        with pytest.raises(InputError) as info:
+            judge()
+        text = str(info.value)
+        assert text.startswith(f"{pre}:5: token_idx 4 has token_id {ids[4]}"), text
+        assert f"{dec}:5" in text and "not comparable" in text
+    assert threading.active_count() == threads, "a reader thread outlived the failed pair"
+
+
+def test_token_count_mismatch(tmp_path: Path) -> None:
+    a, b, ids = pair_data(tokens=6, vocab=40)
+    pre = write_table(tmp_path / "p.jsonl.gz", a, ids)
+    dec = write_table(tmp_path / "d.jsonl.gz", b[:4], ids[:4])
+    for first, second in ((pre, dec), (dec, pre)):
+        with pytest.raises(InputError) as info:
+            compare_files(first, second, seed=0, kv_aligned=1, **PAIR_KW)
+        counts = (6, 4) if first == pre else (4, 6)
+        assert str(info.value).startswith(
+            f"{first}: {counts[0]} tokens here but {counts[1]} in {second}"
+        )
+    with pytest.raises(InputError, match="6 tokens here but 4"):
+        compare_pair(read_logits(pre), read_logits(dec), seed=0, kv_aligned=1, **PAIR_KW)
+
+
+def test_vocab_mismatch_between_sides(tmp_path: Path) -> None:
+    a, _, ids = pair_data(tokens=3, vocab=40)
+    b, _, _ = pair_data(tokens=3, vocab=41)
+    pre = write_table(tmp_path / "p.jsonl.gz", a, ids)
+    dec = write_table(tmp_path / "d.jsonl.gz", b, ids)
+    with pytest.raises(InputError) as info:
+        compare_files(pre, dec, seed=0, kv_aligned=1, **PAIR_KW)
+    assert str(info.value).startswith(f"{pre}:1: vocab size 40 here but 41 in {dec}:1")
+
+
+def test_bad_line_in_one_side_is_reported_during_the_pair(tmp_path: Path) -> None:
+    a, b, ids = pair_data(tokens=5, vocab=10)
+    pre = write_table(tmp_path / "p.jsonl.gz", a, ids)
+    lines = [line_of(i, int(ids[i]), b[i]) for i in range(5)]
+    lines[3] = lines[3].replace("[", "[NaN, ", 1)
+    dec = write_lines(tmp_path / "d.jsonl.gz", lines)
+    with pytest.raises(InputError) as info:
+        compare_files(pre, dec, seed=0, kv_aligned=1, **PAIR_KW)
+    assert str(info.value).startswith(f"{dec}:4: logits[0] is NaN")
+
+
+def test_truncated_side_fails_the_pair(tmp_path: Path) -> None:
+    a, b, ids = pair_data(tokens=5, vocab=10)
+    pre = write_table(tmp_path / "p.jsonl.gz", a, ids)
+    dec = write_table(tmp_path / "d.jsonl.gz", b, ids)
+    dec.write_bytes(dec.read_bytes()[:-6])
+    with pytest.raises(InputError, match="truncated"):
+        compare_files(pre, dec, seed=0, kv_aligned=1, **PAIR_KW)
+
+
+# ---------------------------------------------------------------- verdicts
+
+
+def judged(
+    kv_aligned: int, noise: float, thresholds: dict[str, float] | None = None, seed: int = 0
+) -> PairResult:
+    a, b, ids = pair_data(tokens=8, vocab=200, noise=noise)
+    return compare_pair(
+        table("p", a, ids),
+        table("d", b, ids),
+        seed=seed,
+        kv_aligned=kv_aligned,
+        thresholds=thresholds,
+        **PAIR_KW,
+    )
+
+
+def test_verdicts_follow_section_3_2() -> None:
+    assert judged(1, 1e-4).verdict == PASS_EQUIV
+    assert judged(1, 1e-2).verdict == FAIL_EQUIV
+    drift = judged(0, 1.0)
+    assert drift.verdict == EXPECTED_DRIFT and drift.first_fail is None
+    assert judged(0, 0.0).verdict == EXPECTED_DRIFT
+
+
+def test_thresholds_default_to_the_seed_and_can_be_overridden() -> None:
+    assert THRESHOLDS == {
+        "p99_abs_diff_max": 1e-3,
+        "max_abs_diff_max": 5e-3,
+        "top1_agreement_min": 0.999,
+    }
+    assert judged(1, 1e-4).thresholds == THRESHOLDS
+    loose = judged(1, 1e-2, {"p99_abs_diff_max": 1.0, "max_abs_diff_max": 1.0})
+    assert loose.verdict == PASS_EQUIV
+    assert loose.thresholds == {**THRESHOLDS, "p99_abs_diff_max": 1.0, "max_abs_diff_max": 1.0}
+    tight = judged(1, 1e-4, {"max_abs_diff_max": 1e-6})
+    assert tight.verdict == FAIL_EQUIV and tight.first_fail["metric"] == "max_abs_diff"
+    with pytest.raises(ValueError, match="unknown threshold"):
+        judged(1, 1e-4, {"p98_abs_diff_max": 1.0})
+
+
+def test_boundaries_are_inclusive() -> None:
+    a = np.zeros((2, 100), np.float32)
+    a[:, 0] = 10.0
+    b = a.copy()
+    b[0, 50] = np.float32(0.5)  # the only |Δ| of token 0
+    b[1, 1] = 20.0  # token 1: the argmax moves
+    ids = [0, 0]
+    pair = table("p", a, ids), table("d", b, ids)
+    flat = np.abs(a - b).ravel()
+    edge = {
+        "max_abs_diff_max": float(flat.max()),
+        "p99_abs_diff_max": float(np.percentile(flat, 99)),
+        "top1_agreement_min": 0.5,
+    }
+    result = compare_pair(*pair, seed=0, kv_aligned=1, thresholds=edge, **PAIR_KW)
+    assert result.metrics["top1_agreement"] == 0.5
+    assert result.verdict == PASS_EQUIV
+    below = {**edge, "max_abs_diff_max": float(np.nextafter(np.float32(20.0), np.float32(0)))}
+    assert compare_pair(*pair, seed=0, kv_aligned=1, thresholds=below, **PAIR_KW).verdict == (
+        FAIL_EQUIV
+    )
+
+
+def test_global_verdict_and_exit_codes() -> None:
+    ok, bad, drift = judged(1, 1e-4), judged(1, 1e-2), judged(0, 1.0)
+    assert global_verdict([ok, ok, drift]) == PASS_GUARDRAIL
+    assert global_verdict([ok, bad, drift]) == FAIL_GUARDRAIL
+    assert global_verdict([drift, drift]) == EXPECTED_DRIFT
+    assert exit_code_for(PASS_GUARDRAIL) == 0
+    assert exit_code_for(EXPECTED_DRIFT) == 0
+    assert exit_code_for(FAIL_GUARDRAIL) == 1
+    with pytest.raises(ValueError):
+        global_verdict([])
+    with pytest.raises(ValueError):
+        exit_code_for(PASS_EQUIV)
+
+
+# ---------------------------------------------------------------- first_fail
+
+
+def test_first_fail_is_the_first_token_whose_argmax_differs(tmp_path: Path) -> None:
+    a, b, ids = pair_data(tokens=12, vocab=100, noise=1e-5)
+    b[9, 3] += 0.5  # a later token with a large |Δ|
+    runner_up = int(np.argsort(a[5])[-2])
+    b[5, runner_up] = a[5, ids[5]] + 1e-4  # decode prefers the runner-up at token 5
+    pre = write_table(tmp_path / "p.jsonl.gz", a, ids)
+    dec = write_table(tmp_path / "d.jsonl.gz", b, ids)
+    result = compare_files(pre, dec, seed=4, kv_aligned=1, **PAIR_KW)
+    assert result.verdict == FAIL_EQUIV
+    ff = result.first_fail
+    assert ff is not None
+    assert ff["seed"] == 4 and ff["kv_aligned"] == 1
+    assert ff["token_idx"] == 5 and ff["token_id"] == int(ids[5])
+    assert ff["metric"] == "top1_agreement" and ff["value"] == 0.0
+    assert ff["threshold"] == 0.999
+    assert ff["top5"] == {"prefill": top5(a[5]), "decode": top5(b[5])}
+    assert ff["top5"]["decode"][0][0] == runner_up
+    assert ff["where"] == {"prefill": f"{pre}:6", "decode": f"{dec}:6"}
+    assert ff["note"] is None
+
+
+def test_first_fail_on_max_abs_diff_only() -> None:
+    a, b, ids = pair_data(tokens=12, vocab=100, noise=1e-5)
+    b[7, 11] += 0.01
+    b[10, 12] += 0.02
+    result = compare_pair(table("p", a, ids), table("d", b, ids), seed=0, kv_aligned=1, **PAIR_KW)
+    ff = result.first_fail
+    assert ff["token_idx"] == 7 and ff["metric"] == "max_abs_diff"
+    assert ff["value"] == float(np.abs(a[7] - b[7]).max()) and ff["threshold"] == 5e-3
+    assert ff["where"] == {"prefill": "p:8", "decode": "d:8"}
+
+
+def test_first_fail_on_a_tokens_own_p99() -> None:
+    a, b, ids = pair_data(tokens=12, vocab=1000, noise=1e-5)
+    rng = np.random.default_rng(3)
+    hit = rng.choice(1000, 30, replace=False)
+    hit = hit[hit != ids[4]]
+    b[4, hit] += np.float32(0.002)  # 3% of token 4 off by 2e-3: under max, over p99
+    b[9, 5] += np.float32(0.01)  # the pair fails (on max) at a later token
+    result = compare_pair(table("p", a, ids), table("d", b, ids), seed=0, kv_aligned=1, **PAIR_KW)
+    ff = result.first_fail
+    assert ff["token_idx"] == 4 and ff["metric"] == "p99_abs_diff"
+    assert ff["value"] == float(np.percentile(np.abs(a[4] - b[4]), 99))
+    assert ff["threshold"] == 1e-3
+    assert ff["tripped"] == ["p99_abs_diff"]
+
+
+def test_first_fail_on_p99_with_the_fewest_values_that_can_trip_it() -> None:
+    # vocab 150: a token's p99 is 0.49 * s[147] + 0.51 * s[148], so two values of 2.5e-3
+    # give about 1.3e-3 (> 1e-3) while the max, 2.5e-3, stays under 5e-3.
+    a, b, ids = pair_data(tokens=8, vocab=150, noise=1e-6)
+    cols = [c for c in (10, 20, 30) if c != ids[2]][:2]
+    b[2, cols] = a[2, cols] + np.float32(2.5e-3)
+    b[6, 5 if ids[6] != 5 else 6] += np.float32(0.01)
+    result = compare_pair(table("p", a, ids), table("d", b, ids), seed=0, kv_aligned=1, **PAIR_KW)
+    ff = result.first_fail
+    assert (ff["token_idx"], ff["metric"], ff["tripped"]) == (2, "p99_abs_diff", ["p99_abs_diff"])
+    assert ff["value"] == float(np.percentile(np.abs(a[2] - b[2]), 99)) > 1e-3
+
+
+def test_first_fail_when_only_the_aggregate_fails() -> None:
+    # vocab 150: a token's p99 sits halfway between its 148th and 149th smallest |Δ|, so two
+    # values of 1.5e-3 per token give a token p99 of about 7.7e-4 (passes), while over the whole
+    # pair 1.33% of the values are 1.5e-3, so the pair's p99 is 1.5e-3 (fails).
+    a, b, ids = pair_data(tokens=20, vocab=150, noise=1e-6)
+    for i in range(20):
+        cols = [c for c in (10, 20, 30) if c != ids[i]][:2]
+        b[i, cols] = a[i, cols] + np.float32(1.5e-3)
+        if i == 13:
+            b[i, cols[1]] = a[i, cols[1]] + np.float32(2e-3)
+    diffs = np.abs(a - b)
+    assert all(np.percentile(d, 99) <= 1e-3 for d in diffs)
+    assert diffs.max() <= 5e-3 and np.percentile(diffs, 99) > 1e-3
+    result = compare_pair(table("p", a, ids), table("d", b, ids), seed=0, kv_aligned=1, **PAIR_KW)
+    assert result.verdict == FAIL_EQUIV
+    ff = result.first_fail
+    assert ff["token_idx"] == 13  # the token with the largest |Δ|
+    assert ff["metric"] == "p99_abs_diff" and ff["value"] == result.metrics["p99_abs_diff"]
+    assert "no single token" in ff["note"] and "largest" in ff["note"]
+    assert ff["top5"]["prefill"] == top5(a[13])
+
+
+def test_no_first_fail_for_passing_or_drifting_pairs() -> None:
+    assert judged(1, 1e-4).first_fail is None
+    assert judged(0, 1.0).first_fail is None
+
+
+def test_top5_breaks_ties_by_lower_token_id() -> None:
+    a = np.zeros((1, 10), np.float32)
+    a[0, [8, 2, 6]] = 1.0
+    b = a.copy()
+    b[0, 0] = 2.0
+    result = compare_pair(table("p", a, [8]), table("d", b, [8]), seed=0, kv_aligned=1, **PAIR_KW)
+    assert result.first_fail["top5"]["prefill"] == [
+        [2, 1.0],
+        [6, 1.0],
+        [8, 1.0],
+        [0, 0.0],
+        [1, 0.0],
+    ]
+    assert result.first_fail["top5"]["decode"][0] == [0, 2.0]
+
+
+# ---------------------------------------------------------------- documents
+
+
+def test_metrics_document_has_exactly_the_section_2_2_shape() -> None:
+    result = judged(1, 1e-2)
+    doc = metrics_document(result, "2026-02-07T20:01:00Z")
+    assert list(doc) == [
+        "seed",
+        "dtype",
+        "prompt_len",
+        "gen_len",
+        "kv_aligned",
+        "pair_count",
+        "metrics",
+        "verdict",
+        "thresholds",
+        "first_fail",
+        "timestamp",
+    ]
+    assert list(doc["metrics"]) == [
+        "max_abs_diff",
+        "p99_abs_diff",
+        "top1_agreement",
+        "cos_sim_mean",
+    ]
+    assert doc["verdict"] == FAIL_EQUIV and doc["first_fail"] == result.first_fail
+    assert doc["thresholds"] == THRESHOLDS and doc["timestamp"] == "2026-02-07T20:01:00Z"
+    assert (doc["dtype"], doc["prompt_len"], doc["gen_len"], doc["pair_count"]) == (
+        "bf16",
+        32,
+        8,
+        8,
+    )
+    json.dumps(doc, allow_nan=False)
+
+
+def test_summary_has_the_section_2_3_shape_and_flat_counts() -> None:
+    ok, bad, drift = judged(1, 1e-4), judged(1, 1e-2, seed=1), judged(0, 1.0)
+    matrix = {
+        "kv_aligned": [0, 1],
+        "dtype": ["bf16"],
+        "prompt_len": [32],
+        "gen_len": [8],
+        "seeds": [0, 1],
+    }
+    summary = summarize([ok, bad, drift], matrix, None, "2026-02-07")
+    assert list(summary) == [
+        "benchmark",
+        "date",
+        "config_matrix",
+        "total_runs",
+        "pass_equiv",
+        "fail_equiv",
+        "expected_drift",
+        "results",
+        "first_fail",
+        "global_verdict",
+        "threshold_config",
+    ]
+    assert summary["benchmark"] == "B3.67" and summary["date"] == "2026-02-07"
+    assert summary["config_matrix"] == matrix
+    assert (
+        summary["total_runs"],
+        summary["pass_equiv"],
+        summary["fail_equiv"],
+        summary["expected_drift"],
+    ) == (3, 1, 1, 1)
+    k1, k0 = summary["results"]["kv_aligned_1"], summary["results"]["kv_aligned_0"]
+    assert (k1["total_runs"], k1["pass_equiv"], k1["fail_equiv"]) == (2, 1, 1)
+    assert (k0["total_runs"], k0["expected_drift"]) == (1, 1)
+    mean = (ok.metrics["max_abs_diff"] + bad.metrics["max_abs_diff"]) / 2
+    assert k1["metrics_summary"]["max_abs_diff_mean"] == pytest.approx(mean)
+    assert k0["metrics_summary"]["p99_abs_diff_mean"] == drift.metrics["p99_abs_diff"]
+    assert summary["first_fail"] == bad.first_fail and summary["first_fail"]["seed"] == 1
+    assert summary["global_verdict"] == FAIL_GUARDRAIL
+    assert summary["threshold_config"] == THRESHOLDS
+    json.dumps(summary, allow_nan=False)
+
+
+def test_summary_first_fail_follows_the_order_given() -> None:
+    passing, first, second = judged(1, 1e-4, seed=1), judged(1, 1e-2, seed=2), judged(1, 1e-2)
+    summary = summarize([passing, first, second], {}, None, "d")
+    assert summary["first_fail"] == first.first_fail and summary["first_fail"]["seed"] == 2
+    assert summarize([second, first], {}, None, "d")["first_fail"]["seed"] == 0
+
+
+def test_report_shows_verdicts_results_and_the_first_failure() -> None:
+    ok, bad, drift = judged(1, 1e-4), judged(1, 1e-2), judged(0, 1.0)
+    summary = summarize([ok, bad, drift], {"kv_aligned": [1, 0]}, None, "2026-02-07")
+    text = report_markdown(summary, [ok, bad, drift])
+    for heading in (
+        "## Objective",
+        "## Method",
+        "## Matrix",
+        "## Results",
+        "## First failure",
+        "## How to read the verdicts",
+    ):
+        assert heading in text
+    assert "**Global verdict: FAIL_GUARDRAIL**" in text
+    for word in (PASS_EQUIV, FAIL_EQUIV, EXPECTED_DRIFT, PASS_GUARDRAIL, FAIL_GUARDRAIL):
+        assert word in text
+    ff = bad.first_fail
+    assert f"token_idx {ff['token_idx']}, token_id {ff['token_id']}" in text
+    assert f"`{ff['metric']}`" in text and ff["where"]["decode"] in text
+    assert f"| 1 | {ff['top5']['prefill'][0][0]} |" in text
+    clean = report_markdown(summarize([ok, drift], {}, None, "d"), [ok, drift])
+    assert "there is no first failure" in clean and "PASS_GUARDRAIL**" in clean
+
+
+def test_greedy_divergence_compares_up_to_the_split_then_stops() -> None:
+    """Drift flips an argmax: each side follows its own token; later tokens are not compared."""
+    from analysis.equivalence import compare_pair, metrics_document
+    from analysis.logits import LogitsTable
+
+    rng = np.random.default_rng(7)
+    t, v = 6, 50
+    a = rng.normal(size=(t, v)).astype(np.float32)
+    b = a.copy()
+    b[3] += 0.01
+    b[3, int(np.argsort(a[3])[-2])] = a[3].max() + 1.0  # decode's argmax moves at token 3
+    ids_a = a.argmax(axis=1)
+    ids_b = b.argmax(axis=1)
+    b[4:] = rng.normal(size=(t - 4, v))  # a different prefix from here on
+    ids_b[4:] = b[4:].argmax(axis=1)
+    idx = np.arange(t)
+    pre = LogitsTable("p.gz", idx, ids_a.astype(np.int64), a)
+    dec = LogitsTable("d.gz", idx, ids_b.astype(np.int64), b)
+    kw = dict(seed=0, dtype="bf16", prompt_len=8, gen_len=t)
+    drift = compare_pair(pre, dec, kv_aligned=0, **kw)
+    assert drift.verdict == "EXPECTED_DRIFT"
+    assert drift.pair_count == 4 and drift.diverged_at_token == 3
+    assert drift.metrics["top1_agreement"] == 0.75
+    assert metrics_document(drift, "t")["diverged_at_token"] == 3
+    aligned = compare_pair(pre, dec, kv_aligned=1, **kw)
+    assert aligned.verdict == "FAIL_EQUIV"
+    assert aligned.first_fail is not None and aligned.first_fail["token_idx"] == 3
+
+
+def test_token_ids_that_no_argmax_explains_are_not_a_pair() -> None:
+    from analysis.equivalence import compare_pair
+    from analysis.logits import InputError, LogitsTable
+
+    a = np.zeros((2, 5), dtype=np.float32)
+    a[:, 1] = 1.0
+    idx = np.arange(2)
+    pre = LogitsTable("p.gz", idx, np.array([1, 1]), a)
+    dec = LogitsTable("d.gz", idx, np.array([1, 4]), a.copy())  # 4 is no argmax: another run
+    with pytest.raises(InputError, match="d.gz:2: the pair is not comparable"):
+        compare_pair(pre, dec, kv_aligned=0, seed=0, dtype="bf16", prompt_len=1, gen_len=2)
