@@ -94,6 +94,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return handler(args)
     except KeyboardInterrupt:
         return EXIT_INTERRUPT
+    except BrokenPipeError:  # e.g. `tracedeck analyze ... | head`
+        sys.stderr.close()
+        return 0
 
 
 def _err(message: str) -> None:

@@ -39,6 +39,7 @@ class Printer:
         self.json_lines = json_lines
         self.total = 0
         self.cells: dict[int, dict[str, Any]] = {}
+        self.readout_shown: dict[str, str] = {}
 
     def __call__(self, event: Event) -> None:
         if self.json_lines:
@@ -152,6 +153,10 @@ class Printer:
                     f"{'' if c.get('exit_code') is None else c['exit_code']:>4} "
                     f"{'' if dur is None else f'{dur:.1f}s':>7}  {_params(c.get('params', {}))}"
                 )
+        if "prompts" in event.summary:
+            from analysis.readout import format_table
+
+            lines += ["", format_table(event.summary["prompts"], event.summary["verdict"]).rstrip()]
         if event.summary.get("error"):
             lines.append(str(event.summary["error"]))
         lines.append(f"RESULT: {event.verdict} (exit {event.exit_code})")

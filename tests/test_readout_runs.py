@@ -1,0 +1,153 @@
+"""B3.11/B3.12 readout: reference runs, injections, the seed 003 lines, rows live over SSH."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from runhelp import ROOT, cli_env, events, run_dirs, spawn, tracedeck, wait_for
+from sshd import SshHome
+
+SAMPLE = ROOT / "presets" / "samples" / "b3_12_mi300x.jsonl"
+
+
+def home(tmp_path: Path) -> Path:
+    path = tmp_path / "home"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+def isolated(tmp_path: Path) -> list[str]:
+    return ["--set", f'target.runs="{tmp_path}/remote"', "--set", f'target.lock="{tmp_path}/lock"']
+
+
+def final_rows(local_dir: Path) -> dict[str, dict]:
+    rows: dict[str, dict] = {}
+    for e in events(local_dir):
+        if e["type"] == "readout_row":
+            rows[e["row"]["prompt"]] = e["row"]
+    return rows
+
+
+def test_seed_003_lines_reproduce_its_findings(tmp_path: Path) -> None:
+    done = tracedeck("analyze", str(SAMPLE), env=cli_env(home(tmp_path)))
+    assert done.returncode == 1  # NO OK
+    assert "| prompt 1 | 79 | 96965 | 0 | NO OK |" in done.stdout
+    assert "| prompt 2 | 79 | no decode step |" in done.stdout
+    assert "`readout_mismatch=true` count: **0**" in done.stdout
+    as_json = json.loads(
+        tracedeck("analyze", str(SAMPLE), "--json", env=cli_env(home(tmp_path))).stdout
+    )
+    assert as_json["verdict"] == "NO OK"
+    first, second = as_json["prompts"]
+    assert (first["prefill_last_top1"], first["decode0_top1"]) == (79, 96965)
+    assert second["decode_steps"] == 0 and second["note"] == "no decode step"
+
+
+def test_reference_run_is_ok_on_every_prompt(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    done = tracedeck(
+        "run",
+        "b3_11_readout",
+        "--out",
+        str(out),
+        *isolated(tmp_path),
+        env=cli_env(home(tmp_path)),
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "RESULT: OK (exit 0)" in done.stdout
+    rows = final_rows(run_dirs(out)[0])
+    assert list(rows) == ["p0_short", "p4_sys", "p5_ba", "p6_len_16"]
+    for row in rows.values():
+        assert row["verdict"] == "OK"
+        assert row["prefill_last_top1"] == row["decode0_top1"]
+        assert row["readout_mismatch_count"] == 0 and row["decode_steps"] == 8
+
+
+@pytest.mark.parametrize("inject", ["b3_11", "b3_12"])
+def test_injections_are_no_ok_and_show_the_bad_ids(tmp_path: Path, inject: str) -> None:
+    out = tmp_path / "out"
+    done = tracedeck(
+        "run",
+        "b3_11_readout",
+        "--out",
+        str(out),
+        *isolated(tmp_path),
+        "--set",
+        f'matrix.inject=["{inject}"]',
+        "--set",
+        'matrix.prompt=["p4_sys"]',
+        env=cli_env(home(tmp_path)),
+        timeout=300,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "RESULT: NO OK (exit 1)" in done.stdout
+    row = final_rows(run_dirs(out)[0])["p4_sys"]
+    assert row["verdict"] == "NO OK"
+    assert row["decode0_top1"] != row["prefill_last_top1"]
+    if inject == "b3_11":  # top-1 collapses to one id and stays there
+        assert row["collapsed"] and len(set(row["top1_seq"])) == 1
+        assert row["readout_mismatch_count"] == 0
+    else:  # logical index used in a single-token buffer
+        assert row["readout_mismatch_count"] == row["decode_steps"] > 0
+
+
+WRITER = """
+import sys, time, pathlib
+lines = pathlib.Path(sys.argv[1]).read_text().splitlines(keepends=True)
+go = pathlib.Path(sys.argv[3])
+with open(sys.argv[2], "a") as fh:
+    fh.write(lines[0]); fh.write(lines[1]); fh.flush()
+    deadline = time.time() + 60
+    while not go.exists() and time.time() < deadline:  # the test saw the first row
+        time.sleep(0.02)
+    fh.write(lines[2]); fh.flush()
+"""
+
+
+@pytest.mark.ssh
+def test_rows_appear_over_ssh_while_the_engine_writes(ssh_home: SshHome, tmp_path: Path) -> None:
+    writer = tmp_path / "writer.py"
+    writer.write_text(WRITER)
+    go = tmp_path / "go"
+    preset = tmp_path / "live.toml"
+    preset.write_text(f"""
+[preset]
+name = "live_readout"
+kind = "readout"
+[target]
+python = "{sys.executable}"
+runs = "{tmp_path}/remote"
+lock = "{tmp_path}/lock"
+[engine]
+command = "mkdir -p {{out}} && {{python}} {writer} {SAMPLE} {{out}}/trace.jsonl {go}"
+[matrix]
+n = [1]
+[traces]
+follow = ["trace.jsonl"]
+""")
+    out = tmp_path / "out"
+    run = spawn(
+        "run",
+        str(preset),
+        "--target",
+        ssh_home.server.spec,
+        "--out",
+        str(out),
+        env=cli_env(ssh_home.path),
+    )
+    try:
+        local_dir = wait_for(lambda: run_dirs(out), what="run dir")[0]
+        row = wait_for(lambda: final_rows(local_dir).get("prompt 1"), what="the first row")
+        assert row["decode0_top1"] == 96965
+        assert not any(e["type"] == "cell_finished" for e in events(local_dir))
+        go.touch()
+        stdout, stderr = run.communicate(timeout=60)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 1, stdout + stderr  # the seed's lines are NO OK
+    assert final_rows(local_dir)["prompt 2"]["note"] == "no decode step"
