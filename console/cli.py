@@ -171,18 +171,22 @@ async def _follow_interruptible(session) -> int:  # type: ignore[no-untyped-def]
 
 def find_run(run: str, out: Path | None) -> Path:
     """A run directory as given, or the run with that id under the out dir."""
+    from runners.record import RunRecord
     from runners.session import default_out_dir
 
     path = Path(run)
     if (path / "run.json").exists():
         return path
     root = out or default_out_dir()
-    for candidate in root.glob("**/run.json"):
-        if candidate.parent.name == run or run in candidate.read_text(errors="replace")[:400]:
-            return candidate.parent
+    for candidate in sorted(root.glob("**/run.json")):
+        try:
+            if RunRecord.load(candidate.parent).run_id == run:
+                return candidate.parent
+        except (OSError, ValueError, TypeError):
+            continue  # another tool's run.json; not one of ours
     raise FileNotFoundError(
-        f"no run {run!r}: not a run directory, and no run with that id "
-        f"under {root}; pass the directory `tracedeck run` printed"
+        f"no run {run!r}: not a run directory, and no run with that id under {root}; "
+        f"pass the directory `tracedeck run` printed (or --out where it was written)"
     )
 
 
