@@ -21,3 +21,11 @@ def cell_env(preset_data: dict[str, Any], values: dict[str, Any]) -> dict[str, s
         for name, value in preset_data[section]["env"].items():
             env[name] = render_plain(str(value), values)
     return env
+
+
+def run_env(preset_data: dict[str, Any]) -> dict[str, str]:
+    """The run's environment as the preset writes it: per-cell values stay {placeholders}."""
+    env = dict(PROFILES[preset_data["determinism"]["profile"]])
+    for section in ("determinism", "engine"):
+        env.update({name: str(value) for name, value in preset_data[section]["env"].items()})
+    return env

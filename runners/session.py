@@ -19,6 +19,7 @@ from typing import Any
 import orjson
 
 from runners import plan as plan_mod
+from runners.determinism import run_env
 from runners.events import (
     ArtifactFetched,
     CellFinished,
@@ -191,6 +192,8 @@ class Session:
         files = plan_mod.plan_files(plan, setup_env)
         files["holder.json"] = orjson.dumps(self._holder(None)).decode()
         files["plan.json"] = orjson.dumps(self._plan_doc(plan), option=orjson.OPT_INDENT_2).decode()
+        # Each cell's exact command and environment, kept with the local record too.
+        (self.local_dir / "plan.json").write_text(files["plan.json"])
         for rel, text in files.items():
             await self.target.write_file(f"{run_dir}/{rel}", text.encode())
         if pythonpath:
@@ -275,7 +278,6 @@ class Session:
             self.traces[path] = FileFollower(self.target, path)
 
     def _run_started(self, plan: RunPlan, attached: bool) -> RunStarted:
-        env = plan.cells[0].env if plan.cells else {}
         return RunStarted(
             run_id=plan.run_id,
             preset=self.preset.name,
@@ -287,7 +289,7 @@ class Session:
                 {"index": c.index, "params": c.params, "command": c.command} for c in plan.cells
             ],
             profile=self.preset.section("determinism")["profile"],
-            env=env,
+            env=run_env(self.preset.data),
             attached=attached,
         )
 

@@ -1,0 +1,119 @@
+"""The Textual console: one app factory shared by the CLI and the tests."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from textual.app import App
+from textual.binding import Binding
+from textual.screen import Screen
+
+from console.screens.dialogs import ConfirmDialog, HostKeyDialog
+from console.screens.help import HelpScreen
+from console.screens.history import HistoryScreen
+from console.screens.presets import PresetsScreen
+from console.screens.run import RunScreen
+from console.screens.sources import ReplaySource
+from console.screens.traces import TracesScreen
+from runners.presets import preset_files
+from runners.record import EVENTS
+from runners.session import default_out_dir
+
+
+class TracedeckApp(App[int]):
+    """Presets first; Run, Traces, History and Help screens on top of it."""
+
+    CSS_PATH = "app.tcss"
+    TITLE = "tracedeck"
+    ENABLE_COMMAND_PALETTE = False
+    BINDINGS = [
+        Binding("ctrl+q", "quit", "Quit", priority=True),
+        Binding("f1", "help", "Help"),
+        Binding("question_mark", "help", "Help", show=False),
+        Binding("f2", "history", "History"),
+    ]
+
+    def __init__(
+        self,
+        out_dir: Path,
+        replay_dir: Path | None = None,
+        speed: float = 1.0,
+        preset_paths: list[Path] | None = None,
+    ) -> None:
+        super().__init__()
+        self.out_dir = out_dir
+        self.replay_dir = replay_dir
+        self.speed = speed
+        self.preset_paths = preset_paths
+
+    def get_default_screen(self) -> Screen:
+        paths = self.preset_paths if self.preset_paths is not None else preset_files()
+        return PresetsScreen(self.out_dir, paths)
+
+    def on_mount(self) -> None:
+        if self.replay_dir is not None:
+            self.push_screen(RunScreen(ReplaySource(self.replay_dir, self.speed)))
+
+    def help_screens(self) -> list[tuple[str, type]]:
+        return [
+            ("presets", PresetsScreen),
+            ("run", RunScreen),
+            ("traces", TracesScreen),
+            ("history", HistoryScreen),
+            ("help", HelpScreen),
+            ("confirm dialog", ConfirmDialog),
+            ("host key dialog", HostKeyDialog),
+        ]
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen())
+
+    def action_history(self) -> None:
+        if isinstance(self.screen, HistoryScreen):
+            return
+        for screen in self.screen_stack:
+            if isinstance(screen, HistoryScreen):
+                return  # already open below: escape goes back to it
+        self.push_screen(HistoryScreen(self.out_dir))
+
+    async def action_quit(self) -> None:
+        # Quitting never cancels a run: stop following, close sessions, leave runs going.
+        for screen in self.screen_stack:
+            if isinstance(screen, RunScreen):
+                await screen.stop_following()
+        self.exit(0)
+
+
+def create_app(
+    out_dir: Path | None = None,
+    replay_dir: Path | None = None,
+    speed: float = 1.0,
+    *,
+    preset_paths: list[Path] | None = None,
+) -> TracedeckApp:
+    """The console app; `replay_dir` opens the Run screen on that recorded run directly.
+
+    preset_paths replaces the shipped and user presets (tests use it for a fixed list).
+    """
+    return TracedeckApp(
+        out_dir=Path(out_dir) if out_dir is not None else default_out_dir(),
+        replay_dir=Path(replay_dir) if replay_dir is not None else None,
+        speed=speed,
+        preset_paths=preset_paths,
+    )
+
+
+def run_app(out_dir: Path | None = None, replay_dir: Path | None = None, speed: float = 1.0) -> int:
+    """Run the console until the operator quits; returns the process exit code."""
+    if replay_dir is not None and not (Path(replay_dir) / EVENTS).is_file():
+        print(
+            f"tracedeck: {Path(replay_dir) / EVENTS}: no recorded events; pass a run "
+            f"directory written by `tracedeck run`",
+            file=sys.stderr,
+        )
+        return 2
+    app = create_app(out_dir=out_dir, replay_dir=replay_dir, speed=speed)
+    app.run()
+    return app.return_code or 0

@@ -1,0 +1,312 @@
+"""The console's state of one run, built by folding events in; knows nothing about widgets."""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from runners.events import (
+    ArtifactFetched,
+    CellFinished,
+    CellStarted,
+    Connection,
+    Error,
+    Event,
+    LockAcquired,
+    LockBusy,
+    OutputLines,
+    PairVerdict,
+    ReadoutRow,
+    RunFinished,
+    RunStarted,
+    TraceRecords,
+)
+
+LOG_LINES = 5000
+SETUP_CELL = -1
+# Log lines that are not a cell's output (errors, connection changes) carry this cell number.
+RUN_CELL = -2
+
+PASS_WORDS = frozenset({"PASS_GUARDRAIL", "PASS", "OK", "PASS_EQUIV"})
+DRIFT_WORDS = frozenset({"EXPECTED_DRIFT"})
+
+
+def verdict_tone(word: str | None) -> str:
+    """'pass', 'drift' or 'fail' for a verdict word; any word not known to pass is a failure."""
+    if word in PASS_WORDS:
+        return "pass"
+    if word in DRIFT_WORDS:
+        return "drift"
+    return "fail"
+
+
+def params_label(params: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in params.items())
+
+
+def varying_keys(params: Iterable[dict[str, Any]]) -> set[str]:
+    """Parameter names whose value differs between at least two cells."""
+    seen: dict[str, set[str]] = {}
+    for p in params:
+        for key, value in p.items():
+            seen.setdefault(key, set()).add(repr(value))
+    return {key for key, values in seen.items() if len(values) > 1}
+
+
+@dataclass(slots=True)
+class CellRow:
+    index: int
+    params: dict[str, Any]
+    command: str = ""
+    state: str = "pending"
+    exit_code: int | None = None
+    duration_s: float | None = None
+    started_t: float | None = None
+
+
+@dataclass(slots=True)
+class VerdictRow:
+    seed: int
+    kv_aligned: int
+    verdict: str
+    metrics: dict[str, Any]
+    thresholds: dict[str, float]
+    first_fail: dict[str, Any] | None
+    metrics_path: str
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.kv_aligned, self.seed)
+
+
+@dataclass(slots=True)
+class Header:
+    run_id: str = ""
+    preset: str = ""
+    kind: str = ""
+    target: str = ""
+    local_dir: str = ""
+    remote_dir: str = ""
+    profile: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+    attached: bool = False
+    lock: str = ""
+    holder: dict[str, Any] = field(default_factory=dict)
+    lock_busy: bool = False
+    started_t: float | None = None
+
+
+@dataclass(slots=True)
+class Changes:
+    """What changed since the last take_changes(); widgets redraw only these parts."""
+
+    header: bool = False
+    # dicts used as ordered sets: rows appear in the order their events arrived
+    cells: dict[int, None] = field(default_factory=dict)
+    verdicts: dict[tuple[int, int], None] = field(default_factory=dict)
+    readout: dict[str, None] = field(default_factory=dict)
+    log_new: int = 0
+    first_fail: bool = False
+    connection: bool = False
+    errors: bool = False
+    finished: bool = False
+
+    def __bool__(self) -> bool:
+        return bool(
+            self.header
+            or self.cells
+            or self.verdicts
+            or self.readout
+            or self.log_new
+            or self.first_fail
+            or self.connection
+            or self.errors
+            or self.finished
+        )
+
+
+class RunModel:
+    """Folds a run's events into tables: cells, verdicts, readout rows, log, header, result."""
+
+    def __init__(self, log_lines: int = LOG_LINES) -> None:
+        self.header = Header()
+        self.cells: dict[int, CellRow] = {}
+        self.verdicts: dict[tuple[int, int], VerdictRow] = {}
+        self.readout: dict[str, dict[str, Any]] = {}
+        self.log: deque[tuple[int, str, str]] = deque(maxlen=log_lines)
+        self.log_total = 0
+        self.first_fail: dict[str, Any] | None = None
+        self.first_fail_verdict: str | None = None
+        self.connection: Connection | None = None
+        self.errors: list[Error] = []
+        self.finished: RunFinished | None = None
+        self.events = 0
+        self.trace_records = 0
+        self.artifacts = 0
+        self.last_t: float | None = None
+        self._changes = Changes()
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def take_changes(self) -> Changes:
+        changes, self._changes = self._changes, Changes()
+        return changes
+
+    def log_tail(self, count: int, cell: int | None = None) -> list[tuple[int, str, str]]:
+        """The last `count` kept log lines (of one cell when given), oldest first."""
+        if cell is None:
+            start = max(0, len(self.log) - count)
+            return list(itertools.islice(self.log, start, None))
+        picked = [entry for entry in reversed(self.log) if entry[0] == cell]
+        return picked[:count][::-1]
+
+    def cell_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for row in self.cells.values():
+            if row.index >= 0:
+                counts[row.state] = counts.get(row.state, 0) + 1
+        return counts
+
+    def elapsed(self, now: float | None) -> float | None:
+        """Seconds since the run started: to its end when finished, else to `now`."""
+        start = self.header.started_t
+        if start is None:
+            return None
+        end = self.finished.t if self.finished is not None else now
+        return None if end is None else max(0.0, end - start)
+
+    # -- folding ------------------------------------------------------------------------------
+
+    def apply_all(self, events: Iterable[Event]) -> None:
+        for event in events:
+            self.apply(event)
+
+    def apply(self, event: Event) -> None:
+        self.events += 1
+        self.last_t = event.t
+        handler = _HANDLERS.get(type(event))
+        if handler is not None:
+            handler(self, event)
+
+    def _run_started(self, event: RunStarted) -> None:
+        h = self.header
+        h.run_id, h.preset, h.kind, h.target = event.run_id, event.preset, event.kind, event.target
+        h.local_dir, h.remote_dir, h.profile = event.local_dir, event.remote_dir, event.profile
+        h.env, h.attached = dict(event.env), event.attached
+        if h.started_t is None or not event.attached:
+            h.started_t = event.t
+        self._changes.header = True
+        for cell in event.cells:
+            index = int(cell["index"])
+            if index not in self.cells:
+                self.cells[index] = CellRow(index, dict(cell["params"]), cell.get("command", ""))
+                self._changes.cells[index] = None
+
+    def _lock(self, event: LockAcquired | LockBusy) -> None:
+        self.header.lock = event.lock
+        self.header.holder = dict(event.holder)
+        self.header.lock_busy = isinstance(event, LockBusy)
+        self._changes.header = True
+
+    def _cell_started(self, event: CellStarted) -> None:
+        row = self.cells.get(event.cell)
+        if row is None:
+            row = self.cells[event.cell] = CellRow(event.cell, dict(event.params), event.command)
+        row.state = "running"
+        row.started_t = event.t
+        self._changes.cells[event.cell] = None
+
+    def _cell_finished(self, event: CellFinished) -> None:
+        row = self.cells.get(event.cell)
+        if row is None:
+            row = self.cells[event.cell] = CellRow(event.cell, {})
+        row.state = event.state
+        row.exit_code = event.exit_code
+        row.duration_s = event.duration_s
+        self._changes.cells[event.cell] = None
+
+    def _output(self, event: OutputLines) -> None:
+        for line in event.lines:
+            self.log.append((event.cell, event.stream, line))
+        self.log_total += len(event.lines)
+        self._changes.log_new += len(event.lines)
+
+    def _trace(self, event: TraceRecords) -> None:
+        self.trace_records += len(event.records)
+
+    def _artifact(self, event: ArtifactFetched) -> None:
+        self.artifacts += 1
+
+    def _pair_verdict(self, event: PairVerdict) -> None:
+        row = VerdictRow(
+            seed=event.seed,
+            kv_aligned=event.kv_aligned,
+            verdict=event.verdict,
+            metrics=dict(event.metrics),
+            thresholds=dict(event.thresholds),
+            first_fail=event.first_fail,
+            metrics_path=event.metrics_path,
+        )
+        self.verdicts[row.key] = row
+        self._changes.verdicts[row.key] = None
+        # The first failing pair wins; a drift pair's detail is kept only until a real failure.
+        if event.first_fail and (
+            self.first_fail is None
+            or (self.first_fail_verdict != "FAIL_EQUIV" and event.verdict == "FAIL_EQUIV")
+        ):
+            self.first_fail = dict(event.first_fail)
+            self.first_fail.setdefault("seed", event.seed)
+            self.first_fail.setdefault("kv_aligned", event.kv_aligned)
+            self.first_fail_verdict = event.verdict
+            self._changes.first_fail = True
+
+    def _readout_row(self, event: ReadoutRow) -> None:
+        row = event.row
+        key = f"{row.get('file', '')}:{row.get('line', '')}:{row.get('prompt', '')}"
+        self.readout[key] = dict(row)
+        self._changes.readout[key] = None
+
+    def _connection(self, event: Connection) -> None:
+        self.connection = event
+        self._changes.connection = True
+        attempt = f" (attempt {event.attempt})" if event.attempt else ""
+        self._log_run(f"connection {event.state}{attempt}: {event.message}")
+
+    def _error(self, event: Error) -> None:
+        self.errors.append(event)
+        self._changes.errors = True
+        self._log_run(f"error: {event.message}")
+
+    def _run_finished(self, event: RunFinished) -> None:
+        self.finished = event
+        self._changes.finished = True
+        ff = event.summary.get("first_fail") if isinstance(event.summary, dict) else None
+        if isinstance(ff, dict) and self.first_fail_verdict != "FAIL_EQUIV":
+            self.first_fail = dict(ff)
+            self.first_fail_verdict = "FAIL_EQUIV"
+            self._changes.first_fail = True
+
+    def _log_run(self, line: str) -> None:
+        self.log.append((RUN_CELL, "tracedeck", line))
+        self.log_total += 1
+        self._changes.log_new += 1
+
+
+_HANDLERS: dict[type[Event], Any] = {
+    RunStarted: RunModel._run_started,
+    LockAcquired: RunModel._lock,
+    LockBusy: RunModel._lock,
+    CellStarted: RunModel._cell_started,
+    CellFinished: RunModel._cell_finished,
+    OutputLines: RunModel._output,
+    TraceRecords: RunModel._trace,
+    ArtifactFetched: RunModel._artifact,
+    PairVerdict: RunModel._pair_verdict,
+    ReadoutRow: RunModel._readout_row,
+    Connection: RunModel._connection,
+    Error: RunModel._error,
+    RunFinished: RunModel._run_finished,
+}

@@ -1,0 +1,217 @@
+"""Past runs from the local run directories: open one (replay or reattach), or replay it paced."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal
+from textual.message import Message
+from textual.screen import Screen
+from textual.widgets import DataTable, Footer, Label, Select, Static
+
+from console.run_model import verdict_tone
+from console.screens.sources import AttachSource, ReplaySource
+from console.widgets.text import TONE_STYLES, plain
+from runners.record import EVENTS, RUN_JSON
+
+UNFINISHED = "running?/unfinished"
+TAIL_BYTES = 1 << 18
+SPEEDS: list[tuple[str, float]] = [
+    ("real time", 1.0),
+    ("2x", 2.0),
+    ("5x", 5.0),
+    ("10x", 10.0),
+    ("100x", 100.0),
+    ("as fast as possible", 0.0),
+]
+
+
+@dataclass(slots=True)
+class RunEntry:
+    local_dir: Path
+    started: str
+    run_id: str
+    preset: str
+    target: str
+    verdict: str | None
+    problem: str | None = None
+
+
+def last_verdict(events: Path) -> str | None:
+    """The verdict of the last run_finished event (it is the run's last line), or None."""
+    try:
+        with open(events, "rb") as fh:
+            size = fh.seek(0, 2)
+            fh.seek(max(0, size - TAIL_BYTES))
+            tail = fh.read()
+    except OSError:
+        return None
+    for line in reversed(tail.split(b"\n")):
+        if b'"run_finished"' not in line:
+            continue
+        try:
+            data = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(data, dict) and data.get("type") == "run_finished":
+            return str(data.get("verdict"))
+    return None
+
+
+def scan_runs(out_dir: Path) -> list[RunEntry]:
+    """Every run.json under out_dir, newest first; a damaged record is listed with its problem."""
+    entries: list[RunEntry] = []
+    for path in out_dir.glob(f"**/{RUN_JSON}"):
+        local = path.parent
+        try:
+            data = orjson.loads(path.read_bytes())
+            if not isinstance(data, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as exc:
+            entries.append(RunEntry(local, "", local.name, "?", "?", None, f"{path}: {exc}"))
+            continue
+        entries.append(
+            RunEntry(
+                local_dir=local,
+                started=str(data.get("started_at", "")),
+                run_id=str(data.get("run_id", local.name)),
+                preset=str(data.get("preset", "?")),
+                target=str(data.get("target", "?")),
+                verdict=last_verdict(local / EVENTS),
+            )
+        )
+    entries.sort(key=lambda e: (e.started, e.run_id), reverse=True)
+    return entries
+
+
+class HistoryScreen(Screen[None]):
+    """Enter opens a run (finished: instant replay; unfinished: reattach); r replays it paced."""
+
+    BINDINGS = [
+        Binding("escape", "close", "Back"),
+        Binding("r", "replay", "Replay at speed"),
+        Binding("s", "focus_speed", "Speed"),
+        Binding("f5", "rescan", "Rescan"),
+    ]
+
+    class Scanned(Message):
+        def __init__(self, entries: list[RunEntry]) -> None:
+            super().__init__()
+            self.entries = entries
+
+    def __init__(self, out_dir: Path) -> None:
+        super().__init__()
+        self.out_dir = out_dir
+        self.entries: list[RunEntry] = []
+
+    def compose(self) -> ComposeResult:
+        with Horizontal(id="history-bar"):
+            yield Label("History", classes="section-title")
+            yield Select(
+                [(Text(label), speed) for label, speed in SPEEDS],
+                value=1.0,
+                allow_blank=False,
+                id="speed",
+            )
+        yield DataTable(id="runs", cursor_type="row", zebra_stripes=True)
+        yield Static("", id="history-status", markup=False)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        table = self.query_one("#runs", DataTable)
+        for label, key in (
+            ("started", "started"),
+            ("run id", "run_id"),
+            ("preset", "preset"),
+            ("target", "target"),
+            ("verdict", "verdict"),
+        ):
+            table.add_column(label, key=key)
+        table.focus()
+
+    def on_screen_resume(self) -> None:
+        self.action_rescan()  # a run opened from here may have finished meanwhile
+
+    def action_rescan(self) -> None:
+        self.query_one("#history-status", Static).update(Text("scanning ...", style="dim"))
+        self.run_worker(self._scan(), group="scan", exclusive=True, exit_on_error=False)
+
+    async def _scan(self) -> None:
+        entries = await asyncio.to_thread(scan_runs, self.out_dir)
+        self.post_message(self.Scanned(entries))
+
+    def on_history_screen_scanned(self, message: Scanned) -> None:
+        previous = self.selected()
+        self.entries = message.entries
+        table = self.query_one("#runs", DataTable)
+        table.clear()
+        for entry in self.entries:
+            if entry.problem:
+                verdict = plain(entry.problem, "red")
+            elif entry.verdict is None:
+                verdict = Text(UNFINISHED, style="bold yellow")
+            else:
+                verdict = plain(entry.verdict, TONE_STYLES[verdict_tone(entry.verdict)])
+            table.add_row(
+                plain(entry.started.replace("T", " ")),
+                plain(entry.run_id),
+                plain(entry.preset),
+                plain(entry.target),
+                verdict,
+                key=str(entry.local_dir),
+            )
+        if previous is not None:
+            dirs = [entry.local_dir for entry in self.entries]
+            if previous.local_dir in dirs:
+                table.move_cursor(row=dirs.index(previous.local_dir))
+        count = len(self.entries)
+        self.query_one("#history-status", Static).update(
+            Text(
+                f"{count} run(s). Enter: open (finished: results; unfinished: reattach and "
+                f"follow). r: replay at the chosen speed.",
+                style="dim",
+            )
+        )
+
+    def selected(self) -> RunEntry | None:
+        table = self.query_one("#runs", DataTable)
+        if not self.entries or table.cursor_row < 0 or table.cursor_row >= len(self.entries):
+            return None
+        return self.entries[table.cursor_row]
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        event.stop()
+        self.action_open()
+
+    def action_open(self) -> None:
+        from console.screens.run import RunScreen
+
+        entry = self.selected()
+        if entry is None or entry.problem:
+            return
+        if entry.verdict is None:
+            self.app.push_screen(RunScreen(AttachSource(entry.local_dir)))
+        else:
+            self.app.push_screen(RunScreen(ReplaySource(entry.local_dir, speed=0.0)))
+
+    def action_replay(self) -> None:
+        from console.screens.run import RunScreen
+
+        entry = self.selected()
+        if entry is None or entry.problem:
+            return
+        speed = self.query_one("#speed", Select).value
+        value = float(speed) if isinstance(speed, int | float) else 1.0
+        self.app.push_screen(RunScreen(ReplaySource(entry.local_dir, speed=value)))
+
+    def action_focus_speed(self) -> None:
+        self.query_one("#speed", Select).focus()
+
+    def action_close(self) -> None:
+        self.dismiss(None)

@@ -1,0 +1,380 @@
+"""The run screen: header, cells, per-seed verdicts, first fail, live log and the final banner."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from pathlib import Path
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.message import Message
+from textual.screen import Screen
+from textual.widgets import Footer, Static
+from textual.worker import Worker, WorkerState
+
+from console.run_model import RunModel
+from console.screens.dialogs import ConfirmDialog, HostKeyDialog
+from console.screens.sources import (
+    AttachSource,
+    LiveSource,
+    ReplayClock,
+    ReplaySource,
+    RunSource,
+    is_fast,
+    replay_events,
+)
+from console.widgets.banner import VerdictBanner
+from console.widgets.cells_table import CellsTable
+from console.widgets.first_fail import FirstFailPanel
+from console.widgets.run_header import RunHeader
+from console.widgets.run_log import RunLog
+from console.widgets.verdict_table import VerdictTable
+from runners.events import Error, Event
+from runners.presets import PresetError
+from runners.session import Session
+from runners.targets.base import HostKeyUnknown, TargetError
+from runners.trust import trust_host
+
+TICK_HZ = 15
+# Per tick, events are applied for at most this long; the rest waits for the next tick so
+# the screen keeps drawing while a big batch (an attach, a fast replay) goes in.
+BUDGET_S = 0.035
+TABLES_EVERY_S = 0.25
+
+
+class RunScreen(Screen[None]):
+    """Drains the event buffer on a timer into a RunModel and redraws only what changed."""
+
+    BINDINGS = [
+        Binding("escape", "leave", "Back (run goes on)"),
+        Binding("c", "cancel_run", "Cancel run"),
+        Binding("t", "traces", "Traces"),
+        Binding("f", "filter_log", "Filter log"),
+    ]
+
+    class HostKeyNeeded(Message):
+        def __init__(self, error: HostKeyUnknown) -> None:
+            super().__init__()
+            self.error = error
+
+    class Notice(Message):
+        """Something a worker wants the operator to read (a cancel's outcome, a failure)."""
+
+        def __init__(self, text: str, severity: str = "information") -> None:
+            super().__init__()
+            self.text = text
+            self.severity = severity
+
+    def __init__(self, source: RunSource) -> None:
+        super().__init__()
+        self.source = source
+        self.model = RunModel()
+        self.buffer: deque[Event] = source.buffer if isinstance(source, LiveSource) else deque()
+        self.session: Session | None = source.session if isinstance(source, LiveSource) else None
+        self.clock = ReplayClock()
+        self.ticks: list[tuple[float, float]] = []  # (start, end) of each drain, for the bench
+        self.record_ticks = False
+        self._feed: Worker[None] | None = None
+        self._traces: Screen[None] | None = None
+        self._header_key: tuple[object, ...] = ()
+        self._pending_cells: dict[int, None] = {}
+        self._pending_verdicts: dict[tuple[int, int], None] = {}
+        self._tables_shown = 0.0
+        self._feed_ended = False
+        self._stopped = False
+        self._layout_kind = ""
+
+    # -- layout -----------------------------------------------------------------------------
+
+    def compose(self) -> ComposeResult:
+        yield RunHeader(self.source.mode, id="run-header")
+        yield VerdictBanner(id="banner")
+        with Vertical(id="pairs"):
+            yield Static("per-seed verdicts", classes="section-title", markup=False)
+            yield VerdictTable(id="verdicts")
+        yield FirstFailPanel(id="first-fail")
+        with Horizontal(id="run-bottom"):
+            yield CellsTable(id="cells")
+            yield RunLog(id="log")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.set_interval(1 / TICK_HZ, self.drain)
+        self.query_one("#cells", CellsTable).focus()
+        self._start_feed()
+
+    def _start_feed(self) -> None:
+        source = self.source
+        if isinstance(source, LiveSource):
+            self._feed = self.run_worker(
+                self._feed_follow(source.session), group="feed", exclusive=True, exit_on_error=False
+            )
+        elif isinstance(source, AttachSource):
+            self._feed = self.run_worker(
+                self._feed_attach(source.local_dir),
+                group="feed",
+                exclusive=True,
+                exit_on_error=False,
+            )
+        else:
+            self._feed = self.run_worker(
+                self._feed_replay(source), group="feed", exclusive=True, exit_on_error=False
+            )
+
+    # -- workers: they only append to the buffer or post messages ------------------------------
+
+    async def _feed_follow(self, session: Session, offer_trust: bool = False) -> None:
+        try:
+            await session.follow()
+        except HostKeyUnknown as exc:
+            if offer_trust:
+                self.post_message(self.HostKeyNeeded(exc))
+            else:
+                self.buffer.append(Error(message=str(exc), where=session.target.name))
+        except TargetError as exc:
+            self.buffer.append(Error(message=str(exc), where=session.target.name))
+        finally:
+            with contextlib.suppress(Exception):
+                await session.close()
+
+    async def _feed_attach(self, local_dir: Path, replay: bool = True) -> None:
+        def discard(_: Event) -> None:
+            pass
+
+        try:
+            session = await asyncio.to_thread(
+                Session.attach,
+                local_dir,
+                self.buffer.append,
+                self.buffer.append if replay else discard,
+            )
+        except (FileNotFoundError, ValueError, KeyError, PresetError) as exc:
+            self.buffer.append(Error(message=f"cannot reattach: {exc}", where=str(local_dir)))
+            return
+        self.session = session
+        await self._feed_follow(session, offer_trust=True)
+
+    async def _feed_replay(self, source: ReplaySource) -> None:
+        await replay_events(source.local_dir, self.buffer.append, source.speed, self.clock)
+
+    async def _trust_and_follow(self, error: HostKeyUnknown) -> None:
+        try:
+            await trust_host(error.host, error.port, expected_fingerprint=error.fingerprint)
+        except (TargetError, OSError) as exc:
+            self.buffer.append(Error(message=str(exc), where=error.host))
+            return
+        if isinstance(self.source, AttachSource):
+            # The first attempt already replayed the record into the model.
+            await self._feed_attach(self.source.local_dir, replay=False)
+
+    async def _cancel(self, session: Session) -> None:
+        try:
+            outcome = await session.cancel()
+        except TargetError as exc:
+            self.post_message(self.Notice(str(exc), "error"))
+            return
+        word = outcome.removeprefix("TRACEDECK_").lower().replace("_", " ") or "sent"
+        self.post_message(self.Notice(f"cancel: {word}; the run's end will show here"))
+
+    # -- the tick ---------------------------------------------------------------------------
+
+    def now(self) -> float | None:
+        """The run's clock: wall time when live, the recording's time when replaying."""
+        if isinstance(self.source, ReplaySource):
+            paced = None if is_fast(self.source.speed) else self.clock.now()
+            return paced if paced is not None else self.model.last_t
+        return time.time()
+
+    def drain(self) -> None:
+        """Apply what the workers buffered (within a time budget), then redraw what changed."""
+        started = time.perf_counter()
+        buffer, model = self.buffer, self.model
+        if buffer:
+            deadline = time.perf_counter() + BUDGET_S
+            n = 0
+            while buffer:
+                model.apply(buffer.popleft())
+                n += 1
+                if not n & 255 and time.perf_counter() > deadline:
+                    break
+        self.show_changes()
+        if self.record_ticks:
+            self.ticks.append((started, time.perf_counter()))
+
+    def show_changes(self) -> None:
+        model = self.model
+        changes = model.take_changes()
+        if changes.header and model.header.kind != self._layout_kind:
+            self._layout_kind = model.header.kind
+            self.set_class(model.header.kind == "equivalence", "-pairs")
+        self._pending_cells.update(changes.cells)
+        self._pending_verdicts.update(changes.verdicts)
+        # While a backlog drains (attach, fast replay) tables redraw a few times a second only:
+        # any change re-renders a whole DataTable, and the log should keep streaming meanwhile.
+        now = time.perf_counter()
+        backlog = bool(self.buffer) or self._fast_feed_running()
+        if not backlog or model.finished or now - self._tables_shown >= TABLES_EVERY_S:
+            self._tables_shown = now
+            self._show_tables()
+        if changes.first_fail:
+            self.query_one("#first-fail", FirstFailPanel).show(
+                model.first_fail, model.first_fail_verdict
+            )
+            self.query_one("#log", RunLog).follow_end()
+        if changes.log_new:
+            self.query_one("#log", RunLog).show_new(model, changes.log_new)
+        if changes.readout and self._traces is not None:
+            self._traces.show_changes(changes.readout)  # type: ignore[attr-defined]
+        if changes.cells or changes.finished or changes.readout:
+            self.query_one("#banner", VerdictBanner).show(model)
+        if changes.finished or changes.header or (changes.readout and len(model.readout) == 1):
+            self.refresh_bindings()  # cancel goes away at the end; traces comes with rows
+        if self._feed_ended and not self.buffer and model.finished is None and not self._stopped:
+            self._stopped = True
+            self._show_stopped()
+        self._show_header(
+            force=bool(
+                changes.header
+                or changes.cells
+                or changes.errors
+                or changes.connection
+                or changes.finished
+            )
+        )
+
+    def _fast_feed_running(self) -> bool:
+        source = self.source
+        return (
+            isinstance(source, ReplaySource)
+            and is_fast(source.speed)
+            and self._feed is not None
+            and self._feed.is_running
+        )
+
+    def _show_tables(self) -> None:
+        model = self.model
+        if self._pending_cells:
+            cells, self._pending_cells = self._pending_cells, {}
+            self.query_one("#cells", CellsTable).show(model, cells)
+            self.query_one("#log", RunLog).update_filter_options(model)
+        if self._pending_verdicts:
+            verdicts, self._pending_verdicts = self._pending_verdicts, {}
+            if not self.has_class("-pairs"):
+                self.add_class("-pairs")
+                self.query_one("#log", RunLog).follow_end()
+            self.query_one("#verdicts", VerdictTable).show(model, verdicts)
+
+    def _show_header(self, force: bool) -> None:
+        now = self.now()
+        elapsed = self.model.elapsed(now)
+        key = (int(elapsed) if elapsed is not None else None,)
+        if force or key != self._header_key:
+            self._header_key = key
+            self.query_one("#run-header", RunHeader).show(self.model, now)
+
+    # -- actions ----------------------------------------------------------------------------
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "cancel_run":
+            return self.session is not None and self.model.finished is None
+        if action == "traces":
+            return bool(self.model.readout) or self.model.header.kind == "readout"
+        return True
+
+    async def stop_following(self) -> None:
+        """Stop following (the run goes on on its target) and close the session."""
+        feed = self._feed
+        if feed is not None and feed.is_running:
+            feed.cancel()
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await feed.wait()
+
+    async def action_leave(self) -> None:
+        await self.stop_following()
+        if self.session is not None and self.model.finished is None:
+            self.notify(
+                f"the run goes on on its target; reopen it from History (F2) to "
+                f"reattach: {self.session.local_dir}",
+                timeout=8,
+                markup=False,
+            )
+        self.dismiss(None)
+
+    def action_cancel_run(self) -> None:
+        session = self.session
+        if session is None or self.model.finished is not None:
+            return
+        question = (
+            f"Cancel run {session.record.run_id} on {session.target.name}? Its process "
+            f"group gets TERM, then KILL after a grace period."
+        )
+
+        def answered(yes: bool | None) -> None:
+            if yes and self.session is not None:
+                self.run_worker(self._cancel(self.session), group="cancel", exit_on_error=False)
+
+        self.app.push_screen(ConfirmDialog(question, yes="Cancel the run", no="Keep it"), answered)
+
+    def action_traces(self) -> None:
+        from console.screens.traces import TracesScreen
+
+        screen = TracesScreen(self.model)
+        self._traces = screen
+
+        def closed(_: None) -> None:
+            self._traces = None
+
+        self.app.push_screen(screen, closed)
+
+    def action_filter_log(self) -> None:
+        self.query_one("#log-filter").focus()
+
+    # -- messages from workers -----------------------------------------------------------------
+
+    def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
+        if event.worker is not self._feed:
+            return
+        if event.state == WorkerState.ERROR:
+            error = event.worker.error
+            self.buffer.append(
+                Error(
+                    message=f"the console stopped following: {type(error).__name__}: {error}",
+                    where="console",
+                )
+            )
+        if event.state in (WorkerState.SUCCESS, WorkerState.ERROR):
+            self._feed_ended = True  # judged once the buffer it filled has gone in
+
+    def _show_stopped(self) -> None:
+        if isinstance(self.source, ReplaySource):
+            text = (
+                "UNFINISHED: the record ends before the run did; reopen it from History (F2) "
+                "to reattach and follow it on its target"
+            )
+        else:
+            text = (
+                "NOT FOLLOWING: following stopped before the run ended (see the errors in the "
+                "log); the run may go on on its target: reopen it from History (F2)"
+            )
+        self.query_one("#banner", VerdictBanner).show_stopped(text)
+
+    def on_run_screen_host_key_needed(self, message: HostKeyNeeded) -> None:
+        error = message.error
+
+        def answered(trust: bool | None) -> None:
+            if trust:
+                self._feed_ended = self._stopped = False
+                self._feed = self.run_worker(
+                    self._trust_and_follow(error), group="feed", exclusive=True, exit_on_error=False
+                )
+            else:
+                self.buffer.append(Error(message=f"{error}; not trusted", where=error.host))
+
+        self.app.push_screen(HostKeyDialog(error), answered)
+
+    def on_run_screen_notice(self, message: Notice) -> None:
+        self.notify(message.text, severity=message.severity, markup=False)  # type: ignore[arg-type]

@@ -1,0 +1,171 @@
+"""What feeds a run screen: a launched session, a reattached one, or a recorded run replayed.
+
+Feeders only append events to a buffer (a deque); the run screen drains it on a timer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+
+from runners.events import Error, Event, event_from_dict
+from runners.record import EVENTS
+from runners.session import Session
+
+# A speed at or above this (or 0) replays as fast as the screen can take it.
+FAST_SPEED = 1e6
+CHUNK = 1000
+
+
+@dataclass(slots=True)
+class LiveSource:
+    """A session that launch() started; `buffer` already holds what the launch emitted."""
+
+    session: Session
+    buffer: deque[Event] = field(default_factory=deque)
+    mode: str = "LIVE"
+
+
+@dataclass(slots=True)
+class AttachSource:
+    """A run started earlier: its recorded events replayed, then followed on its target."""
+
+    local_dir: Path
+    mode: str = "ATTACHED"
+
+
+@dataclass(slots=True)
+class ReplaySource:
+    """A recorded run played back at `speed` times real time (0: as fast as possible)."""
+
+    local_dir: Path
+    speed: float = 0.0
+
+    @property
+    def mode(self) -> str:
+        if is_fast(self.speed):
+            return "REPLAY"
+        return f"REPLAY x{self.speed:g}"
+
+
+RunSource = LiveSource | AttachSource | ReplaySource
+
+
+def is_fast(speed: float) -> bool:
+    return speed <= 0 or speed >= FAST_SPEED
+
+
+class ReplayClock:
+    """Maps wall time to the recorded run's time while a paced replay plays."""
+
+    def __init__(self) -> None:
+        self.origin: tuple[float, float] | None = None  # (recorded t, monotonic at that point)
+        self.speed = 1.0
+        self.end: float | None = None
+
+    def start(self, recorded_t: float, speed: float, end: float) -> None:
+        self.origin = (recorded_t, time.monotonic())
+        self.speed = speed
+        self.end = end
+
+    def now(self) -> float | None:
+        if self.origin is None:
+            return None
+        t0, wall = self.origin
+        now = t0 + (time.monotonic() - wall) * self.speed
+        return min(now, self.end) if self.end is not None else now
+
+
+def _parse(path: Path, number: int, line: bytes) -> Event:
+    try:
+        return event_from_dict(orjson.loads(line))
+    except (orjson.JSONDecodeError, TypeError, ValueError) as exc:
+        raise ValueError(f"{path}:{number}: not a tracedeck event ({exc})") from None
+
+
+async def replay_events(
+    local_dir: Path,
+    sink: Callable[[Event], None],
+    speed: float,
+    clock: ReplayClock | None = None,
+) -> None:
+    """Feed a run's recorded events to `sink`, paced by their recorded times over `speed`.
+
+    Lines are parsed in chunks on the event loop, so the first events show at once and no
+    thread competes with the screen for the interpreter.
+    """
+    path = Path(local_dir) / EVENTS
+    try:
+        data = await asyncio.to_thread(path.read_bytes)
+    except OSError as exc:
+        sink(
+            Error(
+                message=f"{path}: cannot read the recorded events ({exc.strerror or exc}); "
+                f"pick a run directory written by `tracedeck run`",
+                where=str(path),
+            )
+        )
+        return
+    cut = data.rfind(b"\n") + 1
+    lines = data[:cut].split(b"\n")[:-1] if cut else []
+    torn = data[cut:]
+    fast = is_fast(speed)
+    loop = asyncio.get_running_loop()
+    t0: float | None = None
+    wall0 = loop.time()
+    last_t: float | None = None
+    for start in range(0, len(lines), CHUNK):
+        for number, line in enumerate(lines[start : start + CHUNK], start=start + 1):
+            if not line.strip():
+                continue
+            try:
+                event = _parse(path, number, line)
+            except ValueError as exc:
+                sink(
+                    Error(
+                        message=f"cannot replay further: {exc}",
+                        where=f"{path}:{number}",
+                        t=last_t if last_t is not None else time.time(),
+                    )
+                )
+                return
+            if t0 is None:
+                t0 = event.t
+                if clock is not None and not fast:
+                    clock.start(t0, speed, _last_time(lines, t0))
+            if not fast:
+                delay = wall0 + (event.t - t0) / speed - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+            last_t = event.t
+            sink(event)
+        await asyncio.sleep(0)  # let the screen's timer run between chunks
+    if last_t is None:
+        sink(Error(message=f"{path}: the file holds no events", where=str(path)))
+    if torn:
+        sink(
+            Error(
+                message=f"{path}: the last line is incomplete (the console stopped "
+                f"mid-write); it was not replayed",
+                where=str(path),
+                t=last_t if last_t is not None else time.time(),
+            )
+        )
+
+
+def _last_time(lines: list[bytes], default: float) -> float:
+    """The recorded time of the last event, for the replay clock to stop at."""
+    for line in reversed(lines):
+        try:
+            value = orjson.loads(line).get("t")
+        except (orjson.JSONDecodeError, AttributeError):
+            continue
+        if isinstance(value, int | float):
+            return float(value)
+    return default

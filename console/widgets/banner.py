@@ -1,0 +1,62 @@
+"""The run's global verdict, shown big and coloured once the run finishes."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.widgets import Static
+
+from console.run_model import RunModel, verdict_tone
+from console.widgets.text import clean
+
+
+class VerdictBanner(Static):
+    """A status line while the run goes on; the verdict word and exit code at the end."""
+
+    DEFAULT_CSS = """
+    VerdictBanner {
+        height: auto;
+        padding: 0 1;
+        text-style: bold;
+        background: $boost;
+    }
+    VerdictBanner.-pass { background: $success; color: $text; }
+    VerdictBanner.-drift { background: $warning; color: $text; }
+    VerdictBanner.-fail { background: $error; color: $text; }
+    """
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__("waiting for the run to start", id=id, markup=False)
+        self.verdict: str | None = None
+
+    def show(self, model: RunModel) -> None:
+        finished = model.finished
+        for tone in ("pass", "drift", "fail"):
+            self.remove_class(f"-{tone}")
+        if finished is None:
+            counts = model.cell_counts()
+            total = sum(counts.values())
+            done = sum(v for k, v in counts.items() if k not in ("pending", "running"))
+            status = f"running: {done}/{total} cells done"
+            if model.readout:
+                rows = model.readout.values()
+                bad = sum(1 for r in rows if r.get("verdict") == "NO OK")
+                status += f"; readout: {len(model.readout)} prompts, {bad} NO OK (t: traces)"
+            # One line while running: no relayout needed (a relayout redraws every widget).
+            self.update(Text(status), layout=False)
+            return
+        self.verdict = finished.verdict
+        # A non-zero exit is never shown as a pass, whatever the word says.
+        tone = verdict_tone(finished.verdict) if finished.exit_code == 0 else "fail"
+        self.add_class(f"-{tone}")
+        text = Text(f"{clean(finished.verdict)}  (exit {finished.exit_code})")
+        error = finished.summary.get("error") if isinstance(finished.summary, dict) else None
+        if error:
+            text.append("\n" + clean(error), style="not bold")
+        self.update(text)
+
+    def show_stopped(self, text: str) -> None:
+        """The feed ended without a verdict: say so plainly; this is never a pass."""
+        for tone in ("pass", "drift"):
+            self.remove_class(f"-{tone}")
+        self.add_class("-fail")
+        self.update(Text(clean(text)))

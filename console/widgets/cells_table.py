@@ -1,0 +1,68 @@
+"""The run's cells: parameters, state, exit code and duration, one row per cell."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from rich.text import Text
+from textual.widgets import DataTable
+
+from console.run_model import SETUP_CELL, CellRow, RunModel, params_label, varying_keys
+from console.widgets.text import STATE_STYLES, duration, plain
+
+COLUMNS = (("#", "n"), ("params", "params"), ("state", "state"), ("exit", "exit"), ("time", "time"))
+
+
+class CellsTable(DataTable):
+    """Rows keyed by cell index; only the cells a batch touched are rewritten."""
+
+    DEFAULT_CSS = """
+    CellsTable { height: 1fr; }
+    """
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id, cursor_type="row", zebra_stripes=True)
+        self._cell_count = 0
+        self._varying: set[str] = set()
+
+    def on_mount(self) -> None:
+        for label, key in COLUMNS:
+            self.add_column(label, key=key)
+
+    def cells(self, row: CellRow) -> tuple[Text, ...]:
+        label = "setup" if row.index == SETUP_CELL else str(row.index + 1)
+        if row.index == SETUP_CELL:
+            params = row.command
+        else:
+            shown = {k: v for k, v in row.params.items() if k in self._varying} or row.params
+            params = params_label(shown)
+        code = "" if row.exit_code is None else str(row.exit_code)
+        code_style = "" if row.exit_code in (None, 0) else "bold red"
+        return (
+            Text(label, justify="right"),
+            plain(params),
+            Text(row.state, style=STATE_STYLES.get(row.state, "")),
+            Text(code, style=code_style, justify="right"),
+            Text(duration(row.duration_s), justify="right"),
+        )
+
+    def show(self, model: RunModel, changed: Iterable[int]) -> None:
+        changed = set(changed)
+        if len(model.cells) != self._cell_count:
+            # Keys with one value in every cell say nothing about a row; the header has them.
+            self._cell_count = len(model.cells)
+            self._varying = varying_keys(r.params for r in model.cells.values() if r.index >= 0)
+            changed |= {index for index in model.cells if str(index) in self.rows}
+        for index in sorted(changed):
+            row = model.cells[index]
+            key = str(index)
+            values = self.cells(row)
+            if key in self.rows:
+                for (_, column), value in zip(COLUMNS, values, strict=True):
+                    self.update_cell(key, column, value)
+            else:
+                self.add_row(*values, key=key)
+
+    def contents(self) -> list[list[str]]:
+        """The table as plain strings, row by row (what an operator reads)."""
+        return [[str(cell) for cell in self.get_row(row_key)] for row_key in self.rows]

@@ -1,0 +1,123 @@
+"""The live log: every cell's output lines, bounded, plain text, filterable by cell."""
+
+from __future__ import annotations
+
+from textual import events
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.widgets import Log, Select
+
+from console.run_model import (
+    LOG_LINES,
+    RUN_CELL,
+    SETUP_CELL,
+    RunModel,
+    params_label,
+    varying_keys,
+)
+from console.widgets.text import plain
+
+MARKS = {"stdout": "|", "stderr": "!"}
+
+
+def format_line(cell: int, stream: str, line: str) -> str:
+    if cell == RUN_CELL:
+        tag = "[run]"
+    elif cell == SETUP_CELL:
+        tag = "[setup]"
+    else:
+        tag = f"[{cell + 1}]"
+    return f"{tag} {MARKS.get(stream, '*')} {line}"
+
+
+class RunLog(Vertical):
+    """Log lines go to a Log widget (it shows text literally, control codes removed)."""
+
+    DEFAULT_CSS = """
+    RunLog { height: 1fr; }
+    RunLog > Select { width: 48; }
+    /* A scrollbar that is always there keeps the last line visible when long lines arrive. */
+    RunLog > Log { height: 1fr; overflow-x: scroll; }
+    """
+
+    def __init__(self, *, id: str | None = None, max_lines: int = LOG_LINES) -> None:
+        super().__init__(id=id)
+        self.max_lines = max_lines
+        self.cell_filter: int | None = None
+        self._known_cells: tuple[int, ...] = ()
+        self._model: RunModel | None = None
+        self._end_y = 0
+
+    def compose(self) -> ComposeResult:
+        yield Select([], prompt="log: all cells", allow_blank=True, id="log-filter", compact=True)
+        yield Log(max_lines=self.max_lines, id="log-lines")
+
+    @property
+    def log_widget(self) -> Log:
+        return self.query_one("#log-lines", Log)
+
+    def lines(self) -> list[str]:
+        return [str(line) for line in self.log_widget.lines]
+
+    def update_filter_options(self, model: RunModel) -> None:
+        cells = tuple(sorted(model.cells))
+        if cells == self._known_cells:
+            return
+        self._known_cells = cells
+        select = self.query_one("#log-filter", Select)
+        options = [(plain("tracedeck messages"), RUN_CELL)]
+        varying = varying_keys(r.params for r in model.cells.values() if r.index >= 0)
+        for index in cells:
+            row = model.cells[index]
+            params = {k: v for k, v in row.params.items() if k in varying} or row.params
+            label = "setup" if index == SETUP_CELL else f"cell {index + 1}: {params_label(params)}"
+            options.append((plain(label), index))
+        current = select.value
+        with self.prevent(Select.Changed):
+            select.set_options(options)
+            if current is not Select.NULL and current in {v for _, v in options}:
+                select.value = current
+
+    def show_new(self, model: RunModel, count: int) -> None:
+        """Append the newest `count` lines of the model's log that pass the filter."""
+        self._model = model
+        if count <= 0:
+            return
+        entries = model.log_tail(min(count, self.max_lines))
+        if self.cell_filter is not None:
+            entries = [e for e in entries if e[0] == self.cell_filter]
+        if entries:
+            log = self.log_widget
+            following = log.scroll_y >= self._end_y
+            log.write_lines([format_line(*e) for e in entries], scroll_end=False)
+            if following:
+                self.follow_end()
+
+    def follow_end(self) -> None:
+        """Scroll to the newest line once the layout settles (it moves when panels above grow)."""
+        self.call_after_refresh(self._to_end)
+
+    def on_resize(self, event: events.Resize) -> None:
+        # Panels above grow after the last write (a new verdict row, the first-fail panel);
+        # an operator following the tail keeps seeing the newest line.
+        if self.log_widget.scroll_y >= self._end_y:
+            self.follow_end()
+
+    def _to_end(self) -> None:
+        log = self.log_widget
+        log.scroll_end(animate=False, immediate=True, x_axis=False)
+        self._end_y = log.max_scroll_y  # at or past this, the operator is following the tail
+
+    def refill(self, model: RunModel) -> None:
+        self._model = model
+        log = self.log_widget
+        log.clear()
+        entries = model.log_tail(self.max_lines, self.cell_filter)
+        log.write_lines([format_line(*e) for e in entries], scroll_end=False)
+        self.follow_end()
+
+    def on_select_changed(self, event: Select.Changed) -> None:
+        event.stop()
+        self.cell_filter = None if event.value is Select.NULL else int(event.value)  # type: ignore[arg-type]
+        if self._model is not None:
+            self.refill(self._model)

@@ -1,0 +1,53 @@
+"""Untrusted text made safe to show: plain Text (never markup) with control characters replaced."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from rich.text import Text
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+TONE_STYLES = {"pass": "bold green", "drift": "bold yellow", "fail": "bold red"}
+STATE_STYLES = {
+    "pending": "dim",
+    "running": "bold cyan",
+    "passed": "green",
+    "failed": "bold red",
+    "cancelled": "red",
+    "lost": "red",
+}
+
+
+def clean(value: Any) -> str:
+    """str(value) with tabs expanded and control characters (terminal escapes) replaced."""
+    return _CONTROL.sub("\ufffd", str(value).expandtabs(4))
+
+
+def plain(value: Any, style: str = "") -> Text:
+    """A Text that shows `value` literally: square brackets stay brackets."""
+    return Text(clean(value), style=style, no_wrap=True, overflow="ellipsis")
+
+
+def number(value: Any) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return clean(value)
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None:
+        return ""
+    return f"{seconds:.1f}s"
+
+
+def clock(seconds: float | None) -> str:
+    if seconds is None:
+        return "--:--"
+    whole = int(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"

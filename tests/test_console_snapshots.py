@@ -1,0 +1,106 @@
+"""SVG snapshots of each console screen at 120x40, built from fixed presets and recorded runs.
+
+Update after an intended change with: python -m pytest tests/test_console_snapshots.py --snapshot-update
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import orjson
+import pytest
+from textual.pilot import Pilot
+
+from console.app import create_app
+from console.screens.history import HistoryScreen
+from console.screens.run import RunScreen
+from console.widgets.banner import VerdictBanner
+
+DATA = Path(__file__).resolve().parent / "data"
+SIZE = (120, 40)
+PRESETS = sorted((DATA / "presets").glob("*.toml"))
+
+
+@pytest.fixture
+def out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Out dir in tmp; HOME too, so no ~/.ssh/config alias or recent target leaks in."""
+    (tmp_path / "home").mkdir()
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("TRACEDECK_HOME", str(tmp_path / "td"))
+    monkeypatch.delenv("XDG_CONFIG_HOME", raising=False)
+    return tmp_path / "td" / "runs"
+
+
+async def until(pilot: Pilot, condition, timeout: float = 10.0) -> None:  # noqa: ANN001
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition():
+        assert loop.time() < deadline, "the screen did not settle"
+        await pilot.pause(0.05)
+    await pilot.pause(0.1)
+
+
+async def run_finished(pilot: Pilot) -> None:
+    def done() -> bool:
+        screen = pilot.app.screen
+        return (
+            isinstance(screen, RunScreen)
+            and not screen.buffer
+            and screen.query_one("#banner", VerdictBanner).verdict is not None
+        )
+
+    await until(pilot, done)
+
+
+def test_presets_screen(snap_compare, out: Path) -> None:  # noqa: ANN001
+    app = create_app(out_dir=out, preset_paths=PRESETS)
+    assert snap_compare(app, terminal_size=SIZE, press=["down"])
+
+
+def test_run_screen_from_recorded_run(snap_compare, out: Path) -> None:  # noqa: ANN001
+    app = create_app(out_dir=out, replay_dir=DATA / "equivalence_fail", speed=0)
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_finished)
+
+
+def test_traces_screen(snap_compare, out: Path) -> None:  # noqa: ANN001
+    app = create_app(out_dir=out, replay_dir=DATA / "readout_run", speed=0)
+
+    async def open_traces(pilot: Pilot) -> None:
+        await run_finished(pilot)
+        await pilot.press("t", "down", "down", "down")
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=open_traces)
+
+
+def test_history_screen(snap_compare, out: Path) -> None:  # noqa: ANN001
+    for name in ("equivalence_fail", "readout_run", "hello_command_run"):
+        shutil.copytree(DATA / name, out / name)
+    unfinished = out / "unfinished"
+    shutil.copytree(DATA / "hello_command_run", unfinished)
+    events = unfinished / "events.jsonl"
+    events.write_bytes(b"".join(events.read_bytes().splitlines(keepends=True)[:6]))
+    run_json = unfinished / "run.json"
+    record = orjson.loads(run_json.read_bytes())
+    record.update(
+        run_id="20260529-080000-hello_command-beef", started_at="2026-05-29T08:00:00+00:00"
+    )
+    run_json.write_bytes(orjson.dumps(record))
+    app = create_app(out_dir=out, preset_paths=PRESETS)
+
+    async def open_history(pilot: Pilot) -> None:
+        await pilot.press("f2")
+        await until(
+            pilot,
+            lambda: (
+                isinstance(pilot.app.screen, HistoryScreen) and len(pilot.app.screen.entries) == 4
+            ),
+        )
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=open_history)
+
+
+def test_help_screen(snap_compare, out: Path) -> None:  # noqa: ANN001
+    app = create_app(out_dir=out, preset_paths=PRESETS)
+    assert snap_compare(app, terminal_size=SIZE, press=["f1"])
