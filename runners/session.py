@@ -116,6 +116,7 @@ class Session:
         self._recorder: Recorder | None = None
         self.pgid: int | None = None
         self._cancelling = False
+        self.setup_failed = False
         self.judge: Judge = judge_for(
             JudgeContext(preset=preset, local_dir=self.local_dir, date=record.date, emit=self.emit)
         )
@@ -448,6 +449,7 @@ class Session:
         if kind in ("done", "cancelled"):
             if kind == "cancelled":
                 self.cancelled = True
+            self.setup_failed = bool(entry.get("setup_failed"))
             return True
         return False
 
@@ -614,7 +616,14 @@ class Session:
             if not cell.finished:
                 await self._drain_outputs(cell) if cell.started else None
                 cell.finished = True
-                state = "cancelled" if self.cancelled else "lost"
+                # Cells after a failed setup never ran; otherwise a cell with no end was
+                # cut short by a cancel or by the run dying.
+                if self.cancelled:
+                    state = "cancelled"
+                elif self.setup_failed:
+                    state = "skipped"
+                else:
+                    state = "lost"
                 event = CellFinished(cell=cell.index, state=state, exit_code=None, duration_s=None)
                 self.emit(event)
                 self.judge.cell_finished(event)

@@ -298,3 +298,38 @@ def test_bad_preset_exits_2_naming_file_and_key(tmp_path: Path) -> None:
     done = tracedeck("run", str(preset), "--set", "matrix.n=5", env=cli_env(home))
     assert done.returncode == 2
     assert str(preset) in done.stderr and "matrix.n" in done.stderr
+
+
+@pytest.mark.parametrize("setup_rc", [0, 4])
+def test_setup_runs_once_before_the_cells_and_is_judged_like_one(
+    tmp_path: Path, setup_rc: int
+) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    preset = write_lines_preset(tmp_path, lines=1, pause=0)
+    out = tmp_path / "out"
+    step = f"echo building-once; echo build-log-tail >&2; exit {setup_rc}"
+    done = tracedeck(
+        "run",
+        str(preset),
+        "--out",
+        str(out),
+        "--set",
+        f"engine.setup=['echo sync', '{step}']",
+        env=cli_env(home),
+    )
+    [local_dir] = run_dirs(out)
+    evts = events(local_dir)
+    started = [e["cell"] for e in evts if e["type"] == "cell_started"]
+    states = {e["cell"]: e["state"] for e in evts if e["type"] == "cell_finished"}
+    assert "[setup] | building-once" in done.stdout
+    if setup_rc == 0:
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert started == [-1, 0, 1, 2]  # once, first
+        assert states == {-1: "passed", 0: "passed", 1: "passed", 2: "passed"}
+    else:
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert started == [-1]
+        assert states == {-1: "failed", 0: "skipped", 1: "skipped", 2: "skipped"}
+        assert "setup exited 4; stderr ends: build-log-tail" in done.stdout
+        assert "RESULT: FAIL (exit 1)" in done.stdout
