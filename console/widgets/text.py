@@ -17,6 +17,7 @@ STATE_STYLES = {
     "failed": "bold red",
     "cancelled": "red",
     "lost": "red",
+    "skipped": "yellow",
 }
 
 
