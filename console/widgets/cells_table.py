@@ -5,15 +5,17 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from rich.text import Text
-from textual.widgets import DataTable
 
 from console.run_model import SETUP_CELL, CellRow, RunModel, params_label, varying_keys
+from console.widgets.live_table import LiveTable
 from console.widgets.text import STATE_STYLES, duration, plain
 
 COLUMNS = (("#", "n"), ("params", "params"), ("state", "state"), ("exit", "exit"), ("time", "time"))
 
 
-class CellsTable(DataTable):
+class CellsTable(LiveTable):
+    COLUMNS = COLUMNS
+
     """Rows keyed by cell index; only the cells a batch touched are rewritten."""
 
     DEFAULT_CSS = """
@@ -21,13 +23,9 @@ class CellsTable(DataTable):
     """
 
     def __init__(self, *, id: str | None = None) -> None:
-        super().__init__(id=id, cursor_type="row", zebra_stripes=True)
+        super().__init__(id=id)
         self._cell_count = 0
         self._varying: set[str] = set()
-
-    def on_mount(self) -> None:
-        for label, key in COLUMNS:
-            self.add_column(label, key=key)
 
     def cells(self, row: CellRow) -> tuple[Text, ...]:
         label = "setup" if row.index == SETUP_CELL else str(row.index + 1)
@@ -57,12 +55,4 @@ class CellsTable(DataTable):
             row = model.cells[index]
             key = str(index)
             values = self.cells(row)
-            if key in self.rows:
-                for (_, column), value in zip(COLUMNS, values, strict=True):
-                    self.update_cell(key, column, value)
-            else:
-                self.add_row(*values, key=key)
-
-    def contents(self) -> list[list[str]]:
-        """The table as plain strings, row by row (what an operator reads)."""
-        return [[str(cell) for cell in self.get_row(row_key)] for row_key in self.rows]
+            self.upsert(key, values)

@@ -12,6 +12,7 @@ from textual.message import Message
 from textual.widgets import DataTable, Sparkline, Static
 
 from console.run_model import RunModel
+from console.widgets.live_table import LiveTable
 from console.widgets.text import number, plain
 
 COLUMNS = (
@@ -28,7 +29,9 @@ COLUMNS = (
 VERDICT_STYLES = {"OK": "bold green", "NO OK": "bold red"}
 
 
-class ReadoutTable(DataTable):
+class ReadoutTable(LiveTable):
+    COLUMNS = COLUMNS
+
     """One row per prompt, keyed by where its prefill_last line is; rows refill as steps arrive."""
 
     DEFAULT_CSS = """
@@ -41,13 +44,6 @@ class ReadoutTable(DataTable):
         def __init__(self, key: str) -> None:
             super().__init__()
             self.key = key
-
-    def __init__(self, *, id: str | None = None) -> None:
-        super().__init__(id=id, cursor_type="row", zebra_stripes=True)
-
-    def on_mount(self) -> None:
-        for label, key in COLUMNS:
-            self.add_column(label, key=key)
 
     def cells(self, row: dict[str, Any]) -> tuple[Text, ...]:
         verdict = row.get("verdict")
@@ -71,14 +67,7 @@ class ReadoutTable(DataTable):
     def show(self, model: RunModel, changed: Iterable[str]) -> None:
         for key in changed:
             values = self.cells(model.readout[key])
-            if key in self.rows:
-                for (_, column), value in zip(COLUMNS, values, strict=True):
-                    self.update_cell(key, column, value)
-            else:
-                self.add_row(*values, key=key)
-
-    def contents(self) -> list[list[str]]:
-        return [[str(cell) for cell in self.get_row(key)] for key in self.rows]
+            self.upsert(key, values)
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
         if event.row_key.value is not None:

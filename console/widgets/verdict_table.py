@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from rich.text import Text
-from textual.widgets import DataTable
 
 from console.run_model import RunModel, VerdictRow, verdict_tone
+from console.widgets.live_table import LiveTable
 from console.widgets.text import TONE_STYLES, number, plain
 
 METRICS = ("max_abs_diff", "p99_abs_diff", "top1_agreement", "cos_sim_mean")
@@ -24,19 +24,14 @@ def row_key(key: tuple[int, int]) -> str:
     return f"kv{key[0]}-seed{key[1]}"
 
 
-class VerdictTable(DataTable):
+class VerdictTable(LiveTable):
+    COLUMNS = COLUMNS
+
     """Fills as PairVerdict events arrive; the verdict word is coloured by what it means."""
 
     DEFAULT_CSS = """
     VerdictTable { height: 1fr; }
     """
-
-    def __init__(self, *, id: str | None = None) -> None:
-        super().__init__(id=id, cursor_type="row", zebra_stripes=True)
-
-    def on_mount(self) -> None:
-        for label, key in COLUMNS:
-            self.add_column(label, key=key)
 
     def cells(self, row: VerdictRow) -> tuple[Text, ...]:
         metrics = [Text(number(row.metrics.get(name)), justify="right") for name in METRICS]
@@ -52,11 +47,4 @@ class VerdictTable(DataTable):
         for key in changed:
             values = self.cells(model.verdicts[key])
             name = row_key(key)
-            if name in self.rows:
-                for (_, column), value in zip(COLUMNS, values, strict=True):
-                    self.update_cell(name, column, value)
-            else:
-                self.add_row(*values, key=name)
-
-    def contents(self) -> list[list[str]]:
-        return [[str(cell) for cell in self.get_row(key)] for key in self.rows]
+            self.upsert(name, values)
