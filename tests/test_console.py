@@ -7,6 +7,7 @@ import html
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -598,3 +599,67 @@ async def test_b3_67_smoke_from_presets_to_banner(home: Path) -> None:
         assert [row[2:4] for row in cells(screen)] == [["passed", "0"]] * 12
         assert banner_text(screen) == "PASS_GUARDRAIL  (exit 0)"
         assert not screen.query_one("#first-fail").has_class("-shown")
+
+
+LIVE_WRITER = """
+import sys, time, pathlib
+lines = pathlib.Path(sys.argv[1]).read_text().splitlines(keepends=True)
+go = pathlib.Path(sys.argv[3])
+with open(sys.argv[2], "a") as fh:
+    fh.write(lines[0]); fh.write(lines[1]); fh.flush()
+    deadline = time.time() + 60
+    while not go.exists() and time.time() < deadline:  # held until the row is on screen
+        time.sleep(0.02)
+    fh.write(lines[2]); fh.flush()
+"""
+
+
+@pytest.mark.ssh
+async def test_readout_rows_reach_the_traces_screen_over_ssh_while_writing(  # noqa: ANN001
+    ssh_home, sshd, home: Path
+) -> None:
+    sample = DATA.parent.parent / "presets" / "samples" / "b3_12_mi300x.jsonl"
+    writer = home / "writer.py"
+    writer.write_text(LIVE_WRITER)
+    go = home / "go"
+    presets = home / "home" / ".config" / "tracedeck" / "presets"
+    presets.mkdir(parents=True)
+    (presets / "live_readout.toml").write_text(f"""
+[preset]
+name = "live_readout"
+kind = "readout"
+description = "the seed 003 lines, written slowly"
+[target]
+python = "{sys.executable}"
+[engine]
+command = "mkdir -p {{out}} && {{python}} {writer} {sample} {{out}}/trace.jsonl {go}"
+[matrix]
+n = [1]
+[traces]
+follow = ["trace.jsonl"]
+""")
+    app = create_app(out_dir=out_dir(home))
+    async with app.run_test(size=SIZE) as pilot:
+        await start_preset(
+            pilot, "live_readout", [*run_overrides(home), f"target.host={sshd.spec}"]
+        )
+        run = await wait_for_run_screen(pilot)
+        await wait_for(pilot, lambda: bool(run.model.readout), 30, "the first readout row")
+        await pilot.press("t")
+        traces = app.screen
+        assert isinstance(traces, TracesScreen)
+
+        def first_row() -> list[str] | None:
+            rows = traces.query_one("#readout", ReadoutTable).contents()
+            return rows[0] if rows else None
+
+        await wait_for(pilot, lambda: first_row() is not None, 10, "the row on screen")
+        row = first_row()
+        assert row is not None and (row[1], row[3]) == ("79", "96965")
+        assert not go.exists() and run.model.finished is None  # the engine is still writing
+        go.touch()
+        await pilot.press("escape")
+        screen = await wait_for_banner(pilot, timeout=40)
+        assert banner_text(screen) == "NO OK  (exit 1)"
+        prompts = [r["prompt"] for r in screen.model.readout.values()]
+        assert prompts == ["prompt 1", "prompt 2"]
