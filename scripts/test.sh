@@ -10,4 +10,5 @@ if [ ! -x /usr/sbin/sshd ]; then
 fi
 bash scripts/install.sh
 .venv/bin/ruff check .
+.venv/bin/ruff format --check .
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
