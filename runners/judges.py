@@ -198,8 +198,7 @@ class EquivalenceJudge(Judge):
         verdict = summary.get("global_verdict", self.fail_word)
         if unjudged or not self.cells_ok():
             # A pair that could not be judged is not PASS_EQUIV, so the guardrail cannot pass.
-            if verdict != "FAIL_GUARDRAIL":
-                verdict = "FAIL_GUARDRAIL"
+            verdict = "FAIL_GUARDRAIL"
             summary = {**summary, "unjudged": unjudged, "errors": self.errors}
         code = EXIT_PASS if verdict in ("PASS_GUARDRAIL", "EXPECTED_DRIFT") else EXIT_FAIL
         return RunFinished(verdict=verdict, exit_code=code, summary=summary)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from runners.determinism import cell_env
-from runners.presets import Cell, Preset, render
+from runners.presets import Cell, Preset, render, render_plain
 
 SETUP = "setup"
 
@@ -22,6 +22,7 @@ class PlannedCell:
     params: dict[str, Any]
     command: str
     env: dict[str, str]
+    artifacts: tuple[str, ...] = ()  # paths under the run's artifacts dir to bring home
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +96,7 @@ def _planned(preset: Preset, cell: Cell, values: dict[str, Any]) -> PlannedCell:
         params=cell.params,
         command=render(preset.section("engine")["command"], values),
         env=cell_env(preset.data, values),
+        artifacts=tuple(render_plain(t, values) for t in preset.section("artifacts")["fetch"]),
     )
 
 

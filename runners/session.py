@@ -81,8 +81,11 @@ class CellState:
     index: int
     params: dict[str, Any]
     command: str
+    artifacts: tuple[str, ...] = ()
     started: float | None = None
     finished: bool = False
+    passed: bool = False
+    fetched_all: bool = False  # every artifact tried once the cell passed
     outputs: dict[str, FileFollower] = field(default_factory=dict)
 
 
@@ -268,7 +271,11 @@ class Session:
         }
 
     def _init_cells(self, plan: RunPlan) -> None:
-        self.cells = {c.index: CellState(c.index, c.params, c.command) for c in plan.cells}
+        self.cells = {
+            c.index: CellState(c.index, c.params, c.command, c.artifacts) for c in plan.cells
+        }
+        self._progress = FileFollower(self.target, f"{plan.run_dir}/progress.jsonl")
+        self._ended = False
         if plan.setup:
             self.cells[-1] = CellState(-1, {"step": "setup"}, " && ".join(plan.setup))
         for template in self.preset.section("traces")["follow"]:
@@ -339,6 +346,7 @@ class Session:
             self.cells[event.cell].started = event.t
         elif isinstance(event, CellFinished) and event.cell in self.cells:
             self.cells[event.cell].finished = True
+            self.cells[event.cell].passed = event.state == "passed"
         elif isinstance(event, OutputLines) and event.cell in self.cells:
             follower = self._output_follower(self.cells[event.cell], event.stream)
             follower.offset = event.end_offset
@@ -355,7 +363,7 @@ class Session:
         if self.finished is not None:
             return self.finished
         assert self.plan is not None
-        await self._connect_with_retry(first=True)
+        await self._connect_with_retry()
         last_alive = 0.0
         loop = asyncio.get_running_loop()
         while self.finished is None:
@@ -373,14 +381,12 @@ class Session:
                 await asyncio.sleep(POLL_S)
         return self.finished
 
-    async def _connect_with_retry(self, first: bool = False) -> None:
+    async def _connect_with_retry(self) -> None:
         try:
             await self.target.connect()
         except ConnectionLost as exc:
             if not await self._reconnect(str(exc)):
                 raise
-        except TargetError:
-            raise
 
     async def _reconnect(self, message: str) -> bool:
         self.emit(Connection(state="lost", message=message))
@@ -415,20 +421,20 @@ class Session:
     async def _poll_once(self) -> bool:
         """One pass over progress, outputs and traces; True when the run has ended."""
         assert self.plan is not None
-        progress = FileFollower(self.target, f"{self.plan.run_dir}/progress.jsonl")
-        lines = await progress.poll()
-        ended = False
+        # Work a dropped link interrupted (or a console killed mid-fetch left) is done first.
+        await self._catch_up()
+        lines = await self._progress.poll()
         for raw in lines.lines if lines else []:
-            ended = await self._progress(orjson.loads(raw)) or ended
+            await self._on_progress(orjson.loads(raw))
         for cell in self.cells.values():
             if cell.started is not None and not cell.finished:
                 await self._drain_outputs(cell)
         await self._poll_traces()
-        if ended and self.finished is None:
+        if self._ended and self.finished is None:
             await self._finish_run()
-        return ended
+        return self._ended
 
-    async def _progress(self, entry: dict[str, Any]) -> bool:
+    async def _on_progress(self, entry: dict[str, Any]) -> None:
         kind = entry.get("e")
         if kind in ("start", "end"):
             name = entry["cell"]
@@ -445,16 +451,15 @@ class Session:
                 await self._drain_outputs(cell)
                 await self._poll_traces()
                 await self._cell_ended(cell, int(entry["rc"]), float(entry["t"]))
-            return False
-        if kind in ("done", "cancelled"):
+        elif kind in ("done", "cancelled"):
             if kind == "cancelled":
                 self.cancelled = True
             self.setup_failed = bool(entry.get("setup_failed"))
-            return True
-        return False
+            self._ended = True
 
     async def _cell_ended(self, cell: CellState, rc: int, t: float) -> None:
         cell.finished = True
+        cell.passed = rc == 0
         duration = t - cell.started if cell.started is not None else None
         event = CellFinished(
             cell=cell.index,
@@ -465,30 +470,30 @@ class Session:
         )
         self.emit(event)
         self.judge.cell_finished(event)
-        if rc == 0 and cell.index >= 0:
-            await self._fetch_artifacts(cell)
-        elif rc != 0:
+        if rc != 0:
             tail = await self._tail(self.plan.cell_path(cell.index, "stderr.log"))  # type: ignore[union-attr]
             label = "setup" if cell.index < 0 else f"cell {cell.index} ({_label(cell.params)})"
             self._error(f"{label} exited {rc}; stderr ends: {tail}", where=label)
+        await self._catch_up()
         await self.judge.advance()
+
+    async def _catch_up(self) -> None:
+        """Bring home the artifacts of every passed cell not yet fetched, then judge."""
+        pending = [
+            c for c in self.cells.values() if c.passed and c.index >= 0 and not c.fetched_all
+        ]
+        for cell in pending:
+            await self._fetch_artifacts(cell)
+            cell.fetched_all = True
+        if pending:
+            await self.judge.advance()
 
     async def _fetch_artifacts(self, cell: CellState) -> None:
         assert self.plan is not None
-        values = {
-            **self.preset.vars,
-            **plan_mod.placeholder_values(
-                self.plan.run_dir,
-                self.plan.workdir,
-                self.plan.python,
-                self.plan.run_id,
-                self.record.date,
-            ),
-            **cell.params,
-            "cell": cell.index,
-        }
-        for template in self.preset.section("artifacts")["fetch"]:
-            rel = render_plain(template, values)
+        done = set(self.judge.fetched.get(cell.index, []))
+        for rel in cell.artifacts:
+            if rel in done:
+                continue
             local = self.local_dir / rel
             remote = f"{self.plan.artifacts}/{rel}"
             try:
@@ -614,7 +619,8 @@ class Session:
     async def _finish_run(self, crashed: bool = False) -> None:
         for cell in self.cells.values():
             if not cell.finished:
-                await self._drain_outputs(cell) if cell.started else None
+                if cell.started:
+                    await self._drain_outputs(cell)
                 cell.finished = True
                 # Cells after a failed setup never ran; otherwise a cell with no end was
                 # cut short by a cancel or by the run dying.

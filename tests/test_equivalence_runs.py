@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -209,3 +210,49 @@ def test_analyze_reports_bad_input_with_its_location(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert str(bad) in done.stderr
     assert not (tree / "summary.json").exists()  # nothing judged from a broken file
+
+
+def test_attach_fetches_artifacts_a_killed_console_never_brought_home(tmp_path: Path) -> None:
+    """Console gone between cell_finished and the artifact download: attach catches up."""
+    home = tmp_path / "home"
+    home.mkdir()
+    out = tmp_path / "out"
+    first = tracedeck(
+        "run",
+        "b3_67_smoke",
+        "--out",
+        str(out),
+        *isolated(tmp_path),
+        "--set",
+        "matrix.seed=[0]",
+        "--set",
+        "matrix.kv_aligned=[1]",
+        env=cli_env(home),
+        timeout=300,
+    )
+    assert first.returncode == 0, first.stdout + first.stderr
+    [local_dir] = run_dirs(out)
+    fetched = {e["path"]: e["sha256"] for e in events(local_dir) if e["type"] == "artifact"}
+    assert len(fetched) == 4
+    # Cut the record back to the moment after the last cell finished, before any download.
+    kept = []
+    for line in (local_dir / "events.jsonl").read_text().splitlines(keepends=True):
+        if json.loads(line)["type"] in ("artifact", "pair_verdict", "run_finished"):
+            continue
+        kept.append(line)
+    (local_dir / "events.jsonl").write_text("".join(kept))
+    for rel in ("runs", "metrics", "summary.json", "config.json"):
+        target = local_dir / rel
+        if target.is_dir():
+            shutil.rmtree(target)
+        else:
+            target.unlink()
+
+    attach = tracedeck("attach", str(local_dir), env=cli_env(home), timeout=120)
+    assert attach.returncode == 0, attach.stdout + attach.stderr
+    assert "RESULT: PASS_GUARDRAIL (exit 0)" in attach.stdout
+    again = {e["path"]: e["sha256"] for e in events(local_dir) if e["type"] == "artifact"}
+    assert again == fetched  # the same bytes, brought home exactly once more
+    assert (
+        json.loads((local_dir / "summary.json").read_text())["global_verdict"] == "PASS_GUARDRAIL"
+    )
