@@ -68,21 +68,6 @@ class CellRow:
 
 
 @dataclass(slots=True)
-class VerdictRow:
-    seed: int
-    kv_aligned: int
-    verdict: str
-    metrics: dict[str, Any]
-    thresholds: dict[str, float]
-    first_fail: dict[str, Any] | None
-    metrics_path: str
-
-    @property
-    def key(self) -> tuple[int, int]:
-        return (self.kv_aligned, self.seed)
-
-
-@dataclass(slots=True)
 class Header:
     run_id: str = ""
     preset: str = ""
@@ -134,7 +119,8 @@ class RunModel:
     def __init__(self, log_lines: int = LOG_LINES) -> None:
         self.header = Header()
         self.cells: dict[int, CellRow] = {}
-        self.verdicts: dict[tuple[int, int], VerdictRow] = {}
+        # The PairVerdict events themselves, keyed by (kv_aligned, seed).
+        self.verdicts: dict[tuple[int, int], PairVerdict] = {}
         self.readout: dict[str, dict[str, Any]] = {}
         self.log: deque[tuple[int, str, str]] = deque(maxlen=log_lines)
         self.log_total = 0
@@ -241,17 +227,9 @@ class RunModel:
         self.artifacts += 1
 
     def _pair_verdict(self, event: PairVerdict) -> None:
-        row = VerdictRow(
-            seed=event.seed,
-            kv_aligned=event.kv_aligned,
-            verdict=event.verdict,
-            metrics=dict(event.metrics),
-            thresholds=dict(event.thresholds),
-            first_fail=event.first_fail,
-            metrics_path=event.metrics_path,
-        )
-        self.verdicts[row.key] = row
-        self._changes.verdicts[row.key] = None
+        key = (event.kv_aligned, event.seed)
+        self.verdicts[key] = event
+        self._changes.verdicts[key] = None
         # The first failing pair wins; a drift pair's detail is kept only until a real failure.
         if event.first_fail and (
             self.first_fail is None

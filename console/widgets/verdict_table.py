@@ -6,9 +6,10 @@ from collections.abc import Iterable
 
 from rich.text import Text
 
-from console.run_model import RunModel, VerdictRow, verdict_tone
+from console.run_model import RunModel, verdict_tone
 from console.widgets.live_table import LiveTable
 from console.widgets.text import TONE_STYLES, number, plain
+from runners.events import PairVerdict
 
 METRICS = ("max_abs_diff", "p99_abs_diff", "top1_agreement", "cos_sim_mean")
 COLUMNS = (
@@ -33,7 +34,7 @@ class VerdictTable(LiveTable):
     VerdictTable { height: 1fr; }
     """
 
-    def cells(self, row: VerdictRow) -> tuple[Text, ...]:
+    def cells(self, row: PairVerdict) -> tuple[Text, ...]:
         metrics = [Text(number(row.metrics.get(name)), justify="right") for name in METRICS]
         return (
             Text(str(row.kv_aligned), justify="right"),
