@@ -238,36 +238,38 @@ class _Prompt:
         }
 
 
+# A fact is the compact account of one trace line, all a row needs:
+# ["p", line, top1_id, gap, mismatch, step, prompt or None] for a prefill_last line,
+# ["d", line, top1_id, gap, mismatch, step] for a decode line.
+Fact = list[Any]
+
+
 class ReadoutAggregator:
-    """Streaming per-prompt readout table; feed lines in file order."""
+    """Streaming per-prompt readout table; feed lines in file order.
+
+    `fact` checks a record against the table so far and returns its compact account; `apply`
+    folds an account in. A followed trace records the facts, so a replay rebuilds the same rows.
+    """
 
     def __init__(self) -> None:
         self._prompts: list[_Prompt] = []
 
     def feed_line(self, raw: bytes | str, line_no: int, file: str = "") -> list[dict[str, Any]]:
         """Parse one line, fold it in, and return the rows it changed."""
-        return self._fold(parse_line(raw, line_no, file), line_no, file)
+        return self.feed(parse_line(raw, line_no, file), line_no, file)
 
     def feed(self, record: dict[str, Any], line_no: int, file: str = "") -> list[dict[str, Any]]:
         """Validate one record, fold it in, and return the rows it changed."""
-        return self._fold(validate_record(record, line_no, file), line_no, file)
+        index = self.apply(self.fact(record, line_no, file), file)
+        return [self._prompts[index].row()]
 
-    def _fold(self, record: dict[str, Any], line_no: int, file: str) -> list[dict[str, Any]]:
+    def fact(self, record: dict[str, Any], line_no: int, file: str = "") -> Fact:
+        """The compact account of a record; TraceError when it cannot follow the lines so far."""
+        record = validate_record(record, line_no, file)
         mismatch = 1 if record["readout_mismatch"] else 0
+        values = [line_no, record["top1_id"], record["gap"], mismatch, record["step"]]
         if record["phase"] == PHASE_PREFILL_LAST:
-            name = record.get("prompt") or f"prompt {len(self._prompts) + 1}"
-            prompt = _Prompt(
-                name=name,
-                file=file,
-                line=line_no,
-                prefill_top1=record["top1_id"],
-                prefill_gap=record["gap"],
-                mismatches=mismatch,
-                last_step=record["step"],
-            )
-            self._prompts.append(prompt)
-            return [prompt.row()]
-
+            return ["p", *values, record.get("prompt")]
         if not self._prompts:
             raise TraceError(
                 file,
@@ -298,11 +300,34 @@ class ReadoutAggregator:
                 "were two traces written into one file?",
                 key="step",
             )
-        prompt.last_step = record["step"]
-        prompt.top1_seq.append(record["top1_id"])
-        prompt.gap_seq.append(record["gap"])
+        return ["d", *values]
+
+    def apply(self, fact: Fact, file: str = "") -> int:
+        """Fold one fact in; returns the index of the prompt row it changed."""
+        phase, line_no, top1, gap, mismatch, step = fact[:6]
+        if phase == "p":
+            name = fact[6] or f"prompt {len(self._prompts) + 1}"
+            self._prompts.append(
+                _Prompt(
+                    name=name,
+                    file=file,
+                    line=line_no,
+                    prefill_top1=top1,
+                    prefill_gap=gap,
+                    mismatches=mismatch,
+                    last_step=step,
+                )
+            )
+            return len(self._prompts) - 1
+        prompt = self._prompts[-1]
+        prompt.last_step = step
+        prompt.top1_seq.append(top1)
+        prompt.gap_seq.append(gap)
         prompt.mismatches += mismatch
-        return [prompt.row()]
+        return len(self._prompts) - 1
+
+    def row(self, index: int) -> dict[str, Any]:
+        return self._prompts[index].row()
 
     def rows(self) -> list[dict[str, Any]]:
         return [prompt.row() for prompt in self._prompts]

@@ -2,7 +2,7 @@
 
 Writes one pair of TOKENS x VOCAB logits.jsonl.gz files (float32 logits with a realistic
 spread; decode = prefill + small noise) in a temporary B3.67 tree, then judges the pair
-(a) with tracedeck (runners.equivalence_tree.judge_pair, streaming) and (b) with a literal
+(a) with tracedeck (analysis.equivalence_tree.judge_pair, streaming) and (b) with a literal
 section 8 implementation (json.loads and np.array per line, then the section 8 functions on
 the whole pair). Each judge runs in a fresh child process that reports its own wall time,
 CPU time (user + sys, all threads) and peak memory as getrusage(RUSAGE_SELF).ru_maxrss (peak
@@ -124,7 +124,7 @@ def literal_judge(root: Path) -> dict[str, float]:
 
 def tracedeck_judge(root: Path) -> dict[str, float]:
     sys.path.insert(0, str(REPO))
-    from runners.equivalence_tree import judge_pair
+    from analysis.equivalence_tree import judge_pair
 
     return judge_pair(root, 1, 0).metrics
 

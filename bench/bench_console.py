@@ -31,10 +31,10 @@ from runners.events import (  # noqa: E402
     CellStarted,
     Event,
     OutputLines,
-    PairVerdict,
     RunFinished,
     RunStarted,
 )
+from runners.kinds.equivalence import PairVerdict  # noqa: E402
 from runners.record import read_events  # noqa: E402
 
 THRESHOLDS = {"p99_abs_diff_max": 0.001, "max_abs_diff_max": 0.005, "top1_agreement_min": 0.999}

@@ -2,7 +2,7 @@
 
 Runs a real session twice in one process: over SSH to a real OpenSSH sshd on loopback,
 and on the local target as the baseline. The engine appends lines stamped with the time
-they were written; the consumer stamps the time each TraceRecords event reaches it.
+they were written; the consumer stamps the time each TraceBatch event reaches it.
 Prints p50/p95/max per target and the SSH/local ratio. Run: python bench/bench_trace_latency.py
 """
 
@@ -20,7 +20,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from runners.events import Event, TraceRecords  # noqa: E402
+import orjson  # noqa: E402
+
+from runners.events import Event, TraceBatch  # noqa: E402
 from runners.presets import load_preset  # noqa: E402
 from runners.session import Session  # noqa: E402
 
@@ -61,11 +63,19 @@ follow = ["trace.jsonl"]
 
 async def measure(preset_path: Path, spec: str, out: Path) -> list[float]:
     latencies: list[float] = []
+    offsets: dict[str, int] = {}
 
     def consume(event: Event) -> None:
-        if isinstance(event, TraceRecords):
+        if isinstance(event, TraceBatch):
             now = time.time()
-            latencies.extend(now - r["t_written"] for r in event.records)
+            # The record keeps offsets, not lines: read the batch's bytes from the file itself
+            # (the "remote" is this machine), after stamping the arrival time.
+            start = offsets.get(event.file, 0)
+            with open(event.file, "rb") as fh:
+                fh.seek(start)
+                data = fh.read(event.end_offset - start)
+            offsets[event.file] = event.end_offset
+            latencies.extend(now - orjson.loads(line)["t_written"] for line in data.splitlines())
 
     session = Session.create(load_preset(preset_path), spec, out, consume)
     try:

@@ -9,13 +9,13 @@ from textual.app import App
 from textual.binding import Binding
 from textual.screen import Screen
 
+from console.panels import detail_screens
 from console.screens.dialogs import ConfirmDialog, HostKeyDialog
 from console.screens.help import HelpScreen
 from console.screens.history import HistoryScreen
 from console.screens.presets import PresetsScreen
 from console.screens.run import RunScreen
 from console.screens.sources import ReplaySource
-from console.screens.traces import TracesScreen
 from runners.presets import preset_files
 from runners.record import EVENTS
 from runners.session import default_out_dir
@@ -59,7 +59,7 @@ class TracedeckApp(App[int]):
         return [
             ("presets", PresetsScreen),
             ("run", RunScreen),
-            ("traces", TracesScreen),
+            *((f"{kind} details", screen) for kind, screen in detail_screens()),
             ("history", HistoryScreen),
             ("help", HelpScreen),
             ("confirm dialog", ConfirmDialog),

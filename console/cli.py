@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-EXIT_USAGE, EXIT_INFRA, EXIT_INTERRUPT = 2, 3, 130
+from runners.exits import EXIT_INFRA, EXIT_INTERRUPT, EXIT_USAGE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,9 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     replay.add_argument("--json", action="store_true")
 
-    analyze = sub.add_parser("analyze", help="judge a B3.67 artifacts tree or a readout trace")
-    analyze.add_argument("path", type=Path, help="artifacts dir (B3.67) or trace .jsonl (B3.11/12)")
+    analyze = sub.add_parser(
+        "analyze", help="judge what a run kind writes (a B3.67 tree, a readout trace, ...)"
+    )
+    analyze.add_argument("path", type=Path, help="what to judge: " + _analyze_forms())
+    analyze.add_argument("--kind", help="the run kind to judge it as (default: the one it fits)")
     analyze.add_argument("--json", action="store_true", help="print the result as JSON")
+    for kind in _kinds().values():
+        kind.add_analyze_args(analyze)
 
     sub.add_parser("presets", help="list shipped and user presets")
 
@@ -277,66 +282,55 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return code
 
 
-def cmd_analyze(args: argparse.Namespace) -> int:
-    import orjson
+def _kinds() -> dict:  # type: ignore[type-arg]
+    from runners.kinds import all_kinds
 
-    from analysis.logits import InputError
+    return all_kinds()
+
+
+def _analyze_forms() -> str:
+    return "; ".join(
+        f"{k.analyze_help()} ({name})" for name, k in _kinds().items() if k.analyze_help()
+    )
+
+
+def cmd_analyze(args: argparse.Namespace) -> int:
+    from runners.record import RUN_JSON, RunRecord
 
     path: Path = args.path
-    if path.is_dir():
-        from analysis.equivalence import exit_code_for
-        from runners.equivalence_tree import analyze_tree
-
+    kinds = _kinds()
+    if not path.exists():
+        _err(f"{path}: no such file or directory; pass {_analyze_forms()}")
+        return EXIT_USAGE
+    if args.kind is not None:
+        if args.kind not in kinds:
+            _err(f"--kind {args.kind}: unknown run kind; known: {', '.join(kinds)}")
+            return EXIT_USAGE
+        return kinds[args.kind].analyze(path, args)
+    if (path / RUN_JSON).is_file():
         try:
-            summary, results = analyze_tree(path)
-        except (InputError, ValueError, OSError) as exc:
+            recorded = RunRecord.load(path).kind
+        except (OSError, ValueError, TypeError) as exc:
             _err(str(exc))
             return EXIT_USAGE
-        if args.json:
-            print(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode())
-        else:
-            for r in results:
-                m = r.metrics
-                print(
-                    f"kv_aligned={r.kv_aligned} seed={r.seed}: {r.verdict}  "
-                    f"max_abs_diff={m['max_abs_diff']:.6g} p99_abs_diff={m['p99_abs_diff']:.6g} "
-                    f"top1_agreement={m['top1_agreement']:.6g} cos_sim_mean={m['cos_sim_mean']:.6g}"
-                )
-            ff = summary.get("first_fail")
-            if ff:
-                print(
-                    f"first fail: kv_aligned={ff['kv_aligned']} seed={ff['seed']} token "
-                    f"{ff['token_idx']} {ff['metric']}={ff['value']:.6g} "
-                    f"(threshold {ff['threshold']})"
-                )
-            print(
-                f"global verdict: {summary['global_verdict']}  "
-                f"(wrote summary.json, metrics/, B3_67_EQUIVALENCE_GUARDRAIL.md in {path})"
-            )
-        return exit_code_for(summary["global_verdict"])
-    if path.is_file():
-        from analysis.readout import TraceError, analyze_trace, format_table, to_json
-
-        try:
-            agg = analyze_trace(path)
-        except (TraceError, OSError) as exc:
-            _err(str(exc))
-            return EXIT_USAGE
-        verdict = agg.verdict()
-        if args.json:
-            print(orjson.dumps(to_json(agg.rows(), verdict), option=orjson.OPT_INDENT_2).decode())
-        else:
-            print(format_table(agg.rows(), verdict))
-        return 0 if verdict == "OK" else 1
-    _err(f"{path}: no such file or directory; pass a B3.67 artifacts dir or a readout trace .jsonl")
+        if recorded in kinds:
+            return kinds[recorded].analyze(path, args)
+    for kind in kinds.values():
+        if kind.claims(path):
+            return kind.analyze(path, args)
+    _err(f"{path}: not something tracedeck can judge; pass {_analyze_forms()}")
     return EXIT_USAGE
 
 
 def cmd_presets(args: argparse.Namespace) -> int:
+    from runners.kinds import problems
     from runners.presets import PresetError, load_preset, preset_files
 
     rows = []
     broken = 0
+    for problem in problems():
+        broken += 1
+        _err(problem)
     for path in preset_files():
         try:
             p = load_preset(path)

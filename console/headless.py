@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from typing import Any, TextIO
 
+from runners import kinds
+from runners.cells import SETUP_CELL, CellState, params_label
 from runners.events import (
     ArtifactFetched,
     CellFinished,
@@ -15,20 +17,10 @@ from runners.events import (
     LockAcquired,
     LockBusy,
     OutputLines,
-    PairVerdict,
-    ReadoutRow,
     RunFinished,
     RunStarted,
-    TraceRecords,
 )
-
-
-def _params(params: dict[str, Any]) -> str:
-    return " ".join(f"{k}={v}" for k, v in params.items())
-
-
-def _num(value: Any) -> str:
-    return f"{value:.6g}" if isinstance(value, float) else str(value)
+from runners.kind import KindPrinter
 
 
 class Printer:
@@ -39,7 +31,7 @@ class Printer:
         self.json_lines = json_lines
         self.total = 0
         self.cells: dict[int, dict[str, Any]] = {}
-        self.readout_shown: dict[str, str] = {}
+        self.kind: KindPrinter = KindPrinter()
 
     def __call__(self, event: Event) -> None:
         if self.json_lines:
@@ -50,7 +42,7 @@ class Printer:
         self.out.flush()
 
     def _tag(self, cell: int) -> str:
-        if cell < 0:
+        if cell == SETUP_CELL:
             return "[setup]"
         width = len(str(self.total))
         return f"[{cell + 1:>{width}}/{self.total}]"
@@ -59,9 +51,11 @@ class Printer:
         if isinstance(event, RunStarted):
             self.total = len(event.cells)
             self.cells = {
-                c["index"]: {"params": c["params"], "state": "pending"} for c in event.cells
+                c["index"]: {"params": c["params"], "state": CellState.PENDING} for c in event.cells
             }
-            env = " ".join(f"{k}={v}" for k, v in event.env.items()) or "(none)"
+            kind = kinds.all_kinds().get(event.kind)
+            self.kind = kind.printer() if kind is not None else KindPrinter()
+            env = params_label(event.env) or "(none)"
             verb = "attached to" if event.attached else "run"
             return [
                 f"tracedeck {verb} {event.run_id}: preset {event.preset} ({event.kind}), "
@@ -84,8 +78,8 @@ class Printer:
                 f"started {h.get('started_at')}, pgid {h.get('pgid')})"
             ]
         if isinstance(event, CellStarted):
-            self.cells.setdefault(event.cell, {"params": event.params})["state"] = "running"
-            return [f"{self._tag(event.cell)} start  {_params(event.params)}"]
+            self.cells.setdefault(event.cell, {"params": event.params})["state"] = CellState.RUNNING
+            return [f"{self._tag(event.cell)} start  {params_label(event.params)}"]
         if isinstance(event, OutputLines):
             mark = "|" if event.stream == "stdout" else "!"
             return [f"{self._tag(event.cell)} {mark} {line}" for line in event.lines]
@@ -100,37 +94,6 @@ class Printer:
                 f"{self._tag(event.cell)} fetched {event.path} ({event.size} bytes, "
                 f"sha256 {event.sha256[:16]})"
             ]
-        if isinstance(event, PairVerdict):
-            m = event.metrics
-            lines = [
-                f"verdict kv_aligned={event.kv_aligned} seed={event.seed}: {event.verdict}  "
-                + " ".join(
-                    f"{k}={_num(m[k])}"
-                    for k in ("max_abs_diff", "p99_abs_diff", "top1_agreement", "cos_sim_mean")
-                    if k in m
-                )
-            ]
-            if m.get("diverged_at_token") is not None:
-                lines.append(
-                    f"  greedy decoding parted ways at token {m['diverged_at_token']}: "
-                    f"compared {m.get('pair_count')} tokens, later ones follow other prefixes"
-                )
-            if event.first_fail:
-                ff = event.first_fail
-                lines.append(
-                    f"  first fail: token {ff.get('token_idx')} {ff.get('metric')}="
-                    f"{_num(ff.get('value'))} (threshold {_num(ff.get('threshold'))})"
-                )
-            return lines
-        if isinstance(event, ReadoutRow):
-            r = event.row
-            return [
-                f"readout {r.get('prompt')}: prefill_last_top1={r.get('prefill_last_top1')} "
-                f"decode0_top1={r.get('decode0_top1')} readout_mismatch="
-                f"{r.get('readout_mismatch_count')} -> {r.get('verdict') or r.get('note')}"
-            ]
-        if isinstance(event, TraceRecords):
-            return []
         if isinstance(event, Connection):
             extra = f" (attempt {event.attempt})" if event.attempt else ""
             return [f"connection {event.state}{extra}: {event.message}"]
@@ -138,7 +101,7 @@ class Printer:
             return [f"error: {event.message}"]
         if isinstance(event, RunFinished):
             return self._final(event)
-        return []
+        return self.kind.lines(event)
 
     def _final(self, event: RunFinished) -> list[str]:
         lines = []
@@ -151,12 +114,10 @@ class Printer:
                 lines.append(
                     f"{'setup' if index < 0 else index + 1:>5}  {c.get('state', 'pending'):<10} "
                     f"{'' if c.get('exit_code') is None else c['exit_code']:>4} "
-                    f"{'' if dur is None else f'{dur:.1f}s':>7}  {_params(c.get('params', {}))}"
+                    f"{'' if dur is None else f'{dur:.1f}s':>7}  "
+                    f"{params_label(c.get('params', {}))}"
                 )
-        if "prompts" in event.summary:
-            from analysis.readout import format_table
-
-            lines += ["", format_table(event.summary["prompts"], event.summary["verdict"]).rstrip()]
+        lines += self.kind.final(event)
         if event.summary.get("error"):
             lines.append(str(event.summary["error"]))
         lines.append(f"RESULT: {event.verdict} (exit {event.exit_code})")

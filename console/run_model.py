@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from runners.cells import NO_CELL, SETUP_CELL, CellState, params_label
 from runners.events import (
     ArtifactFetched,
     CellFinished,
@@ -18,33 +19,16 @@ from runners.events import (
     LockAcquired,
     LockBusy,
     OutputLines,
-    PairVerdict,
-    ReadoutRow,
     RunFinished,
     RunStarted,
-    TraceRecords,
+    TraceBatch,
 )
 
 LOG_LINES = 5000
-SETUP_CELL = -1
 # Log lines that are not a cell's output (errors, connection changes) carry this cell number.
-RUN_CELL = -2
+RUN_CELL = NO_CELL
 
-PASS_WORDS = frozenset({"PASS_GUARDRAIL", "PASS", "OK", "PASS_EQUIV"})
-DRIFT_WORDS = frozenset({"EXPECTED_DRIFT"})
-
-
-def verdict_tone(word: str | None) -> str:
-    """'pass', 'drift' or 'fail' for a verdict word; any word not known to pass is a failure."""
-    if word in PASS_WORDS:
-        return "pass"
-    if word in DRIFT_WORDS:
-        return "drift"
-    return "fail"
-
-
-def params_label(params: dict[str, Any]) -> str:
-    return " ".join(f"{k}={v}" for k, v in params.items())
+__all__ = ["SETUP_CELL", "RUN_CELL", "RunModel", "params_label", "varying_keys"]
 
 
 def varying_keys(params: Iterable[dict[str, Any]]) -> set[str]:
@@ -61,7 +45,7 @@ class CellRow:
     index: int
     params: dict[str, Any]
     command: str = ""
-    state: str = "pending"
+    state: str = CellState.PENDING
     exit_code: int | None = None
     duration_s: float | None = None
     started_t: float | None = None
@@ -91,10 +75,7 @@ class Changes:
     header: bool = False
     # dicts used as ordered sets: rows appear in the order their events arrived
     cells: dict[int, None] = field(default_factory=dict)
-    verdicts: dict[tuple[int, int], None] = field(default_factory=dict)
-    readout: dict[str, None] = field(default_factory=dict)
     log_new: int = 0
-    first_fail: bool = False
     connection: bool = False
     errors: bool = False
     finished: bool = False
@@ -103,10 +84,7 @@ class Changes:
         return bool(
             self.header
             or self.cells
-            or self.verdicts
-            or self.readout
             or self.log_new
-            or self.first_fail
             or self.connection
             or self.errors
             or self.finished
@@ -114,18 +92,13 @@ class Changes:
 
 
 class RunModel:
-    """Folds a run's events into tables: cells, verdicts, readout rows, log, header, result."""
+    """Folds what every run has: header, cells, log, errors, result (a kind's panel the rest)."""
 
     def __init__(self, log_lines: int = LOG_LINES) -> None:
         self.header = Header()
         self.cells: dict[int, CellRow] = {}
-        # The PairVerdict events themselves, keyed by (kv_aligned, seed).
-        self.verdicts: dict[tuple[int, int], PairVerdict] = {}
-        self.readout: dict[str, dict[str, Any]] = {}
         self.log: deque[tuple[int, str, str]] = deque(maxlen=log_lines)
         self.log_total = 0
-        self.first_fail: dict[str, Any] | None = None
-        self.first_fail_verdict: str | None = None
         self.connection: Connection | None = None
         self.errors: list[Error] = []
         self.finished: RunFinished | None = None
@@ -201,7 +174,7 @@ class RunModel:
         row = self.cells.get(event.cell)
         if row is None:
             row = self.cells[event.cell] = CellRow(event.cell, dict(event.params), event.command)
-        row.state = "running"
+        row.state = CellState.RUNNING
         row.started_t = event.t
         self._changes.cells[event.cell] = None
 
@@ -220,32 +193,11 @@ class RunModel:
         self.log_total += len(event.lines)
         self._changes.log_new += len(event.lines)
 
-    def _trace(self, event: TraceRecords) -> None:
-        self.trace_records += len(event.records)
+    def _trace(self, event: TraceBatch) -> None:
+        self.trace_records += event.last_line - event.first_line + 1
 
     def _artifact(self, event: ArtifactFetched) -> None:
         self.artifacts += 1
-
-    def _pair_verdict(self, event: PairVerdict) -> None:
-        key = (event.kv_aligned, event.seed)
-        self.verdicts[key] = event
-        self._changes.verdicts[key] = None
-        # The first failing pair wins; a drift pair's detail is kept only until a real failure.
-        if event.first_fail and (
-            self.first_fail is None
-            or (self.first_fail_verdict != "FAIL_EQUIV" and event.verdict == "FAIL_EQUIV")
-        ):
-            self.first_fail = dict(event.first_fail)
-            self.first_fail.setdefault("seed", event.seed)
-            self.first_fail.setdefault("kv_aligned", event.kv_aligned)
-            self.first_fail_verdict = event.verdict
-            self._changes.first_fail = True
-
-    def _readout_row(self, event: ReadoutRow) -> None:
-        row = event.row
-        key = f"{row.get('file', '')}:{row.get('line', '')}:{row.get('prompt', '')}"
-        self.readout[key] = dict(row)
-        self._changes.readout[key] = None
 
     def _connection(self, event: Connection) -> None:
         self.connection = event
@@ -261,11 +213,6 @@ class RunModel:
     def _run_finished(self, event: RunFinished) -> None:
         self.finished = event
         self._changes.finished = True
-        ff = event.summary.get("first_fail") if isinstance(event.summary, dict) else None
-        if isinstance(ff, dict) and self.first_fail_verdict != "FAIL_EQUIV":
-            self.first_fail = dict(ff)
-            self.first_fail_verdict = "FAIL_EQUIV"
-            self._changes.first_fail = True
 
     def _log_run(self, line: str) -> None:
         self.log.append((RUN_CELL, "tracedeck", line))
@@ -280,10 +227,8 @@ _HANDLERS: dict[type[Event], Any] = {
     CellStarted: RunModel._cell_started,
     CellFinished: RunModel._cell_finished,
     OutputLines: RunModel._output,
-    TraceRecords: RunModel._trace,
+    TraceBatch: RunModel._trace,
     ArtifactFetched: RunModel._artifact,
-    PairVerdict: RunModel._pair_verdict,
-    ReadoutRow: RunModel._readout_row,
     Connection: RunModel._connection,
     Error: RunModel._error,
     RunFinished: RunModel._run_finished,

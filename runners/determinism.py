@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from runners.presets import render_plain
+from runners.templates import render_plain
 
 PROFILES: dict[str, dict[str, str]] = {
     "rocm": {"HIP_LAUNCH_BLOCKING": "1", "AMD_SERIALIZE_KERNEL": "3", "HSA_ENABLE_SDMA": "0"},
@@ -16,16 +16,17 @@ PROFILES: dict[str, dict[str, str]] = {
 
 def cell_env(preset_data: dict[str, Any], values: dict[str, Any]) -> dict[str, str]:
     """The profile's variables, then the preset's determinism.env and engine.env, rendered per cell."""
-    env = dict(PROFILES[preset_data["determinism"]["profile"]])
-    for section in ("determinism", "engine"):
-        for name, value in preset_data[section]["env"].items():
-            env[name] = render_plain(str(value), values)
-    return env
+    return _env(preset_data, lambda value: render_plain(value, values))
 
 
 def run_env(preset_data: dict[str, Any]) -> dict[str, str]:
     """The run's environment as the preset writes it: per-cell values stay {placeholders}."""
+    return _env(preset_data, lambda value: value)
+
+
+def _env(preset_data: dict[str, Any], fill: Any) -> dict[str, str]:
     env = dict(PROFILES[preset_data["determinism"]["profile"]])
     for section in ("determinism", "engine"):
-        env.update({name: str(value) for name, value in preset_data[section]["env"].items()})
+        for name, value in preset_data[section]["env"].items():
+            env[name] = fill(str(value))
     return env

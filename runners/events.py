@@ -1,13 +1,40 @@
-"""Typed events: the one stream every consumer (headless printer, recorder, console) reads."""
+"""Typed events: the one stream every consumer (headless printer, recorder, console) reads.
+
+Core events are defined here; a run kind defines its own events in its module
+(runners/kinds/<kind>.py). Every Event subclass registers its `type` word on definition, so
+recorded runs decode once the kinds are loaded (runners.kinds.all_kinds()).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar, dataclass_transform
 
 import orjson
+
+from runners.cells import CellState
+
+EVENT_TYPES: dict[str, type[Event]] = {}
+
+E = TypeVar("E", bound="type[Event]")
+
+
+@dataclass_transform(kw_only_default=False)
+def event(cls: E) -> E:
+    """Make an Event subclass a slotted dataclass and register its `type` word for decoding."""
+    made = dataclass(slots=True)(cls)
+    word = made.__dict__.get("type")
+    taken = EVENT_TYPES.get(word) if isinstance(word, str) else None
+    same = taken is not None and (taken.__module__, taken.__qualname__) == (
+        made.__module__,
+        made.__qualname__,
+    )
+    if not isinstance(word, str) or (taken is not None and not same):
+        raise TypeError(f"{cls.__name__}: event type {word!r} is missing or already taken")
+    EVENT_TYPES[word] = made
+    return made
 
 
 @dataclass(slots=True)
@@ -24,7 +51,7 @@ class Event:
         return orjson.dumps(self.to_dict(), option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-@dataclass(slots=True)
+@event
 class RunStarted(Event):
     type: ClassVar[str] = "run_started"
     run_id: str
@@ -39,21 +66,21 @@ class RunStarted(Event):
     attached: bool = False
 
 
-@dataclass(slots=True)
+@event
 class LockAcquired(Event):
     type: ClassVar[str] = "lock_acquired"
     lock: str
     holder: dict[str, Any]
 
 
-@dataclass(slots=True)
+@event
 class LockBusy(Event):
     type: ClassVar[str] = "lock_busy"
     lock: str
     holder: dict[str, Any]
 
 
-@dataclass(slots=True)
+@event
 class CellStarted(Event):
     """A cell began on the target; cell -1 is the setup step."""
 
@@ -63,7 +90,7 @@ class CellStarted(Event):
     command: str
 
 
-@dataclass(slots=True)
+@event
 class OutputLines(Event):
     """Complete lines a cell wrote, with the byte offset in `file` they end at."""
 
@@ -75,20 +102,31 @@ class OutputLines(Event):
     end_offset: int
 
 
-@dataclass(slots=True)
-class TraceRecords(Event):
-    """Parsed JSONL trace records followed from the target, batched."""
+@event
+class TraceBatch(Event):
+    """Lines first_line..last_line of a followed trace file, up to byte end_offset.
+
+    The raw records are not recorded: `digest` is the run kind's compact account of them
+    (what its judge and panel fold), so a long trace grows the record by its digests only.
+    `cell` is the cell that wrote the lines (-1 the setup step, -2 outside every cell).
+    """
 
     type: ClassVar[str] = "trace"
     cell: int
     file: str
-    records: list[dict[str, Any]]
     first_line: int
     last_line: int
     end_offset: int
+    digest: dict[str, Any] | None = None
+    # Trace events recorded before digests carried the parsed records; they are dropped on
+    # decoding (the rows they fed were recorded as their own events).
+    records: dataclasses.InitVar[list[dict[str, Any]] | None] = None
+
+    def __post_init__(self, records: list[dict[str, Any]] | None) -> None:
+        return None
 
 
-@dataclass(slots=True)
+@event
 class ArtifactFetched(Event):
     type: ClassVar[str] = "artifact"
     cell: int
@@ -97,9 +135,9 @@ class ArtifactFetched(Event):
     sha256: str
 
 
-@dataclass(slots=True)
+@event
 class CellFinished(Event):
-    """state: passed | failed | cancelled | lost."""
+    """state: a runners.cells.CellState word (passed, failed, skipped, cancelled, lost)."""
 
     type: ClassVar[str] = "cell_finished"
     cell: int
@@ -107,31 +145,11 @@ class CellFinished(Event):
     exit_code: int | None
     duration_s: float | None
 
-
-@dataclass(slots=True)
-class PairVerdict(Event):
-    """One prefill-vs-decode pair judged (B3.67 section 2.2 metrics.json content)."""
-
-    type: ClassVar[str] = "pair_verdict"
-    seed: int
-    kv_aligned: int
-    verdict: str
-    metrics: dict[str, Any]
-    thresholds: dict[str, float]
-    first_fail: dict[str, Any] | None
-    metrics_path: str
+    def __post_init__(self) -> None:
+        self.state = CellState(self.state).value  # a plain word on the wire, checked on decoding
 
 
-@dataclass(slots=True)
-class ReadoutRow(Event):
-    """One prompt's readout judgement (B3.11/B3.12), re-sent as it fills in."""
-
-    type: ClassVar[str] = "readout_row"
-    cell: int
-    row: dict[str, Any]
-
-
-@dataclass(slots=True)
+@event
 class Connection(Event):
     """state: lost | retrying | restored."""
 
@@ -141,7 +159,7 @@ class Connection(Event):
     attempt: int = 0
 
 
-@dataclass(slots=True)
+@event
 class Error(Event):
     type: ClassVar[str] = "error"
     message: str
@@ -150,7 +168,7 @@ class Error(Event):
     affects_verdict: bool = True
 
 
-@dataclass(slots=True)
+@event
 class RunFinished(Event):
     """verdict is the kind's global verdict word; exit_code follows the CLI's contract."""
 
@@ -160,28 +178,11 @@ class RunFinished(Event):
     summary: dict[str, Any]
 
 
-EVENT_TYPES: dict[str, type[Event]] = {
-    cls.type: cls
-    for cls in (
-        RunStarted,
-        LockAcquired,
-        LockBusy,
-        CellStarted,
-        OutputLines,
-        TraceRecords,
-        ArtifactFetched,
-        CellFinished,
-        PairVerdict,
-        ReadoutRow,
-        Connection,
-        Error,
-        RunFinished,
-    )
-}
-
-
 def event_from_dict(data: dict[str, Any]) -> Event:
     """Rebuild an event from its recorded form; raises ValueError for an unknown type."""
+    from runners.kinds import all_kinds
+
+    all_kinds()  # kind modules define (and so register) their own event types
     data = dict(data)
     kind = data.pop("type", None)
     cls = EVENT_TYPES.get(kind)  # type: ignore[arg-type]

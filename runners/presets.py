@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import itertools
 import os
-import shlex
-import string
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-KINDS = ("command", "equivalence", "readout", "kv_invariance", "dsa_trace")
-PROFILES = ("rocm", "cuda", "cpu", "none")
+from runners.cells import params_label
+from runners.determinism import PROFILES
+from runners.templates import TemplateError
+from runners.templates import template_fields as _fields
+
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "presets"
 
 Scalar = (str, int, float, bool)
@@ -50,16 +51,11 @@ SCHEMA: dict[str, dict[str, tuple[Any, bool, Any]]] = {
         "dir": (str, False, "{date}/{name}"),
         "fetch": (list, False, []),
     },
-    "thresholds": {
-        "p99_abs_diff_max": ((int, float), False, 1e-3),
-        "max_abs_diff_max": ((int, float), False, 5e-3),
-        "top1_agreement_min": ((int, float), False, 0.999),
-    },
     "traces": {
         "follow": (list, False, []),
-        "prompts": (list, False, []),
     },
 }
+# A kind adds its own sections (runners.kind.Kind.sections), checked for its presets only.
 REQUIRED_SECTIONS = ("preset", "engine", "matrix")
 
 # Placeholders every template may use besides the matrix keys.
@@ -81,7 +77,7 @@ class Cell:
     params: dict[str, Any]
 
     def label(self) -> str:
-        return " ".join(f"{k}={v}" for k, v in self.params.items())
+        return params_label(self.params)
 
 
 @dataclass(slots=True)
@@ -165,32 +161,30 @@ def _check_type(source: str, key: str, value: Any, expected: Any) -> None:
 
 
 def template_fields(template: str, source: str, key: str) -> list[str]:
-    names: list[str] = []
     try:
-        parsed = list(string.Formatter().parse(template))
-    except ValueError as exc:
-        raise PresetError(
-            source, key, f"bad template ({exc}); write literal braces as {{{{ }}}}"
-        ) from None
-    for _, name, spec, conv in parsed:
-        if name is None:
-            continue
-        if not name or not name.isidentifier() or spec or conv:
-            raise PresetError(source, key, f"placeholder {{{name}}} must be a plain {{name}}")
-        names.append(name)
-    return names
+        return _fields(template)
+    except TemplateError as exc:
+        raise PresetError(source, key, str(exc)) from None
 
 
 def validate(data: dict[str, Any], source: str) -> dict[str, Any]:
-    """Check every section and key, fill defaults; returns the completed data."""
+    """Check every section and key, fill defaults, run the kind's checks; returns the data."""
+    kind = _kind_of(data, source)
+    schema = {**SCHEMA, **kind.sections}
     for section in data:
-        if section not in SCHEMA:
-            raise PresetError(source, section, f"unknown section; known: {', '.join(SCHEMA)}")
+        if section not in schema:
+            owners = [k.name for k in _kinds().values() if section in k.sections]
+            why = (
+                f"a section of {' and '.join(owners)} presets, not of kind {kind.name!r}"
+                if owners
+                else f"unknown section; known: {', '.join(schema)}"
+            )
+            raise PresetError(source, section, why)
     for section in REQUIRED_SECTIONS:
         if section not in data:
             raise PresetError(source, section, "missing section")
     out: dict[str, Any] = {}
-    for section, keys in SCHEMA.items():
+    for section, keys in schema.items():
         given = data.get(section, {})
         if not isinstance(given, dict):
             raise PresetError(source, section, "must be a table")
@@ -200,23 +194,8 @@ def validate(data: dict[str, Any], source: str) -> dict[str, Any]:
         if section == "vars":
             out[section] = _validate_vars(given, source, set(out.get("matrix", {})))
             continue
-        filled: dict[str, Any] = {}
-        for key, value in given.items():
-            if key not in keys:
-                raise PresetError(
-                    source, f"{section}.{key}", f"unknown key; known: {', '.join(keys)}"
-                )
-            _check_type(source, f"{section}.{key}", value, keys[key][0])
-            filled[key] = value
-        for key, (_, required, default) in keys.items():
-            if key not in filled:
-                if required:
-                    raise PresetError(source, f"{section}.{key}", "missing required key")
-                filled[key] = default.copy() if isinstance(default, (dict, list)) else default
-        out[section] = filled
+        out[section] = _validate_section(section, keys, given, source)
 
-    if out["preset"]["kind"] not in KINDS:
-        raise PresetError(source, "preset.kind", f"must be one of {', '.join(KINDS)}")
     if out["determinism"]["profile"] not in PROFILES:
         raise PresetError(source, "determinism.profile", f"must be one of {', '.join(PROFILES)}")
     for table in ("determinism.env", "engine.env"):
@@ -225,7 +204,7 @@ def validate(data: dict[str, Any], source: str) -> dict[str, Any]:
             if not name.isidentifier():
                 raise PresetError(source, f"{table}.{name}", "not a valid environment name")
             _check_type(source, f"{table}.{name}", value, (str, int, float))
-    for table in ("engine.setup", "artifacts.fetch", "traces.follow", "traces.prompts"):
+    for table in ("engine.setup", "artifacts.fetch", "traces.follow"):
         sec, key = table.split(".")
         for i, item in enumerate(out[sec][key]):
             _check_type(source, f"{table}[{i}]", item, str)
@@ -236,14 +215,55 @@ def validate(data: dict[str, Any], source: str) -> dict[str, Any]:
     for sec, key in (("engine", "setup"), ("artifacts", "fetch")):
         for i, item in enumerate(out[sec][key]):
             _check_placeholders(source, f"{sec}.{key}[{i}]", item, known)
-    # A trace is followed for the whole run, so only run-wide names can shape its path.
-    run_wide = set(out["vars"]) | {"date", "run_id"}
+    # A trace path under the run's artifacts dir: per cell when a matrix key or {cell} shapes it.
+    trace_names = set(out["vars"]) | set(out["matrix"]) | {"date", "run_id", "cell"}
     for i, item in enumerate(out["traces"]["follow"]):
-        _check_placeholders(source, f"traces.follow[{i}]", item, run_wide)
+        _check_placeholders(source, f"traces.follow[{i}]", item, trace_names)
     for sec in ("determinism", "engine"):
         for name, value in out[sec]["env"].items():
             _check_placeholders(source, f"{sec}.env.{name}", str(value), known)
+    kind.check(out, source)
     return out
+
+
+def _kinds() -> dict[str, Any]:
+    from runners.kinds import all_kinds
+
+    return all_kinds()
+
+
+def _kind_of(data: dict[str, Any], source: str) -> Any:
+    """The run kind a preset names, checked before anything else (it adds sections)."""
+    head = data.get("preset")
+    if not isinstance(head, dict):
+        raise PresetError(
+            source, "preset", "missing section" if head is None else "must be a table"
+        )
+    name = head.get("kind")
+    if name is None:
+        raise PresetError(source, "preset.kind", "missing required key")
+    _check_type(source, "preset.kind", name, str)
+    kinds = _kinds()
+    if name not in kinds:
+        raise PresetError(source, "preset.kind", f"must be one of {', '.join(kinds)}, got {name!r}")
+    return kinds[name]
+
+
+def _validate_section(
+    section: str, keys: dict[str, tuple[Any, bool, Any]], given: dict[str, Any], source: str
+) -> dict[str, Any]:
+    filled: dict[str, Any] = {}
+    for key, value in given.items():
+        if key not in keys:
+            raise PresetError(source, f"{section}.{key}", f"unknown key; known: {', '.join(keys)}")
+        _check_type(source, f"{section}.{key}", value, keys[key][0])
+        filled[key] = value
+    for key, (_, required, default) in keys.items():
+        if key not in filled:
+            if required:
+                raise PresetError(source, f"{section}.{key}", "missing required key")
+            filled[key] = default.copy() if isinstance(default, (dict, list)) else default
+    return filled
 
 
 def _check_placeholders(source: str, key: str, template: str, known: set[str]) -> None:
@@ -332,29 +352,3 @@ def resolve_preset(name_or_path: str) -> Path:
             return path
     known = ", ".join(p.stem for p in preset_files()) or "none"
     raise PresetError(name_or_path, "", f"no preset of that name; known presets: {known}")
-
-
-def render(template: str, values: dict[str, Any]) -> str:
-    """Fill {placeholders}, each value shell-quoted: data can never become shell syntax."""
-    parts: list[str] = []
-    for literal, name, _, _ in string.Formatter().parse(template):
-        parts.append(literal)
-        if name is not None:
-            parts.append(shlex.quote(_text(values[name])))
-    return "".join(parts)
-
-
-def render_plain(template: str, values: dict[str, Any]) -> str:
-    """Fill {placeholders} without quoting, for paths and env values that are quoted later."""
-    parts: list[str] = []
-    for literal, name, _, _ in string.Formatter().parse(template):
-        parts.append(literal)
-        if name is not None:
-            parts.append(_text(values[name]))
-    return "".join(parts)
-
-
-def _text(value: Any) -> str:
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    return str(value)

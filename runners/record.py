@@ -9,6 +9,7 @@ from typing import Any
 
 import orjson
 
+from runners.atomic import write_atomic
 from runners.events import Event, event_from_dict
 
 RUN_JSON = "run.json"
@@ -34,10 +35,9 @@ class RunRecord:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def save(self) -> None:
-        path = Path(self.local_dir) / RUN_JSON
-        tmp = path.with_suffix(".json.part")
-        tmp.write_bytes(orjson.dumps(asdict(self), option=orjson.OPT_INDENT_2))
-        tmp.replace(path)
+        write_atomic(
+            Path(self.local_dir) / RUN_JSON, orjson.dumps(asdict(self), option=orjson.OPT_INDENT_2)
+        )
 
     @classmethod
     def load(cls, local_dir: str | os.PathLike[str]) -> RunRecord:
@@ -75,19 +75,29 @@ class Recorded:
     torn_tail: bytes  # an incomplete last line left by a console that was killed mid-write
 
 
+def split_lines(data: bytes) -> tuple[list[bytes], bytes]:
+    """The complete lines of a record, and the torn tail after the last newline."""
+    cut = data.rfind(b"\n") + 1
+    return data[:cut].split(b"\n")[:-1], data[cut:]
+
+
+def decode_event(path: str | os.PathLike[str], number: int, line: bytes) -> Event:
+    """One recorded line as an event; ValueError naming the file and line when it is not one."""
+    try:
+        return event_from_dict(orjson.loads(line))
+    except (orjson.JSONDecodeError, TypeError, ValueError) as exc:
+        raise ValueError(f"{path}:{number}: not a tracedeck event ({exc})") from None
+
+
 def read_events(path: str | os.PathLike[str]) -> Recorded:
     """Every recorded event; a malformed complete line is an error naming its line."""
-    data = Path(path).read_bytes()
-    cut = data.rfind(b"\n") + 1
-    events = []
-    for number, line in enumerate(data[:cut].splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            events.append(event_from_dict(orjson.loads(line)))
-        except (orjson.JSONDecodeError, TypeError, ValueError) as exc:
-            raise ValueError(f"{path}:{number}: not a tracedeck event ({exc})") from None
-    return Recorded(events, data[cut:])
+    lines, torn = split_lines(Path(path).read_bytes())
+    events = [
+        decode_event(path, number, line)
+        for number, line in enumerate(lines, start=1)
+        if line.strip()
+    ]
+    return Recorded(events, torn)
 
 
 def drop_torn_tail(path: str | os.PathLike[str], recorded: Recorded) -> None:

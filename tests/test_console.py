@@ -17,30 +17,29 @@ from textual import events
 from textual.pilot import Pilot
 
 from console.app import TracedeckApp, create_app
-from console.run_model import RunModel, verdict_tone
+from console.panels.equivalence import EquivalenceView, FirstFailPanel, VerdictTable
+from console.panels.readout import ReadoutTable, TracesScreen
+from console.run_model import RunModel
 from console.screens.dialogs import ConfirmDialog, HostKeyDialog
 from console.screens.help import HelpScreen
 from console.screens.history import UNFINISHED, HistoryScreen, last_verdict, scan_runs
 from console.screens.presets import PresetsScreen, load_recent
 from console.screens.run import RunScreen
-from console.screens.traces import TracesScreen
 from console.widgets.banner import VerdictBanner
 from console.widgets.cells_table import CellsTable
-from console.widgets.first_fail import FirstFailPanel
-from console.widgets.readout_table import ReadoutTable
 from console.widgets.run_log import RunLog
-from console.widgets.verdict_table import VerdictTable
 from runners.events import (
     CellFinished,
     CellStarted,
     Connection,
     Error,
     OutputLines,
-    PairVerdict,
     RunFinished,
     RunStarted,
     event_from_dict,
 )
+from runners.kind import tone
+from runners.kinds.equivalence import PairVerdict
 
 DATA = Path(__file__).resolve().parent / "data"
 SIZE = (120, 40)
@@ -196,8 +195,8 @@ def test_model_folds_events_and_reports_changed_rows_only() -> None:
     assert model.elapsed(now=None) == 10.0
 
 
-def test_model_keeps_the_first_real_failure() -> None:
-    model = RunModel()
+def test_panel_view_keeps_the_first_real_failure() -> None:
+    model = EquivalenceView()
     drift = {"token_idx": 1, "metric": "max_abs_diff", "value": 1.0, "threshold": 0.005}
     fail = {"token_idx": 7, "metric": "p99_abs_diff", "value": 0.5, "threshold": 0.001}
     later = {"token_idx": 9, "metric": "p99_abs_diff", "value": 0.7, "threshold": 0.001}
@@ -206,7 +205,7 @@ def test_model_keeps_the_first_real_failure() -> None:
         (1, 1, "FAIL_EQUIV", fail),
         (1, 2, "FAIL_EQUIV", later),
     ):
-        model.apply(
+        model.take(
             PairVerdict(
                 seed=seed,
                 kv_aligned=kv,
@@ -222,8 +221,11 @@ def test_model_keeps_the_first_real_failure() -> None:
 
 
 def test_unknown_verdict_words_are_failures() -> None:
-    assert verdict_tone("PASS_GUARDRAIL") == verdict_tone("OK") == "pass"
-    assert verdict_tone("EXPECTED_DRIFT") == "drift"
+    assert tone("equivalence", "PASS_GUARDRAIL") == tone("readout", "OK") == "pass"
+    assert tone("command", "PASS") == "pass"
+    assert tone("equivalence", "EXPECTED_DRIFT") == "drift"
+    assert tone("command", "EXPECTED_DRIFT") == "fail"  # drift means something to B3.67 only
+    assert tone("no_such_kind", "PASS") == "fail"
     for word in (
         "FAIL_GUARDRAIL",
         "NO OK",
@@ -233,7 +235,8 @@ def test_unknown_verdict_words_are_failures() -> None:
         "PASSED?",
         None,
     ):
-        assert verdict_tone(word) == "fail"
+        for kind in ("command", "equivalence", "readout"):
+            assert tone(kind, word) == "fail"
 
 
 # -- live runs -------------------------------------------------------------------------------------
@@ -396,7 +399,7 @@ async def test_no_first_fail_panel_when_every_pair_passes(home: Path) -> None:
     app = create_app(out_dir=out_dir(home), replay_dir=DATA / "hello_command_run", speed=0)
     async with app.run_test(size=SIZE) as pilot:
         screen = await wait_for_banner(pilot, timeout=10)
-        assert not screen.query_one("#first-fail").has_class("-shown")
+        assert not any(p.has_class("-shown") for p in screen.query(FirstFailPanel))
         assert not screen.check_action("cancel_run", ())  # a replay cannot cancel anything
 
 
@@ -405,7 +408,7 @@ async def test_readout_run_fills_the_traces_screen(home: Path) -> None:
     async with app.run_test(size=SIZE) as pilot:
         screen = await wait_for_banner(pilot, timeout=10)
         assert banner_text(screen) == "NO OK  (exit 1)"
-        await pilot.press("t")
+        await pilot.press("d")
         traces = app.screen
         assert isinstance(traces, TracesScreen)
         rows = traces.query_one("#readout", ReadoutTable).contents()
@@ -417,7 +420,7 @@ async def test_readout_run_fills_the_traces_screen(home: Path) -> None:
             ("p4_prefill_only", "1200", "no decode", "0", "—"),
         ]
         await pilot.press("down", "down", "down")
-        row = screen.model.readout[traces.selected]
+        row = screen.panel.rows[traces.selected]
         assert row["prompt"] == "p3_collapsed"
         assert traces.query_one("#spark-top1").data == [13.0] * 8
         await pilot.press("escape")
@@ -644,8 +647,8 @@ follow = ["trace.jsonl"]
             pilot, "live_readout", [*run_overrides(home), f"target.host={sshd.spec}"]
         )
         run = await wait_for_run_screen(pilot)
-        await wait_for(pilot, lambda: bool(run.model.readout), 30, "the first readout row")
-        await pilot.press("t")
+        await wait_for(pilot, lambda: bool(run.panel.rows), 30, "the first readout row")
+        await pilot.press("d")
         traces = app.screen
         assert isinstance(traces, TracesScreen)
 
@@ -661,5 +664,5 @@ follow = ["trace.jsonl"]
         await pilot.press("escape")
         screen = await wait_for_banner(pilot, timeout=40)
         assert banner_text(screen) == "NO OK  (exit 1)"
-        prompts = [r["prompt"] for r in screen.model.readout.values()]
+        prompts = [r["prompt"] for r in screen.panel.rows.values()]
         assert prompts == ["prompt 1", "prompt 2"]

@@ -69,7 +69,7 @@ def test_traces_screen(snap_compare, out: Path) -> None:  # noqa: ANN001
 
     async def open_traces(pilot: Pilot) -> None:
         await run_finished(pilot)
-        await pilot.press("t", "down", "down", "down")
+        await pilot.press("d", "down", "down", "down")
 
     assert snap_compare(app, terminal_size=SIZE, run_before=open_traces)
 

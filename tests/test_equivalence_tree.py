@@ -1,4 +1,4 @@
-"""B3.67 tree: judge_pair, finish and analyze_tree on trees written here under the seed's contract."""
+"""B3.67 tree: judge_pair, write_pair and analyze_tree on trees written here under the seed's contract."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 from analysis.equivalence import THRESHOLDS, exit_code_for
+from analysis.equivalence_tree import judge_pair, metrics_path
 from analysis.logits import InputError
-from runners.equivalence_tree import REPORT_NAME, analyze_tree, judge_pair, metrics_path
+from runners.kinds.equivalence import REPORT_NAME, analyze_tree
+from runners.kinds.equivalence import write_pair as write_metrics
 
 T, V = 6, 64
 METRICS_KEYS = [
@@ -222,9 +224,11 @@ def test_config_json_sets_order_thresholds_and_is_kept(root: Path) -> None:
     assert summary["global_verdict"] == "FAIL_GUARDRAIL"
 
 
-def test_judge_pair_writes_its_metrics_file(root: Path) -> None:
+def test_a_judged_pair_writes_its_metrics_file(root: Path) -> None:
     write_tree(root, {1: {3: 1e-4}})
     result = judge_pair(root, 1, 3, {"p99_abs_diff_max": 5e-4})
+    assert not metrics_path(root, 1, 3).exists()  # judging reads; writing is the kind's
+    write_metrics(root, result)
     doc = load(metrics_path(root, 1, 3))
     assert doc["verdict"] == result.verdict == "PASS_EQUIV"
     assert doc["thresholds"]["p99_abs_diff_max"] == 5e-4

@@ -10,6 +10,9 @@ import pytest
 from runhelp import ROOT, cli_env, events, run_dirs, spawn, tracedeck, wait_for
 from sshd import SshHome
 
+from runners.events import event_from_dict
+from runners.kinds.readout import RowBook
+
 SAMPLE = ROOT / "presets" / "samples" / "b3_12_mi300x.jsonl"
 
 
@@ -24,11 +27,11 @@ def isolated(tmp_path: Path) -> list[str]:
 
 
 def final_rows(local_dir: Path) -> dict[str, dict]:
-    rows: dict[str, dict] = {}
+    """The rows as a replay rebuilds them: the recorded trace digests folded in order."""
+    book = RowBook()
     for e in events(local_dir):
-        if e["type"] == "readout_row":
-            rows[e["row"]["prompt"]] = e["row"]
-    return rows
+        book.fold(event_from_dict(e))
+    return {row["prompt"]: row for row in book.rows().values()}
 
 
 def test_seed_003_lines_reproduce_its_findings(tmp_path: Path) -> None:

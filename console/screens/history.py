@@ -15,10 +15,11 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Label, Select, Static
 
-from console.run_model import verdict_tone
 from console.screens.sources import AttachSource, ReplaySource
 from console.widgets.text import TONE_STYLES, plain
-from runners.record import EVENTS, RUN_JSON
+from runners.events import RunFinished
+from runners.kind import tone
+from runners.record import EVENTS, RUN_JSON, decode_event
 
 UNFINISHED = "running?/unfinished"
 TAIL_BYTES = 1 << 18
@@ -41,6 +42,7 @@ class RunEntry:
     target: str
     verdict: str | None
     problem: str | None = None
+    kind: str = ""
 
 
 def last_verdict(events: Path) -> str | None:
@@ -56,11 +58,11 @@ def last_verdict(events: Path) -> str | None:
         if b'"run_finished"' not in line:
             continue
         try:
-            data = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            continue
-        if isinstance(data, dict) and data.get("type") == "run_finished":
-            return str(data.get("verdict"))
+            event = decode_event(events, 0, line)
+        except ValueError:
+            continue  # the tail may start mid-line, or a line may be torn
+        if isinstance(event, RunFinished):
+            return event.verdict
     return None
 
 
@@ -84,6 +86,7 @@ def scan_runs(out_dir: Path) -> list[RunEntry]:
                 preset=str(data.get("preset", "?")),
                 target=str(data.get("target", "?")),
                 verdict=last_verdict(local / EVENTS),
+                kind=str(data.get("kind", "")),
             )
         )
     entries.sort(key=lambda e: (e.started, e.run_id), reverse=True)
@@ -157,7 +160,7 @@ class HistoryScreen(Screen[None]):
             elif entry.verdict is None:
                 verdict = Text(UNFINISHED, style="bold yellow")
             else:
-                verdict = plain(entry.verdict, TONE_STYLES[verdict_tone(entry.verdict)])
+                verdict = plain(entry.verdict, TONE_STYLES[tone(entry.kind, entry.verdict)])
             table.add_row(
                 plain(entry.started.replace("T", " ")),
                 plain(entry.run_id),

@@ -19,6 +19,7 @@ from textual.widgets import Button, DataTable, Footer, Input, Label, Select, Sta
 from console.screens.dialogs import HostKeyDialog
 from console.screens.sources import LiveSource
 from console.widgets.text import clean, plain
+from runners.atomic import write_atomic
 from runners.events import Event
 from runners.presets import SHIPPED_DIR, Preset, PresetError, load_preset, user_dir
 from runners.session import Session
@@ -46,12 +47,8 @@ def load_recent(out_dir: Path) -> list[str]:
 
 def remember_target(out_dir: Path, target: str) -> None:
     targets = [target] + [t for t in load_recent(out_dir) if t != target]
-    path = recent_path(out_dir)
-    with contextlib.suppress(OSError):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".json.part")
-        tmp.write_bytes(orjson.dumps(targets[:RECENT_MAX]))
-        tmp.replace(path)
+    with contextlib.suppress(OSError):  # only a convenience list: never worth failing a launch
+        write_atomic(recent_path(out_dir), orjson.dumps(targets[:RECENT_MAX]))
 
 
 def parse_overrides(text: str) -> list[str]:

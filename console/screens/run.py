@@ -1,4 +1,4 @@
-"""The run screen: header, cells, per-seed verdicts, first fail, live log and the final banner."""
+"""The run screen: header, banner, the run kind's panel, cells and the live log."""
 
 from __future__ import annotations
 
@@ -10,12 +10,14 @@ from pathlib import Path
 
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal
 from textual.message import Message
 from textual.screen import Screen
-from textual.widgets import Footer, Static
+from textual.widgets import Footer
 from textual.worker import Worker, WorkerState
 
+from console.panel import KindPanel
+from console.panels import panel_for
 from console.run_model import RunModel
 from console.screens.dialogs import ConfirmDialog, HostKeyDialog
 from console.screens.sources import (
@@ -29,10 +31,8 @@ from console.screens.sources import (
 )
 from console.widgets.banner import VerdictBanner
 from console.widgets.cells_table import CellsTable
-from console.widgets.first_fail import FirstFailPanel
 from console.widgets.run_header import RunHeader
 from console.widgets.run_log import RunLog
-from console.widgets.verdict_table import VerdictTable
 from runners.events import Error, Event
 from runners.presets import PresetError
 from runners.session import Session
@@ -52,7 +52,7 @@ class RunScreen(Screen[None]):
     BINDINGS = [
         Binding("escape", "leave", "Back (run goes on)"),
         Binding("c", "cancel_run", "Cancel run"),
-        Binding("t", "traces", "Traces"),
+        Binding("d", "details", "Details"),
         Binding("f", "filter_log", "Filter log"),
     ]
 
@@ -79,24 +79,21 @@ class RunScreen(Screen[None]):
         self.ticks: list[tuple[float, float]] = []  # (start, end) of each drain, for the bench
         self.record_ticks = False
         self._feed: Worker[None] | None = None
-        self._traces: Screen[None] | None = None
         self._header_key: tuple[object, ...] = ()
         self._pending_cells: dict[int, None] = {}
-        self._pending_verdicts: dict[tuple[int, int], None] = {}
         self._tables_shown = 0.0
         self._feed_ended = False
         self._stopped = False
-        self._layout_kind = ""
+        self._status = ""
+        self._detail = False
+        self.panel: KindPanel = panel_for(source.kind)
 
     # -- layout -----------------------------------------------------------------------------
 
     def compose(self) -> ComposeResult:
         yield RunHeader(self.source.mode, id="run-header")
         yield VerdictBanner(id="banner")
-        with Vertical(id="pairs"):
-            yield Static("per-seed verdicts", classes="section-title", markup=False)
-            yield VerdictTable(id="verdicts")
-        yield FirstFailPanel(id="first-fail")
+        yield self.panel
         with Horizontal(id="run-bottom"):
             yield CellsTable(id="cells")
             yield RunLog(id="log")
@@ -196,8 +193,11 @@ class RunScreen(Screen[None]):
         if buffer:
             deadline = time.perf_counter() + BUDGET_S
             n = 0
+            panel = self.panel
             while buffer:
-                model.apply(buffer.popleft())
+                event = buffer.popleft()
+                model.apply(event)
+                panel.fold(event)
                 n += 1
                 if not n & 255 and time.perf_counter() > deadline:
                     break
@@ -208,11 +208,7 @@ class RunScreen(Screen[None]):
     def show_changes(self) -> None:
         model = self.model
         changes = model.take_changes()
-        if changes.header and model.header.kind != self._layout_kind:
-            self._layout_kind = model.header.kind
-            self.set_class(model.header.kind == "equivalence", "-pairs")
         self._pending_cells.update(changes.cells)
-        self._pending_verdicts.update(changes.verdicts)
         # While a backlog drains (attach, fast replay) tables redraw a few times a second only:
         # any change re-renders a whole DataTable, and the log should keep streaming meanwhile.
         now = time.perf_counter()
@@ -220,19 +216,15 @@ class RunScreen(Screen[None]):
         if not backlog or model.finished or now - self._tables_shown >= TABLES_EVERY_S:
             self._tables_shown = now
             self._show_tables()
-        if changes.first_fail:
-            self.query_one("#first-fail", FirstFailPanel).show(
-                model.first_fail, model.first_fail_verdict
-            )
-            self.query_one("#log", RunLog).follow_end()
         if changes.log_new:
             self.query_one("#log", RunLog).show_new(model, changes.log_new)
-        if changes.readout and self._traces is not None:
-            self._traces.show_changes(changes.readout)  # type: ignore[attr-defined]
-        if changes.cells or changes.finished or changes.readout:
-            self.query_one("#banner", VerdictBanner).show(model)
-        if changes.finished or changes.header or (changes.readout and len(model.readout) == 1):
-            self.refresh_bindings()  # cancel goes away at the end; traces comes with rows
+        status = self.panel.status()
+        if changes.cells or changes.finished or status != self._status:
+            self._status = status
+            self.query_one("#banner", VerdictBanner).show(model, status)
+        if changes.finished or changes.header or self.panel.has_detail() != self._detail:
+            self._detail = self.panel.has_detail()
+            self.refresh_bindings()  # cancel goes away at the end; details come with the panel
         if self._feed_ended and not self.buffer and model.finished is None and not self._stopped:
             self._stopped = True
             self._show_stopped()
@@ -261,12 +253,7 @@ class RunScreen(Screen[None]):
             cells, self._pending_cells = self._pending_cells, {}
             self.query_one("#cells", CellsTable).show(model, cells)
             self.query_one("#log", RunLog).update_filter_options(model)
-        if self._pending_verdicts:
-            verdicts, self._pending_verdicts = self._pending_verdicts, {}
-            if not self.has_class("-pairs"):
-                self.add_class("-pairs")
-                self.query_one("#log", RunLog).follow_end()
-            self.query_one("#verdicts", VerdictTable).show(model, verdicts)
+        self.panel.show_changes(finished=model.finished is not None)
 
     def _show_header(self, force: bool) -> None:
         now = self.now()
@@ -281,8 +268,8 @@ class RunScreen(Screen[None]):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "cancel_run":
             return self.session is not None and self.model.finished is None
-        if action == "traces":
-            return bool(self.model.readout) or self.model.header.kind == "readout"
+        if action == "details":
+            return self.panel.has_detail()
         return True
 
     async def stop_following(self) -> None:
@@ -319,16 +306,10 @@ class RunScreen(Screen[None]):
 
         self.app.push_screen(ConfirmDialog(question, yes="Cancel the run", no="Keep it"), answered)
 
-    def action_traces(self) -> None:
-        from console.screens.traces import TracesScreen
-
-        screen = TracesScreen(self.model)
-        self._traces = screen
-
-        def closed(_: None) -> None:
-            self._traces = None
-
-        self.app.push_screen(screen, closed)
+    def action_details(self) -> None:
+        screen = self.panel.detail()
+        if screen is not None:
+            self.app.push_screen(screen)
 
     def action_filter_log(self) -> None:
         self.query_one("#log-filter").focus()

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import orjson
 
-from runners.events import Error, Event, event_from_dict
-from runners.record import EVENTS
+from runners.events import Error, Event
+from runners.record import EVENTS, RUN_JSON, decode_event, split_lines
 from runners.session import Session
 
 # A speed at or above this (or 0) replays as fast as the screen can take it.
@@ -31,6 +31,10 @@ class LiveSource:
     buffer: deque[Event] = field(default_factory=deque)
     mode: str = "LIVE"
 
+    @property
+    def kind(self) -> str:
+        return self.session.preset.kind
+
 
 @dataclass(slots=True)
 class AttachSource:
@@ -38,6 +42,10 @@ class AttachSource:
 
     local_dir: Path
     mode: str = "ATTACHED"
+
+    @property
+    def kind(self) -> str:
+        return recorded_kind(self.local_dir)
 
 
 @dataclass(slots=True)
@@ -48,6 +56,10 @@ class ReplaySource:
     speed: float = 0.0
 
     @property
+    def kind(self) -> str:
+        return recorded_kind(self.local_dir)
+
+    @property
     def mode(self) -> str:
         if is_fast(self.speed):
             return "REPLAY"
@@ -55,6 +67,16 @@ class ReplaySource:
 
 
 RunSource = LiveSource | AttachSource | ReplaySource
+
+
+def recorded_kind(local_dir: Path) -> str:
+    """The kind run.json names ('' when it cannot be read: the feed reports why)."""
+    try:
+        data = orjson.loads((Path(local_dir) / RUN_JSON).read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return ""
+    kind = data.get("kind") if isinstance(data, dict) else None
+    return kind if isinstance(kind, str) else ""
 
 
 def is_fast(speed: float) -> bool:
@@ -82,13 +104,6 @@ class ReplayClock:
         return min(now, self.end) if self.end is not None else now
 
 
-def _parse(path: Path, number: int, line: bytes) -> Event:
-    try:
-        return event_from_dict(orjson.loads(line))
-    except (orjson.JSONDecodeError, TypeError, ValueError) as exc:
-        raise ValueError(f"{path}:{number}: not a tracedeck event ({exc})") from None
-
-
 async def replay_events(
     local_dir: Path,
     sink: Callable[[Event], None],
@@ -112,9 +127,7 @@ async def replay_events(
             )
         )
         return
-    cut = data.rfind(b"\n") + 1
-    lines = data[:cut].split(b"\n")[:-1] if cut else []
-    torn = data[cut:]
+    lines, torn = split_lines(data)
     fast = is_fast(speed)
     loop = asyncio.get_running_loop()
     t0: float | None = None
@@ -125,7 +138,7 @@ async def replay_events(
             if not line.strip():
                 continue
             try:
-                event = _parse(path, number, line)
+                event = decode_event(path, number, line)
             except ValueError as exc:
                 sink(
                     Error(

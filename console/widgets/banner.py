@@ -5,8 +5,10 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
-from console.run_model import RunModel, verdict_tone
+from console.run_model import RunModel
 from console.widgets.text import clean
+from runners.cells import CellState
+from runners.kind import tone
 
 
 class VerdictBanner(Static):
@@ -28,26 +30,23 @@ class VerdictBanner(Static):
         super().__init__("waiting for the run to start", id=id, markup=False)
         self.verdict: str | None = None
 
-    def show(self, model: RunModel) -> None:
+    def show(self, model: RunModel, status: str = "") -> None:
+        """The running line (with the panel's status), or the verdict once the run finished."""
         finished = model.finished
-        for tone in ("pass", "drift", "fail"):
-            self.remove_class(f"-{tone}")
+        for word in ("pass", "drift", "fail"):
+            self.remove_class(f"-{word}")
         if finished is None:
             counts = model.cell_counts()
             total = sum(counts.values())
-            done = sum(v for k, v in counts.items() if k not in ("pending", "running"))
-            status = f"running: {done}/{total} cells done"
-            if model.readout:
-                rows = model.readout.values()
-                bad = sum(1 for r in rows if r.get("verdict") == "NO OK")
-                status += f"; readout: {len(model.readout)} prompts, {bad} NO OK (t: traces)"
+            done = sum(v for k, v in counts.items() if CellState(k).ended)
+            line = f"running: {done}/{total} cells done" + (f"; {status}" if status else "")
             # One line while running: no relayout needed (a relayout redraws every widget).
-            self.update(Text(status), layout=False)
+            self.update(Text(clean(line)), layout=False)
             return
         self.verdict = finished.verdict
         # A non-zero exit is never shown as a pass, whatever the word says.
-        tone = verdict_tone(finished.verdict) if finished.exit_code == 0 else "fail"
-        self.add_class(f"-{tone}")
+        shade = tone(model.header.kind, finished.verdict) if finished.exit_code == 0 else "fail"
+        self.add_class(f"-{shade}")
         text = Text(f"{clean(finished.verdict)}  (exit {finished.exit_code})")
         error = finished.summary.get("error") if isinstance(finished.summary, dict) else None
         if error:
@@ -56,7 +55,7 @@ class VerdictBanner(Static):
 
     def show_stopped(self, text: str) -> None:
         """The feed ended without a verdict: say so plainly; this is never a pass."""
-        for tone in ("pass", "drift"):
-            self.remove_class(f"-{tone}")
+        for word in ("pass", "drift"):
+            self.remove_class(f"-{word}")
         self.add_class("-fail")
         self.update(Text(clean(text)))

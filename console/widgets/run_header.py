@@ -7,6 +7,7 @@ from textual.widgets import Static
 
 from console.run_model import RunModel
 from console.widgets.text import clean, clock
+from runners.cells import params_label
 
 CONNECTION_STYLES = {"lost": "bold red", "retrying": "bold yellow", "restored": "green"}
 
@@ -65,7 +66,7 @@ class RunHeader(Static):
             )
         else:
             lock = Text("lock: not taken yet", style="dim")
-        env = " ".join(f"{k}={v}" for k, v in h.env.items()) or "(no variables)"
+        env = params_label(h.env) or "(no variables)"
         line3 = Text.assemble(("determinism ", "dim"), clean(h.profile or "?"), ": ", clean(env))
         counts = model.cell_counts()
         states = ", ".join(f"{n} {state}" for state, n in sorted(counts.items())) or "no cells"

@@ -7,17 +7,19 @@ from typing import Any
 
 from rich.text import Text
 
+from runners.cells import CellState
+
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 TONE_STYLES = {"pass": "bold green", "drift": "bold yellow", "fail": "bold red"}
 STATE_STYLES = {
-    "pending": "dim",
-    "running": "bold cyan",
-    "passed": "green",
-    "failed": "bold red",
-    "cancelled": "red",
-    "lost": "red",
-    "skipped": "yellow",
+    CellState.PENDING: "dim",
+    CellState.RUNNING: "bold cyan",
+    CellState.PASSED: "green",
+    CellState.FAILED: "bold red",
+    CellState.CANCELLED: "red",
+    CellState.LOST: "red",
+    CellState.SKIPPED: "yellow",
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import asdict, dataclass
 
 KV_PAD = 256  # FATTN_KQ_STRIDE in seed 002: the KV length attention sees is a multiple of this
@@ -57,3 +58,29 @@ class ModelConfig:
         d["head_dim"] = self.head_dim
         d["kv_pad"] = KV_PAD
         return d
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """The model's shape, weights seed, dtype and device: flags every command shares."""
+    d = ModelConfig()
+    g = p.add_argument_group("model")
+    g.add_argument("--vocab", type=int, default=d.vocab)
+    g.add_argument("--layers", type=int, default=d.layers)
+    g.add_argument("--d-model", type=int, default=d.d_model)
+    g.add_argument("--heads", type=int, default=d.heads)
+    g.add_argument("--kv-heads", type=int, default=d.kv_heads)
+    g.add_argument("--ffn-dim", type=int, default=0, help="0: 8/3 d_model rounded up to 64")
+    g.add_argument("--model-seed", type=int, default=0, help="seed of the weights")
+    g.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (ROCm torch reports cuda)")
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    return ModelConfig(
+        vocab=args.vocab,
+        layers=args.layers,
+        d_model=args.d_model,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        ffn_dim=max(args.ffn_dim, 0),
+    )

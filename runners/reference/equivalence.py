@@ -1,4 +1,4 @@
-"""B3.67 engine side: greedy logits for prefill (recompute) or decode (KV cache) mode.
+"""B3.67: greedy logits of one mode (prefill recompute, or decode through the KV cache) into --out.
 
 Injected bugs (decode mode only; prefill records but ignores them) start at token
 ``inject_first_token(gen_len)``, i.e. once the cache holds ``prompt_len + that`` tokens:
@@ -12,6 +12,7 @@ Injected bugs (decode mode only; prefill records but ignores them) start at toke
 
 from __future__ import annotations
 
+import argparse
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,10 +21,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from runners.reference.config import KV_PAD, ModelConfig, pad_to
+from runners.reference.config import KV_PAD, ModelConfig, add_model_flags, model_config, pad_to
 from runners.reference.model import AttnPlan, KVCache, Model
 from runners.reference.model import prompt_ids as make_prompt
-from runners.reference.runtime import Progress, UsageError, checkpoints
+from runners.reference.runtime import Progress, UsageError, build_model, checkpoints, setup_torch
 from runners.reference.tracefile import (
     GzipJsonl,
     determinism_env,
@@ -191,3 +192,37 @@ def run_equivalence(run: EquivalenceRun, model: Model, device_desc: str) -> dict
     write_json_atomic(run.out / "metadata.json", meta)
     log(f"done in {meta['elapsed_s']:.1f}s -> {run.out}")
     return meta
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mode", required=True, choices=MODES)
+    p.add_argument("--kv-aligned", type=int, required=True, choices=(0, 1))
+    p.add_argument("--seed", type=int, required=True, help="seed of the prompt token ids")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--gen-len", type=int, default=128)
+    p.add_argument("--out", type=Path, required=True, help="directory for logits + metadata")
+    p.add_argument("--inject", default="none", choices=INJECTIONS)
+    add_model_flags(p)
+
+
+def run(args: argparse.Namespace) -> None:
+    if args.ffn_dim < 0:
+        raise UsageError("--ffn-dim must be >= 0")
+    cfg = model_config(args)
+    job = EquivalenceRun(
+        mode=args.mode,
+        kv_aligned=args.kv_aligned,
+        seed=args.seed,
+        dtype=args.dtype,
+        prompt_len=args.prompt_len,
+        gen_len=args.gen_len,
+        out=args.out,
+        inject=args.inject,
+        model_seed=args.model_seed,
+        cfg=cfg,
+        device=args.device,
+    )
+    job.check()
+    desc = setup_torch(args.device)
+    max_pos = pad_to(args.prompt_len + args.gen_len, KV_PAD)
+    run_equivalence(job, build_model(cfg, args.model_seed, args.dtype, args.device, max_pos), desc)

@@ -1,4 +1,4 @@
-"""B3.11/B3.12 engine side: the readout-consistency trace, one JSON line per readout.
+"""B3.11/B3.12: append the readout-consistency trace of one prompt, one JSON line per readout.
 
 Each prompt is two requests on buffers laid out like greta_infer's: a hidden arena
 [capacity, d_model], the final-RMSNorm output arena of the same shape, and a logits arena
@@ -21,7 +21,10 @@ Injected bugs (decode lines only):
 
 from __future__ import annotations
 
+import argparse
 import hashlib
+import os
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,10 +32,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from runners.reference.config import KV_PAD, ModelConfig, pad_to
+from runners.reference.config import KV_PAD, ModelConfig, add_model_flags, model_config, pad_to
 from runners.reference.model import AttnPlan, KVCache, Model
 from runners.reference.model import prompt_ids as make_prompt
-from runners.reference.runtime import Progress, UsageError, checkpoints
+from runners.reference.runtime import Progress, UsageError, build_model, checkpoints, setup_torch
 from runners.reference.tracefile import TraceAppender
 
 INJECTIONS = ("none", "b3_11", "b3_12")
@@ -258,3 +261,60 @@ def run_readout(run: ReadoutRun, model: Model, device_desc: str) -> dict[str, in
         f"decode0_top1={decode0} lines={1 + run.gen_len}"
     )
     return {"prefill_last_top1": first["top1_id"], "decode0_top1": decode0}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt-name", default="prompt")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--gen-len", type=int, default=16)
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed of the prompt token ids (default: derived from --prompt-name)",
+    )
+    p.add_argument("--kv-aligned", type=int, default=1, choices=(0, 1))
+    p.add_argument("--inject", default="none", choices=INJECTIONS)
+    p.add_argument(
+        "--trace-out",
+        type=Path,
+        default=None,
+        help="trace file (appended); default GRETA_TRACE_READOUT_OUT when GRETA_TRACE_READOUT=1",
+    )
+    add_model_flags(p)
+
+
+def _trace_path(args: argparse.Namespace) -> Path:
+    if args.trace_out is not None:
+        return Path(args.trace_out)
+    enabled = os.environ.get("GRETA_TRACE_READOUT", "")
+    out = os.environ.get("GRETA_TRACE_READOUT_OUT", "")
+    if enabled == "1" and out:
+        return Path(out)
+    raise UsageError(
+        "readout: no trace file; pass --trace-out FILE or set GRETA_TRACE_READOUT=1 and "
+        f"GRETA_TRACE_READOUT_OUT=FILE (now GRETA_TRACE_READOUT={enabled!r}, "
+        f"GRETA_TRACE_READOUT_OUT={out!r})"
+    )
+
+
+def run(args: argparse.Namespace) -> None:
+    if args.ffn_dim < 0:
+        raise UsageError("--ffn-dim must be >= 0")
+    cfg = model_config(args)
+    job = ReadoutRun(
+        prompt_name=args.prompt_name,
+        prompt_len=args.prompt_len,
+        gen_len=args.gen_len,
+        seed=zlib.crc32(args.prompt_name.encode()) if args.seed is None else args.seed,
+        dtype=args.dtype,
+        inject=args.inject,
+        trace_out=_trace_path(args),
+        model_seed=args.model_seed,
+        cfg=cfg,
+        kv_aligned=args.kv_aligned,
+    )
+    job.check()
+    desc = setup_torch(args.device)
+    max_pos = pad_to(args.prompt_len + args.gen_len, KV_PAD)
+    run_readout(job, build_model(cfg, args.model_seed, args.dtype, args.device, max_pos), desc)

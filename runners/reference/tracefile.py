@@ -12,6 +12,8 @@ from typing import IO, Any
 
 import numpy as np
 
+from runners.atomic import write_atomic
+
 try:
     import orjson
 except ImportError:  # the engine host may lack orjson; json gives the same round trip, slower
@@ -102,9 +104,7 @@ class GzipJsonl:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    part = path.with_name(path.name + ".part")
-    part.write_bytes(json.dumps(obj, indent=2).encode() + b"\n")
-    os.replace(part, path)
+    write_atomic(path, json.dumps(obj, indent=2).encode() + b"\n")
 
 
 class TraceAppender:

@@ -9,6 +9,7 @@ import shutil
 import signal
 from pathlib import Path
 
+from runners.atomic import write_atomic
 from runners.targets.base import CommandResult, TargetError
 
 
@@ -65,17 +66,9 @@ class LocalTarget:
 
 
 def _write_atomic(path: Path, data: bytes, mode: int) -> None:
-    part = path.with_name(path.name + ".part")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with part.open("wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        part.chmod(mode)
-        os.replace(part, path)
+        write_atomic(path, data, mode)
     except OSError as exc:
-        part.unlink(missing_ok=True)
         raise TargetError(f"cannot write {path} on this machine: {exc}") from exc
 
 

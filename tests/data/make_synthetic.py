@@ -2,7 +2,9 @@
 
 equivalence_fail/: a B3.67 matrix (kv_aligned [1,0] x seed [0,1,2] x mode [prefill, decode]) where
 kv_aligned=1 seed=1 is FAIL_EQUIV with a first_fail; the guardrail fails (FAIL_GUARDRAIL, exit 1).
-readout_run/: a B3.11/B3.12 readout run whose ReadoutRow events come from the real aggregator.
+readout_run/: a B3.11/B3.12 readout run whose trace digests come from the real judge.
+(legacy_readout_run/ is not written here: it was recorded by tracedeck 0.1, with whole readout
+rows as events, and stays as it is to show that old records still replay.)
 Times are fixed so the screens built from these runs are the same on every machine.
 """
 
@@ -25,12 +27,11 @@ from runners.events import (  # noqa: E402
     Event,
     LockAcquired,
     OutputLines,
-    PairVerdict,
-    ReadoutRow,
     RunFinished,
     RunStarted,
-    TraceRecords,
+    TraceBatch,
 )
+from runners.kinds.equivalence import PairVerdict  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 T0 = 1_780_000_000.0
@@ -270,27 +271,27 @@ def readout() -> None:
     ]
     aggregator = ReadoutAggregator()
     records = readout_trace()
+    offset = 0
     for start in range(0, len(records), 4):
         batch = records[start : start + 4]
         t += 0.5
-        numbered = [{**r, "__line__": start + i + 1} for i, r in enumerate(batch)]
+        facts = []
+        for i, record in enumerate(batch):
+            fact = aggregator.fact(record, start + i + 1, trace)
+            aggregator.apply(fact, trace)
+            facts.append(fact)
+            offset += len(orjson.dumps(record)) + 1
         events.append(
-            TraceRecords(
+            TraceBatch(
                 cell=0,
                 file=trace,
-                records=numbered,
                 first_line=start + 1,
                 last_line=start + len(batch),
-                end_offset=1000 * start,
+                end_offset=offset,
+                digest={"facts": facts},
                 t=t,
             )
         )
-        changed: dict[str, dict[str, Any]] = {}
-        for i, record in enumerate(batch):
-            for row in aggregator.feed(record, start + i + 1, trace):
-                changed[str(row["prompt"])] = row
-        for row in changed.values():
-            events.append(ReadoutRow(cell=0, row=row, t=t))
     t += 0.5
     events.append(CellFinished(cell=0, state="passed", exit_code=0, duration_s=t - T0 - 2000, t=t))
     verdict = aggregator.verdict()

@@ -1,16 +1,15 @@
-"""Judges a B3.67 artifact tree (seed section 1 layout) and writes its metrics, summary and report.
+"""Reads and judges a B3.67 artifact tree (seed section 1 layout); writes nothing.
 
-ROOT/runs/kv_aligned_{k}/seed_{n}/{prefill,decode}/{logits.jsonl.gz,metadata.json} is read;
-ROOT/config.json, ROOT/metrics/kv_aligned_{k}/seed_{n}_metrics.json, ROOT/summary.json and
-ROOT/B3_67_EQUIVALENCE_GUARDRAIL.md are written, each atomically.
+ROOT/runs/kv_aligned_{k}/seed_{n}/{prefill,decode}/{logits.jsonl.gz,metadata.json} is read, with
+ROOT/config.json when present. The documents to write (metrics/, summary.json, the report) are
+returned for the caller to write.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -18,12 +17,9 @@ from typing import Any
 from analysis.equivalence import (
     PairResult,
     compare_files,
-    metrics_document,
     resolve_thresholds,
-    summarize,
 )
 from analysis.logits import InputError, read_metadata
-from analysis.report import report_markdown
 
 MODES = ("prefill", "decode")
 LOGITS_NAME = "logits.jsonl.gz"
@@ -42,28 +38,6 @@ def pair_dir(root: str | Path, kv_aligned: int, seed: int) -> Path:
 
 def metrics_path(root: str | Path, kv_aligned: int, seed: int) -> Path:
     return Path(root) / "metrics" / f"kv_aligned_{kv_aligned}" / f"seed_{seed}_metrics.json"
-
-
-def _now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    _write_atomic(path, json.dumps(obj, indent=2, allow_nan=False, ensure_ascii=False) + "\n")
 
 
 # ---------------------------------------------------------------- one pair
@@ -97,7 +71,7 @@ def judge_pair(
     seed: int,
     thresholds: dict[str, float] | None = None,
 ) -> PairResult:
-    """Judges one pair from the tree and writes its metrics file; returns the result."""
+    """Judges one pair from the tree; returns the result (the caller writes its metrics file)."""
     base = pair_dir(root, kv_aligned, seed)
     logits: dict[str, Path] = {}
     meta: dict[str, dict[str, Any]] = {}
@@ -133,35 +107,13 @@ def judge_pair(
         gen_len=meta["prefill"]["gen_len"],
         thresholds=thresholds,
     )
-    _write_json(metrics_path(root, kv_aligned, seed), metrics_document(result, _now()))
     return result
 
 
 # ---------------------------------------------------------------- the whole run
 
 
-def finish(
-    root: str | Path,
-    results: list[PairResult],
-    config_matrix: dict[str, Any],
-    thresholds: dict[str, float] | None,
-    date: str,
-) -> dict[str, Any]:
-    """Writes config.json, summary.json and the report for judged pairs; returns the summary."""
-    root = Path(root)
-    resolved = resolve_thresholds(thresholds)
-    config = _read_config(root) or {}
-    config.update(
-        {"benchmark": "B3.67", "date": date, "config_matrix": config_matrix, "thresholds": resolved}
-    )
-    summary = summarize(results, config_matrix, resolved, date)
-    _write_json(root / "config.json", config)
-    _write_json(root / "summary.json", summary)
-    _write_atomic(root / REPORT_NAME, report_markdown(summary, results))
-    return summary
-
-
-def _read_config(root: Path) -> dict[str, Any] | None:
+def read_config(root: Path) -> dict[str, Any] | None:
     path = root / "config.json"
     if not path.exists():
         return None
@@ -215,7 +167,7 @@ def discover_pairs(root: str | Path) -> list[tuple[int, int]]:
     runs = root / "runs"
     if not runs.is_dir():
         raise InputError(runs, None, "no runs/ directory", f"point at a B3.67 tree: {LAYOUT}")
-    config = _read_config(root)
+    config = read_config(root)
     cfg_path = root / "config.json"
     matrix = (config or {}).get("config_matrix") or {}
     kv_found: list[int] = []
@@ -304,18 +256,29 @@ def _derived_matrix(order: list[int], results: list[PairResult]) -> dict[str, An
     }
 
 
-def analyze_tree(
+@dataclass
+class TreeJudgement:
+    """Every pair of a tree judged, with what its summary needs."""
+
+    results: list[PairResult]
+    config: dict[str, Any]
+    config_matrix: dict[str, Any]
+    thresholds: dict[str, float]
+    date: str
+
+
+def judge_tree(
     root: str | Path,
     thresholds: dict[str, float] | None = None,
     date: str | None = None,
-) -> tuple[dict[str, Any], list[PairResult]]:
-    """Judges every pair of a B3.67 tree and writes all outputs; returns (summary, results).
+) -> TreeJudgement:
+    """Judges every pair of a B3.67 tree.
 
     Thresholds come from the argument, else config.json's "thresholds", else the seed's.
     """
     root = Path(root)
     pairs = discover_pairs(root)
-    config = _read_config(root)
+    config = read_config(root)
     if thresholds is None and config and "thresholds" in config:
         try:
             thresholds = resolve_thresholds(config["thresholds"])
@@ -327,8 +290,7 @@ def analyze_tree(
     results = [judge_pair(root, k, n, resolved) for k, n in pairs]
     order = list(dict.fromkeys(k for k, _ in pairs))
     matrix = (config or {}).get("config_matrix") or _derived_matrix(order, results)
-    summary = finish(root, results, matrix, resolved, date or _run_date(root, config))
-    return summary, results
+    return TreeJudgement(results, config or {}, matrix, resolved, date or _run_date(root, config))
 
 
 def load_pair_result(root: str | Path, kv_aligned: int, seed: int) -> PairResult:

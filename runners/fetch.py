@@ -1,0 +1,55 @@
+"""Bringing a cell's artifacts home: each file downloaded atomically, then its sha256 recorded."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from pathlib import Path
+
+from runners.cells import params_label
+from runners.events import ArtifactFetched, Error, Event
+from runners.plan import PlannedCell, RunPlan
+from runners.targets.base import ConnectionLost, Target, TargetError
+
+
+async def fetch_cell(
+    target: Target, plan: RunPlan, cell: PlannedCell, local_dir: Path, done: set[str]
+) -> list[Event]:
+    """Download every artifact of the cell not in `done`; one event per file, fetched or not.
+
+    ConnectionLost propagates (the caller reconnects and tries again); any other failure of a
+    file is an Error naming the cell, the file and where it was looked for.
+    """
+    events: list[Event] = []
+    for rel in cell.artifacts:
+        if rel in done:
+            continue
+        local = local_dir / rel
+        remote = f"{plan.artifacts}/{rel}"
+        try:
+            await target.download(remote, local)
+        except ConnectionLost:
+            raise
+        except (TargetError, OSError) as exc:
+            label = params_label(cell.params)
+            events.append(
+                Error(
+                    message=f"cell {cell.index} ({label}): artifact {rel} could not be "
+                    f"fetched from {target.name}:{remote}: {exc}",
+                    where=f"cell {cell.index}",
+                )
+            )
+            continue
+        digest = await asyncio.to_thread(sha256_file, local)
+        events.append(
+            ArtifactFetched(cell=cell.index, path=rel, size=local.stat().st_size, sha256=digest)
+        )
+    return events
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

@@ -1,0 +1,266 @@
+"""Following a launched run: progress, each cell's output, trace files and artifacts, as events.
+
+The follower reads what the launcher's scripts leave in the run directory (progress.jsonl,
+cells/NNN/{stdout,stderr}.log, the trace files of the plan) by byte offset, and turns it into
+events. It knows no kind: trace lines go to the judge for their digest, artifacts come home
+once a cell passed, and the judge is asked to advance after each cell.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from runners.cells import NO_CELL, SETUP_CELL, CellState, params_label
+from runners.events import (
+    ArtifactFetched,
+    CellFinished,
+    CellStarted,
+    Error,
+    Event,
+    OutputLines,
+    TraceBatch,
+)
+from runners.fetch import fetch_cell
+from runners.follow import FileFollower, Lines
+from runners.kind import Judge
+from runners.plan import SETUP, PlannedCell, RunPlan
+from runners.targets.base import Target
+
+
+@dataclass(slots=True)
+class CellTrack:
+    plan: PlannedCell
+    started: float | None = None
+    finished: bool = False
+    passed: bool = False
+    fetched: set[str] = field(default_factory=set)
+    fetched_all: bool = False  # every artifact tried once the cell passed
+    outputs: dict[str, FileFollower] = field(default_factory=dict)
+    # sizes of the shared trace files when the cell ended (progress.jsonl)
+    end_sizes: list[int] | None = None
+
+
+class RunFollower:
+    """Turns the files of one run on one target into events, resuming from recorded offsets."""
+
+    def __init__(
+        self,
+        target: Target,
+        plan: RunPlan,
+        judge: Judge,
+        local_dir: Path,
+        emit: Callable[[Event], None],
+    ) -> None:
+        self.target = target
+        self.plan = plan
+        self.judge = judge
+        self.local_dir = local_dir
+        self.emit = emit
+        self.cells: dict[int, CellTrack] = {c.index: CellTrack(c) for c in plan.cells}
+        if plan.setup:
+            setup = PlannedCell(SETUP_CELL, {"step": SETUP}, " && ".join(plan.setup), {})
+            self.cells[SETUP_CELL] = CellTrack(setup)
+        self.progress = FileFollower(target, f"{plan.run_dir}/progress.jsonl")
+        self.traces = {t.path: FileFollower(target, t.path) for t in plan.traces}
+        self.trace_owner = {t.path: t.cell for t in plan.traces}
+        self.shared = plan.shared_traces
+        self.ended = False
+        self.cancelled = False
+        self.setup_failed = False
+
+    # -- restoring from the record (attach) ------------------------------------------------
+
+    def fold(self, event: Event) -> None:
+        """Keep the follower's place from an event, live or recorded."""
+        if isinstance(event, CellStarted) and event.cell in self.cells:
+            self.cells[event.cell].started = event.t
+        elif isinstance(event, CellFinished) and event.cell in self.cells:
+            track = self.cells[event.cell]
+            track.finished = True
+            track.passed = event.state == CellState.PASSED
+        elif isinstance(event, OutputLines) and event.cell in self.cells:
+            self._output(self.cells[event.cell], event.stream).offset = event.end_offset
+        elif isinstance(event, TraceBatch) and event.file in self.traces:
+            follower = self.traces[event.file]
+            if event.end_offset > follower.offset:
+                follower.offset = event.end_offset
+                follower.lines_read = event.last_line
+        elif isinstance(event, ArtifactFetched) and event.cell in self.cells:
+            self.cells[event.cell].fetched.add(event.path)
+
+    # -- one pass --------------------------------------------------------------------------
+
+    async def poll(self) -> bool:
+        """One pass over artifacts owed, traces, progress and outputs; True once the run ended."""
+        await self.catch_up()
+        # Traces are read before progress: a line read now was written before any progress
+        # entry read next, so the end sizes in those entries credit it to its cell.
+        pending: dict[str, list[Lines]] = {}
+        for path in self.shared:
+            got = await self.traces[path].poll()
+            if got is not None:
+                pending.setdefault(path, []).append(got)
+        got_progress = await self.progress.poll()
+        for raw in got_progress.lines if got_progress else []:
+            await self._on_progress(orjson.loads(raw), pending)
+        self._emit_shared(pending, ended=None)
+        for track in self.cells.values():
+            if track.started is not None and not track.finished:
+                await self._drain_cell(track)
+        return self.ended
+
+    async def _on_progress(self, entry: dict[str, Any], pending: dict[str, list[Lines]]) -> None:
+        word = entry.get("e")
+        if word in ("start", "end"):
+            name = entry["cell"]
+            track = self.cells[SETUP_CELL if name == SETUP else int(name)]
+            if word == "start":
+                if track.started is None:
+                    track.started = float(entry["t"])
+                    plan = track.plan
+                    self.emit(
+                        CellStarted(
+                            cell=plan.index,
+                            params=plan.params,
+                            command=plan.command,
+                            t=track.started,
+                        )
+                    )
+            else:
+                track.end_sizes = [int(n) for n in entry.get("sizes", [])]
+                if not track.finished:
+                    await self._cell_ended(track, int(entry["rc"]), float(entry["t"]), pending)
+        elif word in ("done", "cancelled"):
+            if word == "cancelled":
+                self.cancelled = True
+            self.setup_failed = bool(entry.get("setup_failed"))
+            self.ended = True
+
+    async def _cell_ended(
+        self, track: CellTrack, rc: int, t: float, pending: dict[str, list[Lines]]
+    ) -> None:
+        # Every shared-trace line before the cell's end size is written; bring them in first.
+        for i, path in enumerate(self.shared):
+            if track.end_sizes is not None and i < len(track.end_sizes):
+                got = await self.traces[path].poll(until=track.end_sizes[i])
+                if got is not None:
+                    pending.setdefault(path, []).append(got)
+        self._emit_shared(pending, ended=track)
+        await self._drain_cell(track)
+        track.finished = True
+        track.passed = rc == 0
+        duration = t - track.started if track.started is not None else None
+        state = CellState.PASSED if rc == 0 else CellState.FAILED
+        self.emit(
+            CellFinished(cell=track.plan.index, state=state, exit_code=rc, duration_s=duration, t=t)
+        )
+        if rc != 0:
+            tail = await self.tail(self.plan.cell_path(track.plan.index, "stderr.log"))
+            label = (
+                "setup"
+                if track.plan.index == SETUP_CELL
+                else f"cell {track.plan.index} ({params_label(track.plan.params)})"
+            )
+            self.emit(Error(message=f"{label} exited {rc}; stderr ends: {tail}", where=label))
+        await self.catch_up()
+        await self.judge.advance()
+
+    # -- outputs and traces ----------------------------------------------------------------
+
+    def _output(self, track: CellTrack, stream: str) -> FileFollower:
+        if stream not in track.outputs:
+            path = self.plan.cell_path(track.plan.index, f"{stream}.log")
+            track.outputs[stream] = FileFollower(self.target, path)
+        return track.outputs[stream]
+
+    async def _drain_cell(self, track: CellTrack) -> None:
+        """New output lines of a started cell, and the lines of the traces it alone writes."""
+        for stream in ("stdout", "stderr"):
+            follower = self._output(track, stream)
+            got = await follower.poll()
+            if got is not None:
+                self.emit(
+                    OutputLines(
+                        cell=track.plan.index,
+                        stream=stream,
+                        lines=[line.decode("utf-8", "replace") for line in got.lines],
+                        file=follower.path,
+                        end_offset=got.end_offset,
+                    )
+                )
+        for path, owner in self.trace_owner.items():
+            if owner == track.plan.index:
+                got = await self.traces[path].poll()
+                if got is not None:
+                    self._emit_trace(owner, path, got)
+
+    async def drain_started(self) -> None:
+        for track in self.cells.values():
+            if track.started is not None:
+                await self._drain_cell(track)
+
+    def _emit_shared(self, pending: dict[str, list[Lines]], ended: CellTrack | None) -> None:
+        """Emit pending shared-trace lines, each credited to the cell that wrote them.
+
+        Cells run one after another and the lines were read before the progress entries, so
+        a line before an ended cell's end size is that cell's, and any other line belongs to
+        the cell still running (or to none, after the last one ended).
+        """
+        for i, path in enumerate(self.shared):
+            keep: list[Lines] = []
+            for got in pending.get(path, []):
+                if ended is None:
+                    self._emit_trace(self._running(), path, got)
+                    continue
+                sizes = ended.end_sizes or []
+                head, rest = got.split(sizes[i]) if i < len(sizes) else (got, None)
+                if head is not None:
+                    self._emit_trace(ended.plan.index, path, head)
+                if rest is not None:
+                    keep.append(rest)
+            pending[path] = keep
+
+    def _running(self) -> int:
+        running = [i for i, t in self.cells.items() if t.started is not None and not t.finished]
+        return running[0] if running else NO_CELL
+
+    def _emit_trace(self, cell: int, path: str, got: Lines) -> None:
+        digest = self.judge.take_lines(cell, path, got.lines, got.first_line, got.end_offset)
+        self.emit(
+            TraceBatch(
+                cell=cell,
+                file=path,
+                first_line=got.first_line,
+                last_line=got.first_line + len(got.lines) - 1,
+                end_offset=got.end_offset,
+                digest=digest.data,
+            )
+        )
+        for message, where in digest.errors:
+            self.emit(Error(message=message, where=where))
+
+    # -- artifacts -------------------------------------------------------------------------
+
+    async def catch_up(self) -> None:
+        """Bring home the artifacts of every passed cell not yet fetched, then judge."""
+        owed = [
+            t for t in self.cells.values() if t.passed and t.plan.index >= 0 and not t.fetched_all
+        ]
+        for track in owed:
+            for event in await fetch_cell(
+                self.target, self.plan, track.plan, self.local_dir, track.fetched
+            ):
+                self.emit(event)
+            track.fetched_all = True
+        if owed:
+            await self.judge.advance()
+
+    async def tail(self, path: str, limit: int = 600) -> str:
+        data = await self.target.read_from(path, 0, 1 << 20)
+        text = (data or b"").decode("utf-8", "replace").strip()
+        return ("..." + text[-limit:]) if len(text) > limit else (text or "(empty)")

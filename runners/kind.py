@@ -1,0 +1,235 @@
+"""The interface of a run kind and its judge; the core knows kinds only through this.
+
+A kind module (runners/kinds/<kind>.py) defines `KIND = SomeKind()`. The session folds every
+event of a run into the kind's Judge, live or replayed on attach, through one path (`fold`);
+`advance` does whatever judging has become possible; `finish` gives the verdict.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from runners.cells import CellState
+from runners.events import (
+    ArtifactFetched,
+    CellFinished,
+    Error,
+    Event,
+    RunFinished,
+    TraceBatch,
+)
+from runners.exits import EXIT_FAIL, EXIT_INFRA, EXIT_INTERRUPT, EXIT_PASS
+from runners.plan import PlannedCell
+
+# section -> key -> (expected type(s), required, default); the same form as runners.presets
+SectionSchema = dict[str, tuple[Any, bool, Any]]
+
+TONES = ("pass", "drift", "fail")
+
+
+@dataclass(slots=True)
+class JudgeContext:
+    preset: Any  # runners.presets.Preset (typed loosely: presets imports this module's kinds)
+    local_dir: Path
+    date: str
+    emit: Callable[[Event], None]
+    cells: list[PlannedCell] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Ending:
+    """How the run ended, as the follower saw it."""
+
+    how: str  # "done" | "cancelled" | "crashed"
+    message: str = ""
+
+
+@dataclass(slots=True)
+class Digest:
+    """A kind's account of a batch of trace lines: what is recorded, and what was wrong."""
+
+    data: dict[str, Any] | None = None
+    errors: list[tuple[str, str]] = field(default_factory=list)  # (message, where)
+
+
+class Judge:
+    """The generic part of every judge: cell ends, fetched artifacts and verdict-affecting errors.
+
+    The base judges like the "command" kind: a run passes when every cell exits 0.
+    """
+
+    def __init__(self, kind: Kind, ctx: JudgeContext) -> None:
+        self.kind = kind
+        self.ctx = ctx
+        self.finished: dict[int, CellFinished] = {}
+        self.fetched: dict[int, set[str]] = {}
+        self.errors: list[Error] = []
+        self.trace_applied: dict[str, int] = {}  # file -> end offset of the lines folded in
+
+    # -- folding: the one path for live events and recorded ones -------------------------------
+
+    def fold(self, event: Event) -> None:
+        if isinstance(event, CellFinished):
+            self.finished[event.cell] = event
+        elif isinstance(event, ArtifactFetched):
+            self.fetched.setdefault(event.cell, set()).add(event.path)
+        elif isinstance(event, Error) and event.affects_verdict:
+            self.errors.append(event)
+        elif isinstance(event, TraceBatch) and event.end_offset > self.trace_applied.get(
+            event.file, 0
+        ):
+            # A recorded batch (attach): its digest rebuilds what digest() built live.
+            self.trace_applied[event.file] = event.end_offset
+            if event.digest is not None:
+                self.apply_digest(event)
+        self.on_event(event)
+
+    def on_event(self, event: Event) -> None:
+        """A kind's own reaction to an event (its verdict events)."""
+
+    # -- trace lines -------------------------------------------------------------------------
+
+    def take_lines(
+        self, cell: int, file: str, lines: list[bytes], first_line: int, end_offset: int
+    ) -> Digest:
+        """Fold freshly followed trace lines; the digest returned is recorded with them."""
+        digest = self.digest(cell, file, lines, first_line)
+        self.trace_applied[file] = end_offset
+        return digest
+
+    def digest(self, cell: int, file: str, lines: list[bytes], first_line: int) -> Digest:
+        """Fold trace lines into the judge's state and return their compact account."""
+        return Digest()
+
+    def apply_digest(self, event: TraceBatch) -> None:
+        """Fold a recorded account (the same state digest() left, rebuilt on attach)."""
+
+    # -- work --------------------------------------------------------------------------------
+
+    async def advance(self) -> None:
+        """Judge whatever has become judgeable; emit the kind's verdict events via ctx.emit."""
+
+    # -- the end -------------------------------------------------------------------------------
+
+    def cell_states(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for e in self.finished.values():
+            if e.cell >= 0:
+                counts[e.state] = counts.get(e.state, 0) + 1
+        return counts
+
+    def cells_ok(self) -> bool:
+        ran = [e for e in self.finished.values() if e.cell >= 0]
+        return len(ran) == len(self.ctx.cells) and all(e.state == CellState.PASSED for e in ran)
+
+    def finish(self, ending: Ending) -> RunFinished:
+        """The run's result: cancel and crash first, then the kind's own verdict."""
+        result = self.verdict(ending)
+        if ending.how == "cancelled":
+            return RunFinished(
+                verdict="CANCELLED", exit_code=EXIT_INTERRUPT, summary=result.summary
+            )
+        if ending.how == "crashed":
+            summary = (
+                {**result.summary, "error": ending.message} if ending.message else result.summary
+            )
+            return RunFinished(verdict="CRASHED", exit_code=EXIT_INFRA, summary=summary)
+        return result
+
+    def verdict(self, ending: Ending) -> RunFinished:
+        ok = self.cells_ok() and not self.errors
+        summary = {
+            "cells": len(self.ctx.cells),
+            "states": self.cell_states(),
+            "errors": [e.message for e in self.errors],
+        }
+        word = self.kind.pass_word if ok else self.kind.fail_word
+        return RunFinished(verdict=word, exit_code=EXIT_PASS if ok else EXIT_FAIL, summary=summary)
+
+
+class KindPrinter:
+    """Headless lines for a kind's own events, and its part of the final summary."""
+
+    def lines(self, event: Event) -> list[str]:
+        return []
+
+    def final(self, event: RunFinished) -> list[str]:
+        return []
+
+
+class Kind:
+    """One run kind. Subclasses set the class attributes and override what they need."""
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    judge_class: ClassVar[type[Judge] | None] = None
+    pass_word: ClassVar[str] = "PASS"
+    fail_word: ClassVar[str] = "FAIL"
+    # Verdict words (run and per item) that mean pass, and expected drift; others are failures.
+    pass_words: ClassVar[frozenset[str]] = frozenset({"PASS"})
+    drift_words: ClassVar[frozenset[str]] = frozenset()
+    # The kind's own preset sections (validated only for presets of this kind).
+    sections: ClassVar[dict[str, SectionSchema]] = {}
+    # A shipped preset (and --set overrides) that shows the kind end to end in seconds.
+    smoke: ClassVar[tuple[str, tuple[str, ...]] | None] = None
+
+    def validate_definition(self) -> None:
+        """Refuse a kind that cannot be used: no name, no judge, or words that contradict."""
+        if not self.name or not self.name.isidentifier():
+            raise TypeError(f"{type(self).__name__}: name must be an identifier, got {self.name!r}")
+        if self.judge_class is None or not issubclass(self.judge_class, Judge):
+            raise TypeError(f"kind {self.name!r} has no judge (judge_class is not a Judge)")
+        if self.pass_word not in self.pass_words:
+            raise TypeError(f"kind {self.name!r}: pass_word {self.pass_word!r} not in pass_words")
+        if self.fail_word in self.pass_words | self.drift_words:
+            raise TypeError(f"kind {self.name!r}: fail_word {self.fail_word!r} reads as a pass")
+
+    # -- presets ---------------------------------------------------------------------------------
+
+    def check(self, data: dict[str, Any], source: str) -> None:
+        """Checks on a validated preset of this kind; raise runners.presets.PresetError."""
+
+    # -- judging ---------------------------------------------------------------------------------
+
+    def judge(self, ctx: JudgeContext) -> Judge:
+        assert self.judge_class is not None
+        return self.judge_class(self, ctx)
+
+    def tone(self, word: str | None) -> str:
+        """'pass', 'drift' or 'fail': a word this kind does not know to pass is a failure."""
+        if word in self.pass_words:
+            return "pass"
+        if word in self.drift_words:
+            return "drift"
+        return "fail"
+
+    def printer(self) -> KindPrinter:
+        return KindPrinter()
+
+    # -- tracedeck analyze ---------------------------------------------------------------------
+
+    def claims(self, path: Path) -> bool:
+        """Is path something this kind's analyze judges (a tree, a trace file)?"""
+        return False
+
+    def analyze_help(self) -> str:
+        """What `analyze` expects for this kind, for the error when no kind claims a path."""
+        return ""
+
+    def add_analyze_args(self, parser: argparse.ArgumentParser) -> None:
+        """Options of this kind's analyze (they must not clash with another kind's)."""
+
+    def analyze(self, path: Path, args: argparse.Namespace) -> int:
+        raise NotImplementedError(f"kind {self.name!r} has no analyze")
+
+
+def tone(kind_name: str, word: str | None) -> str:
+    """The tone of a verdict word for a kind by name; an unknown kind's words are failures."""
+    from runners.kinds import all_kinds
+
+    kind = all_kinds().get(kind_name)
+    return kind.tone(word) if kind is not None else "fail"

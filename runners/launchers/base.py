@@ -1,0 +1,57 @@
+"""The launch protocol every launcher implements; the session knows launchers only by this."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from runners.plan import RunPlan
+from runners.targets.base import Target, TargetError
+
+HOLDER_KEYS = ("run_id", "user", "console_host", "preset", "started_at", "pgid")
+
+
+class LockBusyError(TargetError):
+    """The host's lock is held by another run; `holder` says whose."""
+
+    def __init__(self, lock: str, holder: dict[str, Any], target: str) -> None:
+        self.lock = lock
+        self.holder = holder
+        who = ", ".join(f"{k}={holder.get(k)}" for k in HOLDER_KEYS)
+        super().__init__(
+            f"{target}: lock {lock} is held ({who or 'holder unknown'}); wait for that run to "
+            f"end, or ask its owner to `tracedeck cancel` it"
+        )
+
+
+class NotStartedError(TargetError):
+    """The launcher could not start the run (nothing of it runs on the target)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """A run is going on the target: its holder record (with the process group, when it has one)."""
+
+    holder: dict[str, Any]
+
+
+class Launcher(Protocol):
+    """Starts a planned run under the host lock, tells whether it is alive, and cancels it."""
+
+    target: Target
+
+    def files(self, plan: RunPlan, holder: dict[str, Any]) -> dict[str, str]:
+        """The launcher's own scripts (path relative to the run dir -> text) to upload."""
+        ...
+
+    async def start(self, plan: RunPlan) -> Started:
+        """Start the uploaded run detached; LockBusyError when the lock is held."""
+        ...
+
+    async def alive(self, plan: RunPlan) -> bool:
+        """Does any process of the run still live (zombies do not count)?"""
+        ...
+
+    async def cancel(self, plan: RunPlan, grace_s: float) -> str:
+        """TERM the run's processes, KILL after the grace; returns the outcome word."""
+        ...

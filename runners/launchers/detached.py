@@ -1,0 +1,178 @@
+"""The detached launcher: flock on an inherited fd, setsid, cells one after another.
+
+launch.sh takes the host lock (`flock -n 9`), records the holder beside it, and starts run.sh
+under setsid; run.sh inherits fd 9, so the kernel frees the lock when the run's last process
+ends, whoever is connected. run.sh writes progress.jsonl: each cell's start and end (with the
+sizes of the trace files several cells share, so every trace line is credited to its cell).
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import Any
+
+import orjson
+
+from runners.launchers.base import LockBusyError, NotStartedError, Started
+from runners.plan import RunPlan, cell_dir_name
+from runners.targets.base import Target, TargetError
+
+LOCK_BUSY = 75
+
+RUN_SH = r"""#!/bin/sh
+# Written by tracedeck: runs detached (setsid) and holds the host lock through fd 9.
+cd {run_dir}
+now() {{ date +%s.%N; }}
+ev() {{ printf '%s\n' "$1" >> progress.jsonl; }}
+sizes() {{
+  s=""
+  for f in {traces}; do n=$(stat -c %s "$f" 2>/dev/null || echo 0); s="$s${{s:+,}}$n"; done
+  printf '[%s]' "$s"
+}}
+run_cell() {{
+  ev "{{\"e\":\"start\",\"cell\":\"$1\",\"t\":$(now)}}"
+  sh "cells/$1/cmd.sh" > "cells/$1/stdout.log" 2> "cells/$1/stderr.log" < /dev/null
+  rc=$?
+  echo "$rc" > "cells/$1/exit_code"
+  ev "{{\"e\":\"end\",\"cell\":\"$1\",\"rc\":$rc,\"t\":$(now),\"sizes\":$(sizes)}}"
+  return "$rc"
+}}
+{body}
+ev "{{\"e\":\"done\",\"t\":$(now)}}"
+"""
+
+LAUNCH_SH = r"""#!/bin/sh
+# Written by tracedeck: take the host lock, record the holder, start run.sh detached.
+cd {run_dir} || exit 70
+exec 9>>{lock}
+if ! flock -n 9; then
+  echo TRACEDECK_LOCK_BUSY
+  cat {holder} 2>/dev/null
+  exit 75
+fi
+setsid sh {run_dir}/run.sh < /dev/null > runner.out 2> runner.err &
+pid=$!
+# Not a group leader (no job control here), so setsid did not fork: $! is the new group's id.
+echo "$pid" > pgid.part && mv pgid.part pgid
+sed "s/\"pgid\": null/\"pgid\": $pid/" holder.json > {holder}.part && mv {holder}.part {holder}
+echo "TRACEDECK_STARTED $pid"
+"""
+
+
+def holder_path(lock: str) -> str:
+    return f"{lock}.json"
+
+
+def run_script(plan: RunPlan) -> str:
+    body = []
+    if plan.setup:
+        body.append(
+            'run_cell setup || { ev "{\\"e\\":\\"done\\",\\"setup_failed\\":true}"; exit 1; }'
+        )
+    body += [f"run_cell {cell_dir_name(c.index)}" for c in plan.cells]
+    return RUN_SH.format(
+        run_dir=shlex.quote(plan.run_dir),
+        traces=" ".join(shlex.quote(p) for p in plan.shared_traces),
+        body="\n".join(body),
+    )
+
+
+def launch_script(plan: RunPlan) -> str:
+    return LAUNCH_SH.format(
+        run_dir=shlex.quote(plan.run_dir),
+        lock=shlex.quote(plan.lock),
+        holder=shlex.quote(holder_path(plan.lock)),
+    )
+
+
+def cancel_script(run_dir: str, grace_s: float) -> str:
+    """TERM the run's process group, wait, then KILL; record the cancel in progress.jsonl."""
+    d = shlex.quote(run_dir)
+    steps = max(1, int(grace_s * 10))
+    return f"""cd {d} || exit 70
+[ -f pgid ] || {{ echo TRACEDECK_NO_PGID; exit 71; }}
+pg=$(cat pgid)
+touch cancel
+if kill -0 -"$pg" 2>/dev/null; then
+  kill -TERM -"$pg" 2>/dev/null
+  i=0
+  while kill -0 -"$pg" 2>/dev/null && [ $i -lt {steps} ]; do sleep 0.1; i=$((i+1)); done
+  if kill -0 -"$pg" 2>/dev/null; then kill -KILL -"$pg" 2>/dev/null; sleep 0.2; echo TRACEDECK_KILLED; fi
+  printf '{{"e":"cancelled","t":%s}}\\n' "$(date +%s.%N)" >> progress.jsonl
+  echo TRACEDECK_CANCELLED
+else
+  echo TRACEDECK_NOT_RUNNING
+fi
+if kill -0 -"$pg" 2>/dev/null; then echo TRACEDECK_STILL_ALIVE; exit 72; fi
+"""
+
+
+def alive_command(run_dir: str) -> str:
+    d = shlex.quote(run_dir)
+    return (
+        f'pg=$(cat {d}/pgid 2>/dev/null) && kill -0 -"$pg" 2>/dev/null && echo alive || echo gone'
+    )
+
+
+def parse_holder(text: str) -> dict[str, Any]:
+    try:
+        holder = orjson.loads(text)
+        return holder if isinstance(holder, dict) else {"raw": text}
+    except orjson.JSONDecodeError:
+        return {"raw": text.strip()}
+
+
+class DetachedLauncher:
+    """Runs the cells in order under setsid on any POSIX host with flock (util-linux)."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        self.pgid: int | None = None
+
+    def files(self, plan: RunPlan, holder: dict[str, Any]) -> dict[str, str]:
+        return {
+            "run.sh": run_script(plan),
+            "launch.sh": launch_script(plan),
+            "holder.json": orjson.dumps({**holder, "pgid": None}).decode(),
+        }
+
+    async def start(self, plan: RunPlan) -> Started:
+        result = await self.target.run(f"sh {shlex.quote(plan.run_dir + '/launch.sh')}")
+        out = result.stdout.strip().splitlines()
+        if result.exit_status == LOCK_BUSY and out and out[0] == "TRACEDECK_LOCK_BUSY":
+            raise LockBusyError(plan.lock, parse_holder("\n".join(out[1:])), self.target.name)
+        if result.exit_status != 0 or not out or not out[-1].startswith("TRACEDECK_STARTED"):
+            raise NotStartedError(
+                f"{self.target.name}: could not start the run in {plan.run_dir} "
+                f"(exit {result.exit_status}): {result.stderr.strip() or result.stdout.strip()}"
+            )
+        self.pgid = int(out[-1].split()[1])
+        raw = await self.target.read_from(holder_path(plan.lock), 0, 1 << 16)
+        holder = parse_holder(raw.decode("utf-8", "replace")) if raw else {}
+        return Started(holder={**holder, "pgid": self.pgid})
+
+    async def alive(self, plan: RunPlan) -> bool:
+        """Is the run's group leader alive? /proc over the open SFTP session, else kill -0."""
+        if self.pgid is None:
+            raw = await self.target.read_from(f"{plan.run_dir}/pgid", 0, 64)
+            if raw is None or not raw.strip().isdigit():
+                return False
+            self.pgid = int(raw)
+        stat = await self.target.read_from(f"/proc/{self.pgid}/stat", 0, 4096)
+        if stat is not None:
+            # Field 3, after the command name in parentheses, is the state; Z is a zombie.
+            return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z"
+        if await self.target.read_from("/proc/self/stat", 0, 64) is not None:
+            return False  # /proc works on this host and the leader is gone
+        result = await self.target.run(alive_command(plan.run_dir))
+        return result.stdout.strip() == "alive"
+
+    async def cancel(self, plan: RunPlan, grace_s: float) -> str:
+        result = await self.target.run(cancel_script(plan.run_dir, grace_s))
+        words = result.stdout.split()
+        if result.exit_status != 0:
+            raise TargetError(
+                f"{self.target.name}: cancel of {plan.run_dir} failed "
+                f"(exit {result.exit_status}): {result.stdout.strip()} {result.stderr.strip()}"
+            )
+        return words[-1] if words else ""
