@@ -154,3 +154,16 @@ follow = ["trace.jsonl"]
             run.kill()
     assert run.returncode == 1, stdout + stderr  # the seed's lines are NO OK
     assert final_rows(local_dir)["prompt 2"]["note"] == "no decode step"
+
+
+DATA = ROOT / "tests" / "data"
+
+
+def test_a_run_recorded_before_trace_digests_still_replays_the_same_rows(tmp_path: Path) -> None:
+    env = cli_env(home(tmp_path))
+    old = tracedeck("replay", str(DATA / "legacy_readout_run"), "--headless", env=env)
+    new = tracedeck("replay", str(DATA / "readout_run"), "--headless", env=env)
+    assert old.returncode == new.returncode == 1, old.stderr + new.stderr
+    assert old.stdout.split("\n\n", 1)[1] == new.stdout.split("\n\n", 1)[1]  # the final tables
+    assert final_rows(DATA / "legacy_readout_run") == final_rows(DATA / "readout_run")
+    assert "RESULT: NO OK (exit 1)" in old.stdout
