@@ -8,6 +8,7 @@ once a cell passed, and the judge is asked to advance after each cell.
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,8 +42,8 @@ class CellTrack:
     fetched: set[str] = field(default_factory=set)
     fetched_all: bool = False  # every artifact tried once the cell passed
     outputs: dict[str, FileFollower] = field(default_factory=dict)
-    # sizes of the shared trace files when the cell ended (progress.jsonl)
-    end_sizes: list[int] | None = None
+    # sizes of the shared trace files when the cell ended (cells/NNN/trace_sizes)
+    end_sizes: dict[str, int] | None = None
 
 
 class RunFollower:
@@ -66,9 +67,12 @@ class RunFollower:
             setup = PlannedCell(SETUP_CELL, {"step": SETUP}, " && ".join(plan.setup), {})
             self.cells[SETUP_CELL] = CellTrack(setup)
         self.progress = FileFollower(target, f"{plan.run_dir}/progress.jsonl")
-        self.traces = {t.path: FileFollower(target, t.path) for t in plan.traces}
-        self.trace_owner = {t.path: t.cell for t in plan.traces}
-        self.shared = plan.shared_traces
+        self.traces: dict[str, FileFollower] = {}
+        self.trace_owner: dict[str, int | None] = {}  # None: several cells write it
+        self.patterns = [t for t in plan.traces if t.is_pattern]
+        for t in plan.traces:
+            if not t.is_pattern:
+                self._add_trace(t.path, t.cell)
         self.ended = False
         self.cancelled = False
         self.setup_failed = False
@@ -85,7 +89,7 @@ class RunFollower:
             track.passed = event.state == CellState.PASSED
         elif isinstance(event, OutputLines) and event.cell in self.cells:
             self._output(self.cells[event.cell], event.stream).offset = event.end_offset
-        elif isinstance(event, TraceBatch) and event.file in self.traces:
+        elif isinstance(event, TraceBatch) and self._known_trace(event.file):
             follower = self.traces[event.file]
             if event.end_offset > follower.offset:
                 follower.offset = event.end_offset
@@ -93,13 +97,47 @@ class RunFollower:
         elif isinstance(event, ArtifactFetched) and event.cell in self.cells:
             self.cells[event.cell].fetched.add(event.path)
 
+    # -- trace files -------------------------------------------------------------------------
+
+    def _add_trace(self, path: str, owner: int | None) -> None:
+        self.traces[path] = FileFollower(self.target, path)
+        self.trace_owner[path] = owner
+
+    @property
+    def shared(self) -> list[str]:
+        return [p for p, owner in self.trace_owner.items() if owner is None]
+
+    def _known_trace(self, path: str) -> bool:
+        """Is path followed (a named trace, or a file a pattern matched)? Adds a matched one."""
+        if path in self.traces:
+            return True
+        folder, _, name = path.rpartition("/")
+        for t in self.patterns:
+            pattern_dir, _, pattern = t.path.rpartition("/")
+            if folder == pattern_dir and fnmatch.fnmatchcase(name, pattern):
+                self._add_trace(path, t.cell)
+                return True
+        return False
+
+    async def _discover(self) -> None:
+        """Follow every file that has come to match a trace pattern, in name order."""
+        listed: dict[str, list[str] | None] = {}
+        for t in self.patterns:
+            folder = t.path.rpartition("/")[0]
+            if folder not in listed:
+                listed[folder] = await self.target.list_dir(folder)
+            for name in listed[folder] or []:
+                self._known_trace(f"{folder}/{name}")
+
     # -- one pass --------------------------------------------------------------------------
 
     async def poll(self) -> bool:
         """One pass over artifacts owed, traces, progress and outputs; True once the run ended."""
         await self.catch_up()
+        if self.patterns:
+            await self._discover()
         # Traces are read before progress: a line read now was written before any progress
-        # entry read next, so the end sizes in those entries credit it to its cell.
+        # entry read next, so the sizes recorded at those cells' ends credit it to its cell.
         pending: dict[str, list[Lines]] = {}
         for path in self.shared:
             got = await self.traces[path].poll()
@@ -131,10 +169,9 @@ class RunFollower:
                             t=track.started,
                         )
                     )
-            else:
-                track.end_sizes = [int(n) for n in entry.get("sizes", [])]
-                if not track.finished:
-                    await self._cell_ended(track, int(entry["rc"]), float(entry["t"]), pending)
+            elif not track.finished:
+                track.end_sizes = await self._sizes_at_end(track)
+                await self._cell_ended(track, int(entry["rc"]), float(entry["t"]), pending)
         elif word in ("done", "cancelled"):
             if word == "cancelled":
                 self.cancelled = True
@@ -145,9 +182,9 @@ class RunFollower:
         self, track: CellTrack, rc: int, t: float, pending: dict[str, list[Lines]]
     ) -> None:
         # Every shared-trace line before the cell's end size is written; bring them in first.
-        for i, path in enumerate(self.shared):
-            if track.end_sizes is not None and i < len(track.end_sizes):
-                got = await self.traces[path].poll(until=track.end_sizes[i])
+        for path, size in (track.end_sizes or {}).items():
+            if self._known_trace(path) and self.trace_owner[path] is None:
+                got = await self.traces[path].poll(until=size)
                 if got is not None:
                     pending.setdefault(path, []).append(got)
         self._emit_shared(pending, ended=track)
@@ -211,19 +248,30 @@ class RunFollower:
         a line before an ended cell's end size is that cell's, and any other line belongs to
         the cell still running (or to none, after the last one ended).
         """
-        for i, path in enumerate(self.shared):
+        for path in self.shared:
             keep: list[Lines] = []
             for got in pending.get(path, []):
                 if ended is None:
                     self._emit_trace(self._running(), path, got)
                     continue
-                sizes = ended.end_sizes or []
-                head, rest = got.split(sizes[i]) if i < len(sizes) else (got, None)
+                # A file that did not exist when the cell ended was written after it.
+                head, rest = got.split((ended.end_sizes or {}).get(path, 0))
                 if head is not None:
                     self._emit_trace(ended.plan.index, path, head)
                 if rest is not None:
                     keep.append(rest)
             pending[path] = keep
+
+    async def _sizes_at_end(self, track: CellTrack) -> dict[str, int]:
+        """The shared traces' sizes when the cell ended, as run.sh recorded them."""
+        path = self.plan.cell_path(track.plan.index, "trace_sizes")
+        raw = await self.target.read_from(path, 0, 1 << 20)
+        sizes: dict[str, int] = {}
+        for line in (raw or b"").decode("utf-8", "replace").splitlines():
+            size, _, name = line.partition("\t")
+            if size.isdigit() and name:
+                sizes[name] = int(size)
+        return sizes
 
     def _running(self) -> int:
         running = [i for i, t in self.cells.items() if t.started is not None and not t.finished]

@@ -31,12 +31,23 @@ class PlannedCell:
     artifacts: tuple[str, ...] = ()  # paths under the run's artifacts dir to bring home
 
 
+GLOB_CHARS = frozenset("*?[")
+
+
 @dataclass(frozen=True, slots=True)
 class TraceFile:
-    """A trace file to follow: written by one cell, or by several (cell None) one after another."""
+    """A trace file to follow: written by one cell, or by several (cell None) one after another.
+
+    The file name may be a glob pattern (e.g. trace_steps_*.jsonl): every file that comes to
+    match it in that directory is followed from when it appears.
+    """
 
     path: str  # absolute on the target
     cell: int | None
+
+    @property
+    def is_pattern(self) -> bool:
+        return bool(GLOB_CHARS & set(self.path.rsplit("/", 1)[-1]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,11 +70,6 @@ class RunPlan:
 
     def cell_path(self, cell: int, name: str) -> str:
         return f"{self.run_dir}/cells/{cell_dir_name(cell)}/{name}"
-
-    @property
-    def shared_traces(self) -> list[str]:
-        """Trace files that several cells write, in plan order (the launcher records their sizes)."""
-        return [t.path for t in self.traces if t.cell is None]
 
 
 def placeholder_values(

@@ -219,6 +219,7 @@ def validate(data: dict[str, Any], source: str) -> dict[str, Any]:
     trace_names = set(out["vars"]) | set(out["matrix"]) | {"date", "run_id", "cell"}
     for i, item in enumerate(out["traces"]["follow"]):
         _check_placeholders(source, f"traces.follow[{i}]", item, trace_names)
+        _check_trace_path(source, f"traces.follow[{i}]", item)
     for sec in ("determinism", "engine"):
         for name, value in out[sec]["env"].items():
             _check_placeholders(source, f"{sec}.env.{name}", str(value), known)
@@ -264,6 +265,22 @@ def _validate_section(
                 raise PresetError(source, f"{section}.{key}", "missing required key")
             filled[key] = default.copy() if isinstance(default, (dict, list)) else default
     return filled
+
+
+TRACE_NAME_CHARS = frozenset(
+    "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-*?[]{}!"
+)
+
+
+def _check_trace_path(source: str, key: str, template: str) -> None:
+    """A pattern (* ? [) may shape the file name only, in plain characters."""
+    *dirs, name = template.split("/")
+    if any(c in part for part in dirs for c in "*?["):
+        raise PresetError(source, key, "a pattern (* ? [) may only be in the file name")
+    if any(c in name for c in "*?[") and not set(name) <= TRACE_NAME_CHARS:
+        raise PresetError(
+            source, key, "a file-name pattern may use letters, digits, . _ - * ? [ ] only"
+        )
 
 
 def _check_placeholders(source: str, key: str, template: str, known: set[str]) -> None:

@@ -11,11 +11,17 @@ from runhelp import cli_env, events, run_dirs, tracedeck
 WRITER = """
 import json, sys, time
 path, cell, count, pause = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
-with open(path, "a") as fh:
-    for i in range(count):
-        fh.write(json.dumps({"cell": cell, "i": i}) + "\\n")
-        fh.flush()
-        time.sleep(pause)
+shards = "{shard}" in path  # a new file every 3 lines, as DSA traces shard by request
+fh = None
+for i in range(count):
+    if fh is None or (shards and i % 3 == 0):
+        if fh is not None:
+            fh.close()
+        fh = open(path.replace("{shard}", f"{cell}_{i // 3:02d}"), "a")
+    fh.write(json.dumps({"cell": cell, "i": i}) + "\\n")
+    fh.flush()
+    time.sleep(pause)
+fh.close()
 """
 
 SHARED = """
@@ -29,7 +35,7 @@ lock = "{lock}"
 python = "{python}"
 
 [engine]
-command = "mkdir -p {{out}} && {{python}} {writer} {{out}}/{trace} {{cell}} {{count}} {{pause}}"
+command = "mkdir -p {{out}} && {{python}} {writer} {{out}}/{written} {{cell}} {{count}} {{pause}}"
 
 [matrix]
 n = [1, 2, 3]
@@ -41,7 +47,9 @@ follow = ["{trace}"]
 """
 
 
-def write_preset(tmp_path: Path, trace: str, count: int, pause: float) -> Path:
+def write_preset(
+    tmp_path: Path, trace: str, count: int, pause: float, written: str | None = None
+) -> Path:
     import sys
 
     writer = tmp_path / "writer.py"
@@ -54,6 +62,7 @@ def write_preset(tmp_path: Path, trace: str, count: int, pause: float) -> Path:
             python=sys.executable,
             writer=writer,
             trace=trace,
+            written=written or trace,
             count=count,
             pause=pause,
         )
@@ -81,15 +90,23 @@ def credited_lines(local_dir: Path) -> list[tuple[int, dict]]:
 
 @pytest.mark.parametrize("where", ["local", "ssh"])
 @pytest.mark.parametrize(
-    ("trace", "count", "pause"),
+    ("trace", "written", "count", "pause"),
     [
-        ("trace.jsonl", 40, 0.0),  # one file for all cells: credited by the sizes at each boundary
-        ("trace.jsonl", 6, 0.05),
-        ("trace_{n}.jsonl", 6, 0.02),  # one file per cell
+        ("trace.jsonl", None, 40, 0.0),  # one file for all cells: credited by their end sizes
+        ("trace.jsonl", None, 6, 0.05),
+        ("trace_{n}.jsonl", None, 6, 0.02),  # one file per cell
+        ("shard_*.jsonl", "shard_{{shard}}.jsonl", 10, 0.02),  # files appear as cells write
+        ("shard_*.jsonl", "shard_{{shard}}.jsonl", 9, 0.0),
     ],
 )
 def test_every_trace_line_is_credited_to_the_cell_that_wrote_it(
-    request: pytest.FixtureRequest, tmp_path: Path, where: str, trace: str, count: int, pause: float
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    where: str,
+    trace: str,
+    written: str | None,
+    count: int,
+    pause: float,
 ) -> None:
     if where == "ssh":
         ssh_home = request.getfixturevalue("ssh_home")
@@ -100,7 +117,7 @@ def test_every_trace_line_is_credited_to_the_cell_that_wrote_it(
     out = tmp_path / "out"
     done = tracedeck(
         "run",
-        str(write_preset(tmp_path, trace, count, pause)),
+        str(write_preset(tmp_path, trace, count, pause, written)),
         "--target",
         spec,
         "--out",
@@ -115,3 +132,14 @@ def test_every_trace_line_is_credited_to_the_cell_that_wrote_it(
     assert sorted((line["cell"], line["i"]) for _, line in got) == [
         (c, i) for c in range(3) for i in range(count)
     ]
+
+
+def test_a_pattern_may_only_shape_the_file_name(tmp_path: Path) -> None:
+    from runners.presets import PresetError, load_preset
+
+    path = write_preset(tmp_path, "x.jsonl", 1, 0)
+    with pytest.raises(PresetError, match=r"traces.follow\[0\]: a pattern .* only be in the file"):
+        load_preset(path, ['traces.follow=["block*/trace.jsonl"]'])
+    with pytest.raises(PresetError, match=r"traces.follow\[0\]: a file-name pattern may use"):
+        load_preset(path, ['traces.follow=["trace $(x)*.jsonl"]'])
+    load_preset(path, ['traces.follow=["block64/trace_steps_*.jsonl"]'])

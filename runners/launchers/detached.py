@@ -2,8 +2,9 @@
 
 launch.sh takes the host lock (`flock -n 9`), records the holder beside it, and starts run.sh
 under setsid; run.sh inherits fd 9, so the kernel frees the lock when the run's last process
-ends, whoever is connected. run.sh writes progress.jsonl: each cell's start and end (with the
-sizes of the trace files several cells share, so every trace line is credited to its cell).
+ends, whoever is connected. run.sh writes progress.jsonl (each cell's start and end) and, at
+each cell's end, cells/NNN/trace_sizes: the sizes of the trace files several cells share, so
+every trace line is credited to the cell that wrote it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import orjson
 
 from runners.launchers.base import LockBusyError, NotStartedError, Started
-from runners.plan import RunPlan, cell_dir_name
+from runners.plan import RunPlan, TraceFile, cell_dir_name
 from runners.targets.base import Target, TargetError
 
 LOCK_BUSY = 75
@@ -25,16 +26,18 @@ cd {run_dir}
 now() {{ date +%s.%N; }}
 ev() {{ printf '%s\n' "$1" >> progress.jsonl; }}
 sizes() {{
-  s=""
-  for f in {traces}; do n=$(stat -c %s "$f" 2>/dev/null || echo 0); s="$s${{s:+,}}$n"; done
-  printf '[%s]' "$s"
+  for f in {traces}; do
+    [ -f "$f" ] && printf '%s\t%s\n' "$(stat -c %s "$f" 2>/dev/null || echo 0)" "$f"
+  done
+  return 0
 }}
 run_cell() {{
   ev "{{\"e\":\"start\",\"cell\":\"$1\",\"t\":$(now)}}"
   sh "cells/$1/cmd.sh" > "cells/$1/stdout.log" 2> "cells/$1/stderr.log" < /dev/null
   rc=$?
   echo "$rc" > "cells/$1/exit_code"
-  ev "{{\"e\":\"end\",\"cell\":\"$1\",\"rc\":$rc,\"t\":$(now),\"sizes\":$(sizes)}}"
+  sizes > "cells/$1/trace_sizes"
+  ev "{{\"e\":\"end\",\"cell\":\"$1\",\"rc\":$rc,\"t\":$(now)}}"
   return "$rc"
 }}
 {body}
@@ -72,9 +75,17 @@ def run_script(plan: RunPlan) -> str:
     body += [f"run_cell {cell_dir_name(c.index)}" for c in plan.cells]
     return RUN_SH.format(
         run_dir=shlex.quote(plan.run_dir),
-        traces=" ".join(shlex.quote(p) for p in plan.shared_traces),
+        traces=" ".join(_shell_word(t) for t in plan.traces if t.cell is None),
         body="\n".join(body),
     )
+
+
+def _shell_word(trace: TraceFile) -> str:
+    """The trace path as sh sees it: quoted, but a file-name pattern left to the shell's glob."""
+    if not trace.is_pattern:
+        return shlex.quote(trace.path)
+    folder, name = trace.path.rsplit("/", 1)
+    return f"{shlex.quote(folder)}/{name}"  # the name's characters were checked at load time
 
 
 def launch_script(plan: RunPlan) -> str:

@@ -63,6 +63,10 @@ class Target(Protocol):
         """Bytes of path from offset (at most max_bytes); None when the file does not exist."""
         ...
 
+    async def list_dir(self, path: str) -> list[str] | None:
+        """The names in a directory (no . or ..); None when the directory does not exist."""
+        ...
+
     async def download(self, path: str, local: Path) -> None:
         """Copy a file home: to local.part, renamed when complete."""
         ...

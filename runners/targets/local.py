@@ -61,6 +61,9 @@ class LocalTarget:
             raise ValueError(f"read_from({path!r}): offset and max_bytes must be >= 0")
         return await asyncio.to_thread(_read_from, Path(path), offset, max_bytes)
 
+    async def list_dir(self, path: str) -> list[str] | None:
+        return await asyncio.to_thread(_list_dir, Path(path))
+
     async def download(self, path: str, local: Path) -> None:
         await asyncio.to_thread(_copy_atomic, Path(path), local)
 
@@ -81,6 +84,15 @@ def _read_from(path: Path, offset: int, max_bytes: int) -> bytes | None:
         return None
     except OSError as exc:
         raise TargetError(f"cannot read {path} on this machine: {exc}") from exc
+
+
+def _list_dir(path: Path) -> list[str] | None:
+    try:
+        return sorted(entry.name for entry in os.scandir(path))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        raise TargetError(f"cannot list {path} on this machine: {exc}") from exc
 
 
 def _copy_atomic(src: Path, local: Path) -> None:

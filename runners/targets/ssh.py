@@ -285,6 +285,16 @@ class SshTarget:
             raise self._failure(exc, f"read {path}") from exc
         return bytes(data)
 
+    async def list_dir(self, path: str) -> list[str] | None:
+        _, sftp = self._live()
+        try:
+            names = await sftp.listdir(path)
+        except asyncssh.sftp.SFTPNoSuchFile:
+            return None
+        except (OSError, asyncssh.Error) as exc:
+            raise self._failure(exc, f"list {path}") from exc
+        return sorted(str(n) for n in names if n not in (".", ".."))
+
     async def download(self, path: str, local: Path) -> None:
         _, sftp = self._live()
         local.parent.mkdir(parents=True, exist_ok=True)
