@@ -7,6 +7,7 @@ agree, cos_sim_mean as the mean of the per-token cosines.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,23 @@ FAIL_EQUIV = "FAIL_EQUIV"
 EXPECTED_DRIFT = "EXPECTED_DRIFT"
 PASS_GUARDRAIL = "PASS_GUARDRAIL"
 FAIL_GUARDRAIL = "FAIL_GUARDRAIL"
+# Beyond the seed's words: a pass under thresholds the operator loosened on purpose
+# (--loose-thresholds), a tree `analyze` could not wholly judge, an engine that crashed or never
+# ran, and artifacts that could not be brought home.
+PASS_GUARDRAIL_LOOSENED = "PASS_GUARDRAIL_LOOSENED"
+INPUT_ERROR = "INPUT_ERROR"
+ENGINE_ERROR = "ENGINE_ERROR"
+INFRA_ERROR = "INFRA_ERROR"
+VERDICT_EXIT = {
+    PASS_GUARDRAIL: 0,
+    PASS_GUARDRAIL_LOOSENED: 0,
+    FAIL_GUARDRAIL: 1,
+    INPUT_ERROR: 2,
+    ENGINE_ERROR: 3,
+    INFRA_ERROR: 3,
+}
+# Rounding step of each dtype's significand (explicit bits), for the precision context.
+SIGNIFICAND_BITS = {"bf16": 7, "fp16": 10, "fp32": 23, "f16": 10, "f32": 23, "bfloat16": 7}
 
 METRIC_KEYS = ("max_abs_diff", "p99_abs_diff", "top1_agreement", "cos_sim_mean")
 PAIR_HINT = "the two sides did not run the same tokens; re-run the pair with the same seed"
@@ -37,10 +55,34 @@ def resolve_thresholds(thresholds: dict[str, float] | None = None) -> dict[str, 
     for key, value in (thresholds or {}).items():
         if key not in THRESHOLDS:
             raise ValueError(f"unknown threshold '{key}' (known: {', '.join(THRESHOLDS)})")
-        if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+        if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(f"threshold '{key}' must be a number, got {value!r}")
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"threshold '{key}' must be a finite number >= 0, got {value!r}")
+        if key == "top1_agreement_min" and value > 1:
+            raise ValueError(f"threshold '{key}' is a fraction: at most 1, got {value!r}")
         resolved[key] = float(value)
     return resolved
+
+
+def loosened(thresholds: dict[str, float]) -> dict[str, dict[str, float]]:
+    """Each threshold looser than the seed's: {key: {seed, used, factor}} (empty: none is)."""
+    out: dict[str, dict[str, float]] = {}
+    for key, seed in THRESHOLDS.items():
+        used = thresholds.get(key, seed)
+        looser = used < seed if key.endswith("_min") else used > seed
+        if looser:
+            # how many times more the loosened threshold lets through
+            allowed = (1 - used) / (1 - seed) if key.endswith("_min") else used / seed
+            out[key] = {"seed": seed, "used": used, "factor": allowed}
+    return out
+
+
+def describe_loosened(loose: dict[str, dict[str, float]]) -> str:
+    """`p99_abs_diff_max 0.001 -> 0.01 (10x)`, for banners, reports and the history list."""
+    return ", ".join(
+        f"{key} {v['seed']:g} -> {v['used']:g} ({v['factor']:.3g}x)" for key, v in loose.items()
+    )
 
 
 @dataclass
@@ -59,6 +101,11 @@ class PairResult:
     decode_path: str = ""
     # Greedy decoding parted ways at this token: it and the ones before were compared.
     diverged_at_token: int | None = None
+    # Lines in each side's file (every line is read and checked, compared or not).
+    tokens: dict[str, int] = field(default_factory=dict)
+    # Where max |Δ| is, in the dtype's rounding steps at that logit's magnitude, and the
+    # largest relative difference: context for reading the absolute metrics, not a verdict.
+    precision: dict[str, Any] | None = None
 
 
 def pair_verdict(metrics: dict[str, float], kv_aligned: int, thresholds: dict[str, float]) -> str:
@@ -92,22 +139,11 @@ def failing_metrics(
     return [(name, metrics[name], limit) for name, limit, bad in checks if bad]
 
 
-def global_verdict(results: list[PairResult]) -> str:
-    """Seed section 3.3: the kv_aligned == 1 pairs decide; drift-only runs are EXPECTED_DRIFT."""
-    if not results:
-        raise ValueError("no pairs were judged: there is no verdict to give")
-    aligned = [r for r in results if r.kv_aligned == 1]
-    if not aligned:
-        return EXPECTED_DRIFT
-    return PASS_GUARDRAIL if all(r.verdict == PASS_EQUIV for r in aligned) else FAIL_GUARDRAIL
-
-
 def exit_code_for(verdict: str) -> int:
-    """0 when the guardrail passes or drift is only expected, 1 when it fails."""
-    codes = {PASS_GUARDRAIL: 0, EXPECTED_DRIFT: 0, FAIL_GUARDRAIL: 1}
-    if verdict not in codes:
+    """The exit code a global verdict carries (VERDICT_EXIT)."""
+    if verdict not in VERDICT_EXIT:
         raise ValueError(f"not a global verdict: {verdict!r}")
-    return codes[verdict]
+    return VERDICT_EXIT[verdict]
 
 
 # ---------------------------------------------------------------- the pair judge
@@ -128,7 +164,8 @@ def _top5(row: np.ndarray) -> list[list[Any]]:
 class _Candidate:
     token_idx: int
     token_id: int
-    tripped: list[tuple[str, float, float]]
+    ids: tuple[int, int]  # the token id each side wrote here
+    tripped: list[tuple[str, float, float | None]]
     top5: dict[str, list[list[Any]]]
     where: dict[str, str]
 
@@ -152,6 +189,9 @@ class _PairJudge:
     largest_value: float = -1.0
     diverged_at: int | None = None
     skipped: int = 0
+    max_at: tuple[int, int, float, float] | None = None  # token_idx, vocab index, a, b
+    max_rel: float = 0.0
+    max_rel_at: tuple[int, int] | None = None
     _diffs: np.ndarray | None = None
 
     def add(
@@ -164,7 +204,8 @@ class _PairJudge:
         prefill_line: int,
         decode_line: int,
     ) -> None:
-        if prefill_id != decode_id and not _greedy_divergence(a, b, prefill_id, decode_id):
+        split = prefill_id != decode_id
+        if split and self.kv_aligned != 1 and not _greedy_divergence(a, b, prefill_id, decode_id):
             raise InputError(
                 self.prefill_path,
                 prefill_line,
@@ -193,7 +234,8 @@ class _PairJudge:
         with np.errstate(over="ignore"):
             np.subtract(a, b, out=diff)
         np.abs(diff, out=diff)
-        row_max = float(diff.max())
+        at = int(np.argmax(diff))
+        row_max = float(diff[at])
         if not np.isfinite(row_max):
             raise InputError(
                 self.prefill_path,
@@ -203,19 +245,21 @@ class _PairJudge:
             )
         argmax_a = int(np.argmax(a))
         argmax_b = int(np.argmax(b))
-        if prefill_id != decode_id:
-            # Each side took its own argmax here, so the logits at this token share a
-            # prefix and compare; every later token follows a different prefix and cannot.
+        if split:
+            # The sides wrote different tokens here: this token's logits share a prefix and
+            # compare; every later token follows a different prefix and cannot.
             self.diverged_at = token_idx
         self.agree += argmax_a == argmax_b
         self.cosines.append(_cosine(a, b))
         if row_max > self.max_value:
             self.max_value = row_max
+            self.max_at = (token_idx, at, float(a[at]), float(b[at]))
+        self._relative(a, b, diff, token_idx)
         self.count += 1
         if self.kv_aligned == 1 and self.first is None:
             self._track_failure(
                 token_idx,
-                prefill_id,
+                (prefill_id, decode_id),
                 a,
                 b,
                 diff,
@@ -225,10 +269,20 @@ class _PairJudge:
                 decode_line,
             )
 
+    def _relative(self, a: np.ndarray, b: np.ndarray, diff: np.ndarray, token_idx: int) -> None:
+        """Track the largest |Δ| / max(|a|, |b|) (two zeros compare as equal)."""
+        scale = np.maximum(np.abs(a), np.abs(b))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rel = np.where(scale > 0, diff / scale, 0.0)
+        at = int(np.argmax(rel))
+        if float(rel[at]) > self.max_rel:
+            self.max_rel = float(rel[at])
+            self.max_rel_at = (token_idx, at)
+
     def _track_failure(
         self,
         token_idx: int,
-        token_id: int,
+        ids: tuple[int, int],
         a: np.ndarray,
         b: np.ndarray,
         diff: np.ndarray,
@@ -238,7 +292,10 @@ class _PairJudge:
         decode_line: int,
     ) -> None:
         t = self.thresholds
-        tripped: list[tuple[str, float, float]] = []
+        tripped: list[tuple[str, float, float | None]] = []
+        if ids[0] != ids[1]:
+            # kv_aligned=1: both modes must produce the same tokens, whatever the logits say.
+            tripped.append(("token_id", float(ids[1]), None))
         if not agree:
             tripped.append(("top1_agreement", 0.0, t["top1_agreement_min"]))
         if row_max > t["max_abs_diff_max"]:
@@ -253,26 +310,25 @@ class _PairJudge:
             if p99 > t["p99_abs_diff_max"]:
                 tripped.append(("p99_abs_diff", p99, t["p99_abs_diff_max"]))
         if tripped:
-            self.first = self._candidate(
-                token_idx, token_id, a, b, tripped, prefill_line, decode_line
-            )
+            self.first = self._candidate(token_idx, ids, a, b, tripped, prefill_line, decode_line)
         elif row_max > self.largest_value:
             self.largest_value = row_max
-            self.largest = self._candidate(token_idx, token_id, a, b, [], prefill_line, decode_line)
+            self.largest = self._candidate(token_idx, ids, a, b, [], prefill_line, decode_line)
 
     def _candidate(
         self,
         token_idx: int,
-        token_id: int,
+        ids: tuple[int, int],
         a: np.ndarray,
         b: np.ndarray,
-        tripped: list[tuple[str, float, float]],
+        tripped: list[tuple[str, float, float | None]],
         prefill_line: int,
         decode_line: int,
     ) -> _Candidate:
         return _Candidate(
             token_idx=token_idx,
-            token_id=token_id,
+            token_id=ids[0],
+            ids=ids,
             tripped=tripped,
             top5={"prefill": _top5(a), "decode": _top5(b)},
             where={
@@ -305,25 +361,53 @@ class _PairJudge:
             candidate = self.largest
             assert candidate is not None
             failing = failing_metrics(metrics, t)
-            candidate.tripped = failing
+            candidate.tripped = list(failing)
             note = (
                 f"no single token trips a threshold; the pair fails on its aggregate "
                 f"{failing[0][0]} ({failing[0][1]:.6g} vs {failing[0][2]:.6g}), so this is "
                 f"the token with the largest |Δ| ({self.largest_value:.6g})"
             )
         metric, value, threshold = candidate.tripped[0]
+        if metric == "token_id":
+            note = (
+                f"the modes wrote different tokens here (prefill {candidate.ids[0]}, decode "
+                f"{candidate.ids[1]}); with kv_aligned=1 they must be the same, and later "
+                f"tokens follow different prefixes, so the pair is compared up to here"
+            )
         return {
             "seed": seed,
             "kv_aligned": self.kv_aligned,
             "token_idx": candidate.token_idx,
             "token_id": candidate.token_id,
             "metric": metric,
-            "value": value,
+            "value": int(value) if metric == "token_id" else value,
             "threshold": threshold,
             "tripped": [name for name, _, _ in candidate.tripped],
+            "token_ids": {"prefill": candidate.ids[0], "decode": candidate.ids[1]},
             "top5": candidate.top5,
             "where": candidate.where,
             "note": note,
+        }
+
+    def precision(self, dtype: str) -> dict[str, Any] | None:
+        """max |Δ| in rounding steps of the dtype at that logit's magnitude; max relative Δ."""
+        if self.max_at is None:
+            return None
+        token_idx, index, va, vb = self.max_at
+        magnitude = max(abs(va), abs(vb))
+        bits = SIGNIFICAND_BITS.get(dtype.lower())
+        ulp = None
+        if bits is not None and magnitude > 0:
+            ulp = 2.0 ** (math.floor(math.log2(magnitude)) - bits)
+        rel_at = self.max_rel_at or (token_idx, index)
+        return {
+            "dtype": dtype,
+            "max_abs_diff_at": {"token_idx": token_idx, "vocab_index": index},
+            "logit_magnitude": magnitude,
+            "ulp": ulp,
+            "max_abs_diff_ulps": (self.max_value / ulp) if ulp else None,
+            "max_rel_diff": self.max_rel,
+            "max_rel_diff_at": {"token_idx": rel_at[0], "vocab_index": rel_at[1]},
         }
 
 
@@ -356,9 +440,12 @@ def _result(
     dtype: str,
     prompt_len: int,
     gen_len: int,
+    tokens: int,
 ) -> PairResult:
     metrics = judge.metrics()
     verdict = pair_verdict(metrics, kv_aligned, judge.thresholds)
+    if kv_aligned == 1 and judge.diverged_at is not None:
+        verdict = FAIL_EQUIV  # the modes wrote different tokens: never equivalent
     first_fail = judge.first_fail(seed, metrics) if verdict == FAIL_EQUIV else None
     return PairResult(
         seed=seed,
@@ -374,6 +461,8 @@ def _result(
         prefill_path=judge.prefill_path,
         decode_path=judge.decode_path,
         diverged_at_token=judge.diverged_at,
+        tokens={"prefill": tokens, "decode": tokens},
+        precision=judge.precision(dtype),
     )
 
 
@@ -427,6 +516,7 @@ def compare_pair(
         dtype=dtype,
         prompt_len=prompt_len,
         gen_len=gen_len,
+        tokens=a32.shape[0],
     )
 
 
@@ -496,6 +586,7 @@ def compare_files(
         dtype=dtype,
         prompt_len=prompt_len,
         gen_len=gen_len,
+        tokens=judge.count + judge.skipped,
     )
 
 
@@ -517,8 +608,11 @@ def metrics_document(result: PairResult, timestamp: str) -> dict[str, Any]:
         "first_fail": result.first_fail,
         "timestamp": timestamp,
     }
+    # Beyond section 2.2: each side's line count, the precision context of max |Δ|, and (only
+    # when the sides wrote different tokens) where the comparison had to stop.
+    doc["tokens"] = dict(result.tokens)
+    doc["precision"] = result.precision
     if result.diverged_at_token is not None:
-        # Beyond section 2.2, present only when greedy decoding parted ways mid-pair.
         doc["diverged_at_token"] = result.diverged_at_token
     return doc
 
@@ -535,14 +629,81 @@ def _metrics_summary(results: list[PairResult]) -> dict[str, float | None]:
     }
 
 
+@dataclass(frozen=True)
+class Unjudged:
+    """A pair of the matrix that has no verdict, and why.
+
+    kind: "engine" (a side crashed, never ran, or wrote nothing), "infra" (an artifact could
+    not be brought home), "output" (a run's engine wrote something that breaks the contract),
+    "input" (a tree handed to `analyze` is missing or malformed there).
+    """
+
+    kv_aligned: int
+    seed: int
+    kind: str
+    why: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "pair": f"kv_aligned_{self.kv_aligned}/seed_{self.seed}",
+            "kv_aligned": self.kv_aligned,
+            "seed": self.seed,
+            "class": self.kind,
+            "why": self.why,
+        }
+
+
+_UNJUDGED_VERDICT = {
+    "engine": ENGINE_ERROR,
+    "infra": INFRA_ERROR,
+    "output": FAIL_GUARDRAIL,
+    "input": INPUT_ERROR,
+}
+
+
+def guardrail_verdict(
+    results: list[PairResult], unjudged: list[Unjudged], thresholds: dict[str, float]
+) -> tuple[str, str]:
+    """The global verdict of section 3.3, and why, for pairs judged and pairs that could not be.
+
+    A judged kv_aligned=1 FAIL_EQUIV fails the guardrail whatever else happened; a pair with no
+    verdict keeps it from passing (its class says what kind of failure that is); a guardrail
+    with no kv_aligned=1 pair guards nothing and never passes.
+    """
+    aligned = [r for r in results if r.kv_aligned == 1]
+    failed = [r for r in aligned if r.verdict == FAIL_EQUIV]
+    if failed:
+        pairs = ", ".join(f"seed {r.seed}" for r in failed)
+        return FAIL_GUARDRAIL, f"kv_aligned=1 FAIL_EQUIV: {pairs}"
+    if unjudged:
+        order = ("engine", "infra", "output", "input")
+        worst = min(unjudged, key=lambda u: order.index(u.kind))
+        names = ", ".join(f"kv_aligned_{u.kv_aligned}/seed_{u.seed}" for u in unjudged)
+        return _UNJUDGED_VERDICT[worst.kind], f"not judged: {names} ({worst.why})"
+    if not aligned:
+        return FAIL_GUARDRAIL, "no kv_aligned=1 pair was judged: nothing guards equivalence"
+    loose = loosened(thresholds)
+    if loose:
+        return PASS_GUARDRAIL_LOOSENED, f"thresholds loosened: {describe_loosened(loose)}"
+    return PASS_GUARDRAIL, f"all {len(aligned)} kv_aligned=1 pair(s) PASS_EQUIV"
+
+
 def summarize(
     results: list[PairResult],
     config_matrix: dict[str, Any],
     thresholds: dict[str, float] | None,
     date: str,
+    unjudged: list[Unjudged] | None = None,
 ) -> dict[str, Any]:
-    """The seed section 2.3 summary.json object, plus section 1's flat counts."""
-    verdict = global_verdict(results)
+    """The seed section 2.3 summary.json object, plus section 1's flat counts.
+
+    After the seed's keys: the pairs that could not be judged (named, with why), where greedy
+    decoding parted ways, how the thresholds were loosened (if they were), and the verdict's
+    reason. global_verdict is the one the run's exit code carries (VERDICT_EXIT).
+    """
+    resolved = resolve_thresholds(thresholds)
+    missing = list(unjudged or [])
+    verdict, reason = guardrail_verdict(results, missing, resolved)
     aligned = [r for r in results if r.kv_aligned == 1]
     drift = [r for r in results if r.kv_aligned == 0]
     pass_equiv = sum(r.verdict == PASS_EQUIV for r in aligned)
@@ -572,5 +733,13 @@ def summarize(
         },
         "first_fail": first_fail,
         "global_verdict": verdict,
-        "threshold_config": resolve_thresholds(thresholds),
+        "threshold_config": resolved,
+        "unjudged": [u.to_json() for u in missing],
+        "diverged": [
+            {"kv_aligned": r.kv_aligned, "seed": r.seed, "diverged_at_token": r.diverged_at_token}
+            for r in results
+            if r.diverged_at_token is not None
+        ],
+        "thresholds_loosened": loosened(resolved),
+        "reason": reason,
     }

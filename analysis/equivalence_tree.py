@@ -15,8 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from analysis.equivalence import (
+    THRESHOLDS,
     PairResult,
+    Unjudged,
     compare_files,
+    loosened,
     resolve_thresholds,
 )
 from analysis.logits import InputError, read_metadata
@@ -107,7 +110,33 @@ def judge_pair(
         gen_len=meta["prefill"]["gen_len"],
         thresholds=thresholds,
     )
+    _check_token_count(result.tokens["prefill"], meta, meta_path)
     return result
+
+
+def _check_token_count(lines: int, meta: dict[str, dict[str, Any]], paths: dict[str, Path]) -> None:
+    """Seed section 4: abort if any token is missing (an early stop on both sides excepted)."""
+    gen_len = meta["prefill"]["gen_len"]
+    if lines == gen_len:
+        return
+    stops = {mode: meta[mode].get("eos_at_token") for mode in MODES}
+    if lines < gen_len and stops["prefill"] == stops["decode"] == lines - 1:
+        return  # both sides stopped at the same EOS token
+    if lines > gen_len:
+        why = f"{lines} token lines but gen_len is {gen_len}"
+    else:
+        recorded = ", ".join(f"{mode} eos_at_token={stops[mode]!r}" for mode in MODES)
+        why = (
+            f"{lines} token lines but gen_len is {gen_len}: tokens {lines}..{gen_len - 1} are "
+            f"missing, and no early stop at token {lines - 1} is recorded on both sides "
+            f"({recorded})"
+        )
+    raise InputError(
+        paths["prefill"].parent,
+        None,
+        why,
+        "re-run the pair; an engine that stops at EOS records eos_at_token in metadata.json",
+    )
 
 
 # ---------------------------------------------------------------- the whole run
@@ -161,80 +190,66 @@ def _stray(path: Path, expected: str) -> InputError:
     )
 
 
-def discover_pairs(root: str | Path) -> list[tuple[int, int]]:
-    """(kv_aligned, seed) of every pair in matrix order, after checking the whole layout."""
+SEED_KV_ALIGNED = [1, 0]
+SEED_SEEDS = [0, 1, 2]
+
+
+def expected_pairs(
+    root: str | Path, seeds: list[int] | None = None
+) -> tuple[list[tuple[int, int]], dict[str, Any]]:
+    """The pairs a tree must hold, in matrix order, and the matrix they come from.
+
+    config.json's config_matrix says which; without it, the seed's matrix (kv_aligned 1 and 0,
+    seeds 0 1 2). `seeds` (analyze --seeds) replaces the seed list either way.
+    """
+    root = Path(root)
+    config = read_config(root) or {}
+    cfg_path = root / "config.json"
+    matrix = dict(config.get("config_matrix") or {})
+    if "kv_aligned" in matrix:
+        kv = _int_list(config, "kv_aligned", {0, 1}, cfg_path)
+    else:
+        kv = list(SEED_KV_ALIGNED)
+    seed_key = next((key for key in ("seeds", "seed") if key in matrix), None)
+    if seeds is not None:
+        wanted = list(seeds)
+    elif seed_key:
+        wanted = _int_list(config, seed_key, None, cfg_path)
+    else:
+        wanted = list(SEED_SEEDS)
+    matrix.pop("seed", None)
+    matrix.update(kv_aligned=kv, seeds=wanted)
+    return [(k, n) for k in kv for n in wanted], matrix
+
+
+def check_layout(root: str | Path, expected: list[tuple[int, int]]) -> None:
+    """Every name under runs/ is part of the layout, and every pair present is expected."""
     root = Path(root)
     runs = root / "runs"
     if not runs.is_dir():
         raise InputError(runs, None, "no runs/ directory", f"point at a B3.67 tree: {LAYOUT}")
-    config = read_config(root)
-    cfg_path = root / "config.json"
-    matrix = (config or {}).get("config_matrix") or {}
-    kv_found: list[int] = []
-    for entry in sorted(runs.iterdir()):
-        match = _KV_DIR.fullmatch(entry.name)
-        if not match or not entry.is_dir():
-            raise _stray(entry, "kv_aligned_0 or kv_aligned_1 directories")
-        kv_found.append(int(match.group(1)))
-    if not kv_found:
-        raise InputError(runs, None, "empty runs/ tree: no pair to judge", f"layout: {LAYOUT}")
-    if "kv_aligned" in matrix:
-        order = _int_list(config or {}, "kv_aligned", {0, 1}, cfg_path)
-        for k in order:
-            if k not in kv_found:
-                raise InputError(
-                    runs / f"kv_aligned_{k}",
-                    None,
-                    "missing, but config.json lists it",
-                    "run or fetch those pairs, or fix config.json",
-                )
-        for k in kv_found:
-            if k not in order:
-                raise InputError(
-                    runs / f"kv_aligned_{k}",
-                    None,
-                    "not in config.json's kv_aligned list",
-                    "move it out of the tree, or fix config.json",
-                )
-    else:
-        order = sorted(kv_found, reverse=True)
-    seed_key = next((key for key in ("seeds", "seed") if key in matrix), None)
-    wanted = _int_list(config or {}, seed_key, None, cfg_path) if seed_key else None
-    pairs: list[tuple[int, int]] = []
-    for k in order:
-        kv_dir = runs / f"kv_aligned_{k}"
-        seeds: list[int] = []
-        for entry in sorted(kv_dir.iterdir()):
-            match = _SEED_DIR.fullmatch(entry.name)
-            if not match or not entry.is_dir():
-                raise _stray(entry, "seed_<n> directories")
-            seeds.append(int(match.group(1)))
-        if not seeds:
-            raise InputError(kv_dir, None, "no seed_<n> directories", "run or fetch the pairs")
-        for n in wanted or []:
-            if n not in seeds:
-                raise InputError(
-                    kv_dir / f"seed_{n}",
-                    None,
-                    "missing, but config.json lists this seed",
-                    "run or fetch the pair, or fix config.json",
-                )
-        for n in sorted(seeds):
-            seed_dir = kv_dir / f"seed_{n}"
-            if wanted is not None and n not in wanted:
+    wanted = set(expected)
+    for kv_dir in sorted(runs.iterdir()):
+        match = _KV_DIR.fullmatch(kv_dir.name)
+        if not match or not kv_dir.is_dir():
+            raise _stray(kv_dir, "kv_aligned_0 or kv_aligned_1 directories")
+        k = int(match.group(1))
+        for seed_dir in sorted(kv_dir.iterdir()):
+            seed = _SEED_DIR.fullmatch(seed_dir.name)
+            if not seed or not seed_dir.is_dir():
+                raise _stray(seed_dir, "seed_<n> directories")
+            if (k, int(seed.group(1))) not in wanted:
                 raise InputError(
                     seed_dir,
                     None,
-                    "not in config.json's seed list",
-                    "move it out of the tree, or fix config.json",
+                    "a pair outside the matrix being judged "
+                    f"(kv_aligned {sorted({p[0] for p in wanted})}, "
+                    f"seeds {sorted({p[1] for p in wanted})})",
+                    "move it out, list it in config.json's config_matrix, or pass --seeds",
                 )
             for entry in sorted(seed_dir.iterdir()):
                 if entry.name not in MODES or not entry.is_dir():
                     raise _stray(entry, "the prefill and decode directories")
-            for mode in MODES:
-                _side_files(seed_dir / mode, mode)
-            pairs.append((k, n))
-    return pairs
 
 
 def _run_date(root: Path, config: dict[str, Any] | None) -> str:
@@ -246,51 +261,79 @@ def _run_date(root: Path, config: dict[str, Any] | None) -> str:
     return datetime.now(UTC).strftime("%Y-%m-%d")
 
 
-def _derived_matrix(order: list[int], results: list[PairResult]) -> dict[str, Any]:
+def _derived_matrix(results: list[PairResult]) -> dict[str, Any]:
     return {
-        "kv_aligned": order,
         "dtype": sorted({r.dtype for r in results}),
         "prompt_len": sorted({r.prompt_len for r in results}),
         "gen_len": sorted({r.gen_len for r in results}),
-        "seeds": sorted({r.seed for r in results}),
     }
 
 
 @dataclass
 class TreeJudgement:
-    """Every pair of a tree judged, with what its summary needs."""
+    """Every pair of a tree's matrix judged, or named with why it could not be."""
 
     results: list[PairResult]
+    unjudged: list[Unjudged]
     config: dict[str, Any]
     config_matrix: dict[str, Any]
     thresholds: dict[str, float]
     date: str
+    notes: list[str]
+
+
+def tree_thresholds(
+    root: Path, given: dict[str, float] | None, config: dict[str, Any]
+) -> tuple[dict[str, float], list[str]]:
+    """The thresholds to judge with, and notes: config.json may tighten, never loosen."""
+    if given is not None:
+        return resolve_thresholds(given), []
+    if "thresholds" not in config:
+        return resolve_thresholds(None), []
+    try:
+        wanted = resolve_thresholds(config["thresholds"])
+    except (ValueError, AttributeError) as exc:
+        raise InputError(
+            root / "config.json", None, f"key 'thresholds': {exc}", "fix or remove config.json"
+        ) from None
+    loose = loosened(wanted)
+    used = {k: (THRESHOLDS[k] if k in loose else v) for k, v in wanted.items()}
+    notes = [
+        f"config.json's thresholds.{k} ({v['used']:g}) is looser than the seed's "
+        f"({v['seed']:g}); the seed's is used (a tree never loosens its own guardrail)"
+        for k, v in loose.items()
+    ]
+    return used, notes
 
 
 def judge_tree(
     root: str | Path,
     thresholds: dict[str, float] | None = None,
     date: str | None = None,
+    seeds: list[int] | None = None,
 ) -> TreeJudgement:
-    """Judges every pair of a B3.67 tree.
+    """Judges every pair of a B3.67 tree's matrix; a pair that cannot be judged is named.
 
-    Thresholds come from the argument, else config.json's "thresholds", else the seed's.
+    Thresholds come from the argument, else config.json's where they are stricter than the
+    seed's, else the seed's. A malformed layout (stray names, no runs/) raises InputError.
     """
     root = Path(root)
-    pairs = discover_pairs(root)
-    config = read_config(root)
-    if thresholds is None and config and "thresholds" in config:
+    expected, matrix = expected_pairs(root, seeds)
+    check_layout(root, expected)
+    config = read_config(root) or {}
+    resolved, notes = tree_thresholds(root, thresholds, config)
+    results: list[PairResult] = []
+    unjudged: list[Unjudged] = []
+    for k, n in expected:
         try:
-            thresholds = resolve_thresholds(config["thresholds"])
-        except (ValueError, AttributeError) as exc:
-            raise InputError(
-                root / "config.json", None, f"key 'thresholds': {exc}", "fix or remove config.json"
-            ) from None
-    resolved = resolve_thresholds(thresholds)
-    results = [judge_pair(root, k, n, resolved) for k, n in pairs]
-    order = list(dict.fromkeys(k for k, _ in pairs))
-    matrix = (config or {}).get("config_matrix") or _derived_matrix(order, results)
-    return TreeJudgement(results, config or {}, matrix, resolved, date or _run_date(root, config))
+            results.append(judge_pair(root, k, n, resolved))
+        except InputError as exc:
+            unjudged.append(Unjudged(k, n, "input", str(exc)))
+    if "config_matrix" not in config:
+        matrix = {**_derived_matrix(results), **matrix}
+    return TreeJudgement(
+        results, unjudged, config, matrix, resolved, date or _run_date(root, config), notes
+    )
 
 
 def load_pair_result(root: str | Path, kv_aligned: int, seed: int) -> PairResult:
@@ -310,6 +353,8 @@ def load_pair_result(root: str | Path, kv_aligned: int, seed: int) -> PairResult
             thresholds=dict(doc["thresholds"]),
             first_fail=doc["first_fail"],
             diverged_at_token=doc.get("diverged_at_token"),
+            tokens=dict(doc.get("tokens") or {}),
+            precision=doc.get("precision"),
         )
     except FileNotFoundError:
         raise InputError(

@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="override a preset field, TOML value syntax (e.g. matrix.seed=[0])",
     )
     run.add_argument("--json", action="store_true", help="print events as JSONL")
+    add_kind_options(run)
 
     attach = sub.add_parser("attach", help="reconnect to a run and follow it to the end")
     attach.add_argument("run", help="local run directory or run id")
@@ -70,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument("--json", action="store_true", help="print the result as JSON")
     for kind in _kinds().values():
         kind.add_analyze_args(analyze)
+    add_kind_options(analyze)
 
     sub.add_parser("presets", help="list shipped and user presets")
 
@@ -124,7 +126,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from runners.targets.base import TargetError
 
     try:
-        preset = load_preset(resolve_preset(args.preset), args.overrides)
+        preset = load_preset(resolve_preset(args.preset), args.overrides, chosen_options(args))
         target = args.target or preset.section("target")["host"]
         session = Session.create(
             preset, target, args.out or default_out_dir(), Printer(json_lines=args.json)
@@ -280,6 +282,22 @@ def cmd_replay(args: argparse.Namespace) -> int:
             f"`tracedeck attach {args.dir}` resumes from the last complete event"
         )
     return code
+
+
+def add_kind_options(parser: argparse.ArgumentParser) -> None:
+    """The run kinds' explicit operator options, as --flags (e.g. --loose-thresholds)."""
+    seen: dict[str, str] = {}
+    for kind in _kinds().values():
+        seen.update(kind.options)
+    for name, text in sorted(seen.items()):
+        parser.add_argument(
+            "--" + name.replace("_", "-"), dest=name, action="store_true", help=text
+        )
+
+
+def chosen_options(args: argparse.Namespace) -> frozenset[str]:
+    names = {n for k in _kinds().values() for n in k.options}
+    return frozenset(n for n in names if getattr(args, n, False))
 
 
 def _kinds() -> dict:  # type: ignore[type-arg]

@@ -118,6 +118,8 @@ class Printer:
                     f"{params_label(c.get('params', {}))}"
                 )
         lines += self.kind.final(event)
+        for problem in event.summary.get("engine_errors") or []:
+            lines.append(f"engine error: {problem}")
         if event.summary.get("error"):
             lines.append(str(event.summary["error"]))
         lines.append(f"RESULT: {event.verdict} (exit {event.exit_code})")

@@ -136,6 +136,21 @@ class ArtifactFetched(Event):
 
 
 @event
+class ArtifactFailed(Event):
+    """An artifact a passed cell should bring home did not come.
+
+    missing: the file is not on the target (the engine did not write it); otherwise the
+    transfer failed (link, disk) and `reason` says how.
+    """
+
+    type: ClassVar[str] = "artifact_failed"
+    cell: int
+    path: str
+    reason: str
+    missing: bool
+
+
+@event
 class CellFinished(Event):
     """state: a runners.cells.CellState word (passed, failed, skipped, cancelled, lost)."""
 
@@ -144,6 +159,7 @@ class CellFinished(Event):
     state: str
     exit_code: int | None
     duration_s: float | None
+    stderr_tail: str = ""  # the end of a failed cell's stderr, for whoever explains the failure
 
     def __post_init__(self) -> None:
         self.state = CellState(self.state).value  # a plain word on the wire, checked on decoding

@@ -6,8 +6,8 @@ import asyncio
 import hashlib
 from pathlib import Path
 
-from runners.cells import params_label
-from runners.events import ArtifactFetched, Error, Event
+from runners.cells import cell_name
+from runners.events import ArtifactFailed, ArtifactFetched, Error, Event
 from runners.plan import PlannedCell, RunPlan
 from runners.targets.base import ConnectionLost, Target, TargetError
 
@@ -31,14 +31,14 @@ async def fetch_cell(
         except ConnectionLost:
             raise
         except (TargetError, OSError) as exc:
-            label = params_label(cell.params)
-            events.append(
-                Error(
-                    message=f"cell {cell.index} ({label}): artifact {rel} could not be "
-                    f"fetched from {target.name}:{remote}: {exc}",
-                    where=f"cell {cell.index}",
-                )
+            missing = await target.read_from(remote, 0, 0) is None
+            why = "the engine did not write it" if missing else str(exc)
+            message = (
+                f"{cell_name(cell.index, cell.params)}: artifact {rel} could not be fetched "
+                f"from {target.name}:{remote}: {why}"
             )
+            events.append(Error(message=message, where=remote))
+            events.append(ArtifactFailed(cell=cell.index, path=rel, reason=why, missing=missing))
             continue
         digest = await asyncio.to_thread(sha256_file, local)
         events.append(

@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from runners.cells import NO_CELL, SETUP_CELL, CellState, params_label
+from runners.cells import NO_CELL, SETUP_CELL, CellState, cell_name
 from runners.events import (
     ArtifactFetched,
     CellFinished,
@@ -193,16 +193,21 @@ class RunFollower:
         track.passed = rc == 0
         duration = t - track.started if track.started is not None else None
         state = CellState.PASSED if rc == 0 else CellState.FAILED
-        self.emit(
-            CellFinished(cell=track.plan.index, state=state, exit_code=rc, duration_s=duration, t=t)
-        )
+        tail = ""
         if rc != 0:
             tail = await self.tail(self.plan.cell_path(track.plan.index, "stderr.log"))
-            label = (
-                "setup"
-                if track.plan.index == SETUP_CELL
-                else f"cell {track.plan.index} ({params_label(track.plan.params)})"
+        self.emit(
+            CellFinished(
+                cell=track.plan.index,
+                state=state,
+                exit_code=rc,
+                duration_s=duration,
+                stderr_tail=tail,
+                t=t,
             )
+        )
+        if rc != 0:
+            label = cell_name(track.plan.index, track.plan.params, len(self.plan.cells))
             self.emit(Error(message=f"{label} exited {rc}; stderr ends: {tail}", where=label))
         await self.catch_up()
         await self.judge.advance()

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from runners.cells import CellState
+from runners.cells import CellState, cell_name
 from runners.events import (
     ArtifactFetched,
     CellFinished,
@@ -27,6 +27,12 @@ from runners.plan import PlannedCell
 
 # section -> key -> (expected type(s), required, default); the same form as runners.presets
 SectionSchema = dict[str, tuple[Any, bool, Any]]
+
+# Words every kind shares: how a run ends when it did not end by itself, and an engine that
+# crashed or never ran (infrastructure, not a verdict on the engine's results).
+CANCELLED, CRASHED, ENGINE_ERROR = "CANCELLED", "CRASHED", "ENGINE_ERROR"
+ENDINGS = {"cancelled": (CANCELLED, EXIT_INTERRUPT), "crashed": (CRASHED, EXIT_INFRA)}
+NEVER_STARTED = (126, 127)  # the shell could not run the command: no engine ran at all
 
 TONES = ("pass", "drift", "fail")
 
@@ -54,6 +60,18 @@ class Digest:
 
     data: dict[str, Any] | None = None
     errors: list[tuple[str, str]] = field(default_factory=list)  # (message, where)
+
+
+def failure_text(e: CellFinished) -> str:
+    """How a cell ended without a result: never started, crashed, skipped, cut short."""
+    tail = f"; stderr ends: {e.stderr_tail}" if e.stderr_tail else ""
+    if e.state == CellState.FAILED and e.exit_code in NEVER_STARTED:
+        return f"the engine never started (exit {e.exit_code}){tail}"
+    if e.state == CellState.FAILED:
+        return f"the engine crashed (exit {e.exit_code}){tail}"
+    if e.state == CellState.SKIPPED:
+        return "skipped: the setup step failed"
+    return f"{e.state} before it finished"
 
 
 class Judge:
@@ -126,27 +144,44 @@ class Judge:
         ran = [e for e in self.finished.values() if e.cell >= 0]
         return len(ran) == len(self.ctx.cells) and all(e.state == CellState.PASSED for e in ran)
 
+    def engine_errors(self) -> list[str]:
+        """Cells whose engine crashed or never ran, each as a sentence saying how.
+
+        For a kind whose cells' exit codes are its verdict ("command"), only a command that
+        could not start (126, 127) counts; for every other kind any failed cell does, and a
+        cell skipped after a failed setup step does too.
+        """
+        out: list[str] = []
+        total = len(self.ctx.cells)
+        for e in sorted(self.finished.values(), key=lambda e: e.cell):
+            params = next((c.params for c in self.ctx.cells if c.index == e.cell), {})
+            verdict_code = e.exit_code not in NEVER_STARTED and self.kind.cell_exit_is_verdict
+            if e.state in (CellState.FAILED, CellState.SKIPPED) and not verdict_code:
+                out.append(f"{cell_name(e.cell, params, total)}: {failure_text(e)}")
+        return out
+
     def finish(self, ending: Ending) -> RunFinished:
-        """The run's result: cancel and crash first, then the kind's own verdict."""
+        """The run's result: the kind's verdict, or the ending's word when it was cut short."""
         result = self.verdict(ending)
-        if ending.how == "cancelled":
-            return RunFinished(
-                verdict="CANCELLED", exit_code=EXIT_INTERRUPT, summary=result.summary
-            )
-        if ending.how == "crashed":
-            summary = (
-                {**result.summary, "error": ending.message} if ending.message else result.summary
-            )
-            return RunFinished(verdict="CRASHED", exit_code=EXIT_INFRA, summary=summary)
+        cut = ENDINGS.get(ending.how)
+        if cut is not None and result.verdict != cut[0]:
+            summary = dict(result.summary)
+            if ending.message:
+                summary["error"] = ending.message
+            return RunFinished(verdict=cut[0], exit_code=cut[1], summary=summary)
         return result
 
     def verdict(self, ending: Ending) -> RunFinished:
-        ok = self.cells_ok() and not self.errors
-        summary = {
+        summary: dict[str, Any] = {
             "cells": len(self.ctx.cells),
             "states": self.cell_states(),
             "errors": [e.message for e in self.errors],
         }
+        engine = self.engine_errors()
+        if engine:
+            summary["engine_errors"] = engine
+            return RunFinished(verdict=ENGINE_ERROR, exit_code=EXIT_INFRA, summary=summary)
+        ok = self.cells_ok() and not self.errors
         word = self.kind.pass_word if ok else self.kind.fail_word
         return RunFinished(verdict=word, exit_code=EXIT_PASS if ok else EXIT_FAIL, summary=summary)
 
@@ -176,6 +211,12 @@ class Kind:
     sections: ClassVar[dict[str, SectionSchema]] = {}
     # A shipped preset (and --set overrides) that shows the kind end to end in seconds.
     smoke: ClassVar[tuple[str, tuple[str, ...]] | None] = None
+    # Options an operator may give `tracedeck run` explicitly (name -> help), e.g.
+    # "loose_thresholds" becomes --loose-thresholds; the kind's check() sees them.
+    options: ClassVar[dict[str, str]] = {}
+    # True when a cell's exit code is the kind's verdict; otherwise a failed cell means the
+    # engine crashed, an infrastructure failure (ENGINE_ERROR, exit 3), never a verdict.
+    cell_exit_is_verdict: ClassVar[bool] = False
 
     def validate_definition(self) -> None:
         """Refuse a kind that cannot be used: no name, no judge, or words that contradict."""
@@ -190,14 +231,29 @@ class Kind:
 
     # -- presets ---------------------------------------------------------------------------------
 
-    def check(self, data: dict[str, Any], source: str) -> None:
-        """Checks on a validated preset of this kind; raise runners.presets.PresetError."""
+    def check(self, data: dict[str, Any], source: str, options: frozenset[str]) -> None:
+        """Checks on a validated preset of this kind; raise runners.presets.PresetError.
+
+        options: what the operator asked for explicitly on the command line (e.g.
+        "loose_thresholds"), never something a preset file can say.
+        """
 
     # -- judging ---------------------------------------------------------------------------------
 
     def judge(self, ctx: JudgeContext) -> Judge:
         assert self.judge_class is not None
         return self.judge_class(self, ctx)
+
+    def exit_code(self, word: str) -> int:
+        """The exit code a run of this kind that ended with `word` carries."""
+        for cut in ENDINGS.values():
+            if word == cut[0]:
+                return cut[1]
+        if word == ENGINE_ERROR:
+            return EXIT_INFRA
+        if word in self.pass_words or word in self.drift_words:
+            return EXIT_PASS
+        return EXIT_FAIL
 
     def tone(self, word: str | None) -> str:
         """'pass', 'drift' or 'fail': a word this kind does not know to pass is a failure."""

@@ -85,6 +85,8 @@ class Preset:
     source: str
     data: dict[str, Any]
     overrides: list[str] = field(default_factory=list)
+    # What the operator asked for explicitly on the command line (e.g. "loose_thresholds").
+    options: frozenset[str] = frozenset()
 
     @property
     def name(self) -> str:
@@ -167,7 +169,9 @@ def template_fields(template: str, source: str, key: str) -> list[str]:
         raise PresetError(source, key, str(exc)) from None
 
 
-def validate(data: dict[str, Any], source: str) -> dict[str, Any]:
+def validate(
+    data: dict[str, Any], source: str, options: frozenset[str] = frozenset()
+) -> dict[str, Any]:
     """Check every section and key, fill defaults, run the kind's checks; returns the data."""
     kind = _kind_of(data, source)
     schema = {**SCHEMA, **kind.sections}
@@ -223,7 +227,7 @@ def validate(data: dict[str, Any], source: str) -> dict[str, Any]:
     for sec in ("determinism", "engine"):
         for name, value in out[sec]["env"].items():
             _check_placeholders(source, f"{sec}.env.{name}", str(value), known)
-    kind.check(out, source)
+    kind.check(out, source, options)
     return out
 
 
@@ -315,7 +319,11 @@ def _validate_vars(given: dict[str, Any], source: str, matrix: set[str]) -> dict
     return given
 
 
-def load_preset(path: str | os.PathLike[str], overrides: list[str] | None = None) -> Preset:
+def load_preset(
+    path: str | os.PathLike[str],
+    overrides: list[str] | None = None,
+    options: frozenset[str] = frozenset(),
+) -> Preset:
     source = str(path)
     try:
         with open(path, "rb") as fh:
@@ -327,14 +335,14 @@ def load_preset(path: str | os.PathLike[str], overrides: list[str] | None = None
     for assignment in overrides or []:
         apply_override(data, assignment, f"{source} (--set {assignment})")
     try:
-        validated = validate(data, source)
+        validated = validate(data, source, options)
     except PresetError as exc:
         culprit = _override_for(exc.key, overrides or [])
         if culprit is None:
             raise
         message = str(exc).split(": ", 2)[-1]
         raise PresetError(f"{source} (--set {culprit})", exc.key, message) from None
-    return Preset(source=source, data=validated, overrides=list(overrides or []))
+    return Preset(source=source, data=validated, overrides=list(overrides or []), options=options)
 
 
 def _override_for(key: str, overrides: list[str]) -> str | None:

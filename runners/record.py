@@ -33,6 +33,7 @@ class RunRecord:
     console_host: str
     date: str
     extra: dict[str, Any] = field(default_factory=dict)
+    options: list[str] = field(default_factory=list)  # the operator's command-line options
 
     def save(self) -> None:
         write_atomic(

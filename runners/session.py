@@ -160,6 +160,7 @@ class Session:
             user=getpass.getuser(),
             console_host=socket.gethostname(),
             date=date,
+            options=sorted(preset.options),
         )
         return cls(record, preset, target, emit)
 
@@ -273,7 +274,12 @@ class Session:
     ) -> Session:
         """Rebuild a session from its record; recorded events go to `replay`, new ones to `emit`."""
         record = RunRecord.load(local_dir)
-        preset = Preset(source=record.source, data=record.preset_data, overrides=record.overrides)
+        preset = Preset(
+            source=record.source,
+            data=record.preset_data,
+            overrides=record.overrides,
+            options=frozenset(record.options),
+        )
         tgt = preset.section("target")
         target = parse_target(
             record.target, connect_timeout=tgt["connect_timeout_s"], keepalive=tgt["keepalive_s"]

@@ -94,9 +94,13 @@ def test_history_screen(snap_compare, out: Path) -> None:  # noqa: ANN001
         await until(
             pilot,
             lambda: (
-                isinstance(pilot.app.screen, HistoryScreen) and len(pilot.app.screen.entries) == 4
+                isinstance(pilot.app.screen, HistoryScreen)
+                and len(pilot.app.screen.entries) == 4
+                and not pilot.app.screen.workers  # the scan is over, not about to refill
             ),
         )
+        await pilot.pause()  # the table's column widths settle on the next refresh
+        await pilot.pause()
 
     assert snap_compare(app, terminal_size=SIZE, run_before=open_history)
 

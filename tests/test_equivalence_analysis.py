@@ -19,10 +19,11 @@ from analysis.equivalence import (
     PASS_GUARDRAIL,
     THRESHOLDS,
     PairResult,
+    Unjudged,
     compare_files,
     compare_pair,
     exit_code_for,
-    global_verdict,
+    guardrail_verdict,
     metrics_document,
     summarize,
 )
@@ -437,9 +438,10 @@ def test_token_id_mismatch_names_both_files_and_the_line(tmp_path: Path) -> None
     pre = write_table(tmp_path / "p.jsonl.gz", a, ids)
     dec = write_table(tmp_path / "d.jsonl.gz", b, other)
     threads = threading.active_count()
+    # kv_aligned=0: ids that no argmax explains are not a pair of one prompt.
     for judge in (
-        lambda: compare_files(pre, dec, seed=0, kv_aligned=1, **PAIR_KW),
-        lambda: compare_pair(read_logits(pre), read_logits(dec), seed=0, kv_aligned=1, **PAIR_KW),
+        lambda: compare_files(pre, dec, seed=0, kv_aligned=0, **PAIR_KW),
+        lambda: compare_pair(read_logits(pre), read_logits(dec), seed=0, kv_aligned=0, **PAIR_KW),
     ):
         with pytest.raises(InputError) as info:
             judge()
@@ -447,6 +449,16 @@ def test_token_id_mismatch_names_both_files_and_the_line(tmp_path: Path) -> None
         assert text.startswith(f"{pre}:5: token_idx 4 has token_id {ids[4]}"), text
         assert f"{dec}:5" in text and "not comparable" in text
     assert threading.active_count() == threads, "a reader thread outlived the failed pair"
+    # kv_aligned=1: the modes must write the same tokens; a difference is FAIL_EQUIV there.
+    for result in (
+        compare_files(pre, dec, seed=0, kv_aligned=1, **PAIR_KW),
+        compare_pair(read_logits(pre), read_logits(dec), seed=0, kv_aligned=1, **PAIR_KW),
+    ):
+        ff = result.first_fail
+        assert result.verdict == FAIL_EQUIV and ff is not None
+        assert (ff["token_idx"], ff["metric"]) == (4, "token_id")
+        assert ff["token_ids"] == {"prefill": int(ids[4]), "decode": int(other[4])}
+        assert ff["where"]["decode"].endswith(":5") and result.pair_count == 5
 
 
 def test_token_count_mismatch(tmp_path: Path) -> None:
@@ -560,16 +572,30 @@ def test_boundaries_are_inclusive() -> None:
 
 def test_global_verdict_and_exit_codes() -> None:
     ok, bad, drift = judged(1, 1e-4), judged(1, 1e-2), judged(0, 1.0)
-    assert global_verdict([ok, ok, drift]) == PASS_GUARDRAIL
-    assert global_verdict([ok, bad, drift]) == FAIL_GUARDRAIL
-    assert global_verdict([drift, drift]) == EXPECTED_DRIFT
-    assert exit_code_for(PASS_GUARDRAIL) == 0
-    assert exit_code_for(EXPECTED_DRIFT) == 0
+
+    def word(results: list[PairResult], unjudged: list[Unjudged] | None = None) -> str:
+        return guardrail_verdict(results, unjudged or [], THRESHOLDS)[0]
+
+    assert word([ok, ok, drift]) == PASS_GUARDRAIL
+    assert word([ok, bad, drift]) == FAIL_GUARDRAIL
+    # No kv_aligned=1 pair guards anything: never a pass (issue 9, case 5).
+    assert word([drift, drift]) == FAIL_GUARDRAIL
+    assert word([]) == FAIL_GUARDRAIL
+    crash = Unjudged(1, 2, "engine", "decode side exited 127")
+    assert word([ok, drift], [crash]) == "ENGINE_ERROR"
+    assert word([ok, bad], [crash]) == FAIL_GUARDRAIL  # a real disagreement is the finding
+    assert word([ok], [Unjudged(1, 1, "input", "missing")]) == "INPUT_ERROR"
+    assert word([ok], [Unjudged(1, 1, "output", "NaN at f:3")]) == FAIL_GUARDRAIL
+    assert word([ok], [Unjudged(1, 1, "infra", "disk full")]) == "INFRA_ERROR"
+    loose = guardrail_verdict([ok], [], {**THRESHOLDS, "p99_abs_diff_max": 0.01})
+    assert loose[0] == "PASS_GUARDRAIL_LOOSENED" and "0.001 -> 0.01 (10x)" in loose[1]
+    assert exit_code_for(PASS_GUARDRAIL) == exit_code_for("PASS_GUARDRAIL_LOOSENED") == 0
     assert exit_code_for(FAIL_GUARDRAIL) == 1
-    with pytest.raises(ValueError):
-        global_verdict([])
-    with pytest.raises(ValueError):
-        exit_code_for(PASS_EQUIV)
+    assert exit_code_for("INPUT_ERROR") == 2
+    assert exit_code_for("ENGINE_ERROR") == exit_code_for("INFRA_ERROR") == 3
+    for not_global in (PASS_EQUIV, EXPECTED_DRIFT):
+        with pytest.raises(ValueError):
+            exit_code_for(not_global)
 
 
 # ---------------------------------------------------------------- first_fail
@@ -684,7 +710,7 @@ def test_top5_breaks_ties_by_lower_token_id() -> None:
 def test_metrics_document_has_exactly_the_section_2_2_shape() -> None:
     result = judged(1, 1e-2)
     doc = metrics_document(result, "2026-02-07T20:01:00Z")
-    assert list(doc) == [
+    assert list(doc)[:11] == [
         "seed",
         "dtype",
         "prompt_len",
@@ -697,6 +723,9 @@ def test_metrics_document_has_exactly_the_section_2_2_shape() -> None:
         "first_fail",
         "timestamp",
     ]
+    # beyond section 2.2, after its keys: line counts and the precision context
+    assert list(doc)[11:] == ["tokens", "precision"]
+    assert doc["tokens"] == {"prefill": 8, "decode": 8}
     assert list(doc["metrics"]) == [
         "max_abs_diff",
         "p99_abs_diff",
@@ -724,7 +753,7 @@ def test_summary_has_the_section_2_3_shape_and_flat_counts() -> None:
         "seeds": [0, 1],
     }
     summary = summarize([ok, bad, drift], matrix, None, "2026-02-07")
-    assert list(summary) == [
+    assert list(summary)[:11] == [
         "benchmark",
         "date",
         "config_matrix",
@@ -737,6 +766,8 @@ def test_summary_has_the_section_2_3_shape_and_flat_counts() -> None:
         "global_verdict",
         "threshold_config",
     ]
+    assert list(summary)[11:] == ["unjudged", "diverged", "thresholds_loosened", "reason"]
+    assert summary["unjudged"] == [] and summary["thresholds_loosened"] == {}
     assert summary["benchmark"] == "B3.67" and summary["date"] == "2026-02-07"
     assert summary["config_matrix"] == matrix
     assert (
@@ -815,6 +846,7 @@ def test_greedy_divergence_compares_up_to_the_split_then_stops() -> None:
     aligned = compare_pair(pre, dec, kv_aligned=1, **kw)
     assert aligned.verdict == "FAIL_EQUIV"
     assert aligned.first_fail is not None and aligned.first_fail["token_idx"] == 3
+    assert aligned.first_fail["tripped"][0] == "token_id"
 
 
 def test_token_ids_that_no_argmax_explains_are_not_a_pair() -> None:
@@ -828,3 +860,40 @@ def test_token_ids_that_no_argmax_explains_are_not_a_pair() -> None:
     dec = LogitsTable("d.gz", idx, np.array([1, 4]), a.copy())  # 4 is no argmax: another run
     with pytest.raises(InputError, match="d.gz:2: the pair is not comparable"):
         compare_pair(pre, dec, kv_aligned=0, seed=0, dtype="bf16", prompt_len=1, gen_len=2)
+
+
+def test_an_exact_tie_broken_differently_is_fail_equiv_not_a_one_token_pass() -> None:
+    """Issue 9 case 3: kv_aligned=1 must not pass on token 0 when the sides pick other ids."""
+    v, t = 10, 4
+    a = np.zeros((t, v), np.float32)
+    a[:, 3] = a[:, 7] = 5.0  # token 0's top logit is an exact tie between ids 3 and 7
+    rng = np.random.default_rng(0)
+    garbage = rng.normal(size=(t - 1, v)).astype(np.float32)
+    b = a.copy()
+    b[1:] = garbage  # after the split the decode side follows another prefix
+    ids_a = np.array([3, 3, 3, 3])
+    ids_b = np.array([7, *garbage.argmax(axis=1)])
+    result = compare_pair(
+        table("p", a, ids_a), table("d", b, ids_b), seed=0, kv_aligned=1, **PAIR_KW
+    )
+    assert result.verdict == FAIL_EQUIV
+    assert result.first_fail["metric"] == "token_id" and result.first_fail["token_idx"] == 0
+    assert result.pair_count == 1 and result.diverged_at_token == 0
+    drift = compare_pair(
+        table("p", a, ids_a), table("d", b, ids_b), seed=0, kv_aligned=0, **PAIR_KW
+    )
+    assert drift.verdict == EXPECTED_DRIFT and drift.diverged_at_token == 0
+
+
+def test_precision_context_names_the_rounding_steps_of_max_abs_diff() -> None:
+    a = np.zeros((2, 8), np.float32)
+    a[:, 0] = 3.0
+    b = a.copy()
+    b[1, 0] = 3.0 + 2 * 2.0**-6  # two bf16 steps at |logit| in [2, 4): 1 ULP is 0.015625
+    ids = [0, 0]
+    result = compare_pair(table("p", a, ids), table("d", b, ids), seed=0, kv_aligned=1, **PAIR_KW)
+    p = result.precision
+    assert p is not None and p["ulp"] == 0.015625 and p["max_abs_diff_ulps"] == 2.0
+    assert p["max_abs_diff_at"] == {"token_idx": 1, "vocab_index": 0}
+    assert p["max_rel_diff"] == pytest.approx(2 * 2.0**-6 / (3.0 + 2 * 2.0**-6))
+    assert result.verdict == FAIL_EQUIV  # the context never changes the verdict

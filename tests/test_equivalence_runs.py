@@ -206,10 +206,14 @@ def test_analyze_reports_bad_input_with_its_location(tmp_path: Path) -> None:
     bad.write_bytes(bad.read_bytes()[:-12])  # a truncated gzip
     home = tmp_path / "home"
     home.mkdir()
-    done = tracedeck("analyze", str(tree), env=cli_env(home))
+    done = tracedeck("analyze", str(tree), "--seeds", "0", env=cli_env(home))
     assert done.returncode == 2
     assert str(bad) in done.stderr
-    assert not (tree / "summary.json").exists()  # nothing judged from a broken file
+    # The summary on disk says the same as the exit code: not judged, where, and why.
+    summary = json.loads((tree / "summary.json").read_text())
+    assert summary["global_verdict"] == "INPUT_ERROR"
+    whys = {u["pair"]: u["why"] for u in summary["unjudged"]}
+    assert str(bad) in whys["kv_aligned_1/seed_0"] and "corrupt gzip" in whys["kv_aligned_1/seed_0"]
 
 
 def test_attach_fetches_artifacts_a_killed_console_never_brought_home(tmp_path: Path) -> None:

@@ -125,7 +125,7 @@ def test_analyze_tree_writes_every_output_with_the_seed_schemas(root: Path) -> N
 
     for r in results:
         doc = load(metrics_path(root, r.kv_aligned, r.seed))
-        assert list(doc) == METRICS_KEYS
+        assert list(doc)[: len(METRICS_KEYS)] == METRICS_KEYS
         assert list(doc["metrics"]) == [
             "max_abs_diff",
             "p99_abs_diff",
@@ -151,7 +151,8 @@ def test_analyze_tree_writes_every_output_with_the_seed_schemas(root: Path) -> N
 
     written = load(root / "summary.json")
     assert written == summary
-    assert list(summary) == SUMMARY_KEYS
+    assert list(summary)[: len(SUMMARY_KEYS)] == SUMMARY_KEYS
+    assert summary["unjudged"] == []
     assert summary["benchmark"] == "B3.67" and summary["date"] == "2026-02-07"
     assert summary["config_matrix"] == {
         "kv_aligned": [1, 0],
@@ -187,23 +188,50 @@ def test_analyze_tree_writes_every_output_with_the_seed_schemas(root: Path) -> N
 
 
 def test_all_aligned_pairs_passing_is_pass_guardrail(root: Path) -> None:
-    write_tree(root, {1: {0: 1e-4, 1: 1e-4}, 0: {0: 0.5}})
-    summary, _ = analyze_tree(root)
+    write_tree(root, {1: {0: 1e-4, 1: 1e-4}, 0: {0: 0.5, 1: 0.5}})
+    summary, _ = analyze_tree(root, seeds=[0, 1])
     assert summary["global_verdict"] == "PASS_GUARDRAIL" and summary["first_fail"] is None
     assert exit_code_for(summary["global_verdict"]) == 0
     assert "PASS_GUARDRAIL" in (root / REPORT_NAME).read_text()
 
 
-def test_drift_only_tree_is_expected_drift(root: Path) -> None:
+def test_a_drift_only_tree_guards_nothing_and_never_passes(root: Path) -> None:
     write_tree(root, {0: {0: 0.5, 1: 0.5}})
+    (root / "config.json").write_text(
+        json.dumps({"config_matrix": {"kv_aligned": [0], "seeds": [0, 1]}})
+    )
     summary, results = analyze_tree(root)
     assert [r.verdict for r in results] == ["EXPECTED_DRIFT"] * 2
-    assert summary["global_verdict"] == "EXPECTED_DRIFT"
+    assert summary["global_verdict"] == "FAIL_GUARDRAIL"
+    assert "no kv_aligned=1 pair" in summary["reason"]
     assert summary["results"]["kv_aligned_1"]["total_runs"] == 0
-    assert exit_code_for(summary["global_verdict"]) == 0
+    assert exit_code_for(summary["global_verdict"]) == 1
 
 
-def test_config_json_sets_order_thresholds_and_is_kept(root: Path) -> None:
+def test_without_config_json_the_seeds_matrix_is_expected(root: Path) -> None:
+    """Issue 9 case 5: a whole seed missing, or no kv_aligned_1 at all, is never a pass."""
+    write_tree(root, {1: {0: 1e-4, 2: 1e-4}, 0: {0: 0.5, 2: 0.5}})
+    summary, _ = analyze_tree(root)
+    assert summary["global_verdict"] == "INPUT_ERROR"
+    pairs = [u["pair"] for u in summary["unjudged"]]
+    assert pairs == ["kv_aligned_1/seed_1", "kv_aligned_0/seed_1"]
+    assert "missing" in summary["unjudged"][0]["why"]
+    assert load(root / "summary.json")["global_verdict"] == "INPUT_ERROR"
+    # --seeds narrows the matrix on purpose; a pair outside it is refused, never skipped
+    summary, _ = analyze_tree(root, seeds=[0, 2])
+    assert summary["global_verdict"] == "PASS_GUARDRAIL"
+    with pytest.raises(InputError, match="outside the matrix"):
+        analyze_tree(root, seeds=[0])
+
+
+def test_no_kv_aligned_1_directory_is_never_expected_drift(root: Path) -> None:
+    write_tree(root, {0: {0: 0.5, 1: 0.5, 2: 0.5}})
+    summary, _ = analyze_tree(root)
+    assert summary["global_verdict"] == "INPUT_ERROR"
+    assert [u["pair"] for u in summary["unjudged"]] == [f"kv_aligned_1/seed_{n}" for n in range(3)]
+
+
+def test_config_json_sets_the_order_and_may_tighten_but_never_loosen(root: Path) -> None:
     write_tree(root, {1: {0: 3e-2}, 0: {0: 0.5}})
     loose = {"p99_abs_diff_max": 1.0, "max_abs_diff_max": 1.0, "top1_agreement_min": 0.0}
     config = {
@@ -214,14 +242,23 @@ def test_config_json_sets_order_thresholds_and_is_kept(root: Path) -> None:
     (root / "config.json").write_text(json.dumps(config))
     summary, results = analyze_tree(root)
     assert [(r.kv_aligned, r.seed) for r in results] == [(0, 0), (1, 0)]
-    assert summary["global_verdict"] == "PASS_GUARDRAIL"
-    assert summary["threshold_config"] == loose
-    written = load(root / "config.json")
-    assert written["run_id"] == "r-7" and written["thresholds"] == loose
-    assert written["config_matrix"] == config["config_matrix"]
-    # An explicit argument beats config.json.
-    summary, _ = analyze_tree(root, thresholds=THRESHOLDS)
+    # Issue 9 case 6: the tree's own thresholds 1e9-style loosening is refused.
     assert summary["global_verdict"] == "FAIL_GUARDRAIL"
+    assert summary["threshold_config"] == THRESHOLDS
+    assert any("looser than the seed's" in note for note in summary["notes"])
+    written = load(root / "config.json")
+    assert written["run_id"] == "r-7" and written["config_matrix"] == config["config_matrix"]
+    assert written["thresholds"] == THRESHOLDS
+    # Stricter thresholds in config.json are honoured.
+    write_tree_again = {**config, "thresholds": {"max_abs_diff_max": 1e-9}}
+    (root / "config.json").write_text(json.dumps(write_tree_again))
+    summary, _ = analyze_tree(root)
+    assert summary["threshold_config"]["max_abs_diff_max"] == 1e-9
+    # An explicit argument is what the caller (analyze --threshold) checked already.
+    summary, _ = analyze_tree(root, thresholds=loose)
+    assert summary["global_verdict"] == "PASS_GUARDRAIL_LOOSENED"
+    assert summary["thresholds_loosened"]["p99_abs_diff_max"]["factor"] == 1000.0
+    assert "Thresholds loosened by the operator" in (root / REPORT_NAME).read_text()
 
 
 def test_a_judged_pair_writes_its_metrics_file(root: Path) -> None:
@@ -238,9 +275,10 @@ def test_a_judged_pair_writes_its_metrics_file(root: Path) -> None:
 # ---------------------------------------------------------------- bad trees
 
 
-def expect(root: Path, path: Path, *fragments: str) -> None:
+def expect_refused(root: Path, path: Path, *fragments: str) -> None:
+    """A tree whose layout cannot be read at all: a located InputError, nothing judged."""
     with pytest.raises(InputError) as info:
-        analyze_tree(root)
+        analyze_tree(root, seeds=[0])
     text = str(info.value)
     assert text.startswith(f"{path}"), text
     assert " — " in text
@@ -248,23 +286,44 @@ def expect(root: Path, path: Path, *fragments: str) -> None:
         assert fragment in text, text
 
 
+def expect(root: Path, path: Path, *fragments: str, seeds: list[int] | None = None) -> None:
+    """A pair that cannot be judged: named with where and why, and the tree is not a pass."""
+    summary, _ = analyze_tree(root, seeds=seeds or [0])
+    assert summary["global_verdict"] == "INPUT_ERROR", summary
+    whys = [u["why"] for u in summary["unjudged"]]
+    found = [w for w in whys if w.startswith(str(path))]
+    assert found, whys
+    for fragment in fragments:
+        assert fragment in found[0], found[0]
+    assert load(root / "summary.json")["global_verdict"] == "INPUT_ERROR"
+    assert "**Global verdict: INPUT_ERROR**" in (root / REPORT_NAME).read_text()
+
+
 def test_no_runs_directory(root: Path) -> None:
-    expect(root, root / "runs", "no runs/")
+    expect_refused(root, root / "runs", "no runs/")
 
 
 def test_empty_runs_tree(root: Path) -> None:
     (root / "runs").mkdir()
-    expect(root, root / "runs", "empty runs/")
+    expect(root, root / "runs" / "kv_aligned_1" / "seed_0", "missing")
 
 
 def test_missing_side(root: Path) -> None:
-    write_tree(root, {1: {0: 1e-4, 1: 1e-4}})
+    write_tree(root, {1: {0: 1e-4, 1: 1e-4}, 0: {0: 0.5, 1: 0.5}})
     side = root / "runs" / "kv_aligned_1" / "seed_1" / "decode"
     for f in side.iterdir():
         f.unlink()
     side.rmdir()
-    expect(root, side, "decode side of this pair is missing")
-    assert not (root / "summary.json").exists()
+    expect(root, side, "decode side of this pair is missing", seeds=[0, 1])
+
+
+def test_a_failed_analyze_replaces_the_previous_verdict(root: Path) -> None:
+    """Issue 9 case 2: analyze a good tree, delete one side, analyze again."""
+    write_tree(root, {1: {0: 1e-4}, 0: {0: 0.5}})
+    assert analyze_tree(root, seeds=[0])[0]["global_verdict"] == "PASS_GUARDRAIL"
+    (root / "runs" / "kv_aligned_1" / "seed_0" / "decode" / "logits.jsonl.gz").unlink()
+    expect(root, root / "runs" / "kv_aligned_1" / "seed_0" / "decode", "missing")
+    assert "PASS_GUARDRAIL" not in (root / "summary.json").read_text()
 
 
 def test_missing_logits_file(root: Path) -> None:
@@ -298,41 +357,48 @@ def test_stray_names(root: Path, stray: str) -> None:
         path.write_text("x")
     else:
         path.mkdir()
-    expect(root, path, "unexpected name")
+    expect_refused(root, path, "unexpected name")
 
 
 def test_kv_directory_without_seeds(root: Path) -> None:
     write_tree(root, {1: {0: 1e-4}})
     (root / "runs" / "kv_aligned_0").mkdir()
-    expect(root, root / "runs" / "kv_aligned_0", "no seed_<n>")
+    expect(root, root / "runs" / "kv_aligned_0" / "seed_0", "missing")
 
 
 def test_config_lists_a_seed_that_is_absent(root: Path) -> None:
     write_tree(root, {1: {0: 1e-4}})
-    (root / "config.json").write_text(json.dumps({"config_matrix": {"seeds": [0, 1]}}))
-    expect(root, root / "runs" / "kv_aligned_1" / "seed_1", "config.json lists this seed")
+    config = {"config_matrix": {"kv_aligned": [1], "seeds": [0, 1]}}
+    (root / "config.json").write_text(json.dumps(config))
+    summary, _ = analyze_tree(root)
+    assert summary["global_verdict"] == "INPUT_ERROR"
+    assert [u["pair"] for u in summary["unjudged"]] == ["kv_aligned_1/seed_1"]
 
 
 def test_seed_not_in_config(root: Path) -> None:
     write_tree(root, {1: {0: 1e-4, 5: 1e-4}})
     (root / "config.json").write_text(json.dumps({"config_matrix": {"seeds": [0]}}))
-    expect(root, root / "runs" / "kv_aligned_1" / "seed_5", "not in config.json")
+    with pytest.raises(InputError, match="a pair outside the matrix being judged"):
+        analyze_tree(root)
 
 
 def test_config_lists_a_kv_setting_that_is_absent(root: Path) -> None:
     write_tree(root, {1: {0: 1e-4}})
-    (root / "config.json").write_text(json.dumps({"config_matrix": {"kv_aligned": [1, 0]}}))
-    expect(root, root / "runs" / "kv_aligned_0", "config.json lists it")
+    config = {"config_matrix": {"kv_aligned": [1, 0], "seeds": [0]}}
+    (root / "config.json").write_text(json.dumps(config))
+    summary, _ = analyze_tree(root)
+    assert summary["global_verdict"] == "INPUT_ERROR"
+    assert [u["pair"] for u in summary["unjudged"]] == ["kv_aligned_0/seed_0"]
 
 
 def test_bad_config_json(root: Path) -> None:
     write_tree(root, {1: {0: 1e-4}})
     (root / "config.json").write_text('{"config_matrix": {"kv_aligned": [1, 1]}}')
-    expect(root, root / "config.json", "config_matrix.kv_aligned")
+    expect_refused(root, root / "config.json", "config_matrix.kv_aligned")
     (root / "config.json").write_text("{\n  oops\n}")
-    expect(root, root / "config.json", "not valid JSON")
+    expect_refused(root, root / "config.json", "not valid JSON")
     (root / "config.json").write_text('{"thresholds": {"p99": 1}}')
-    expect(root, root / "config.json", "unknown threshold")
+    expect_refused(root, root / "config.json", "unknown threshold")
 
 
 @pytest.mark.parametrize(
@@ -368,9 +434,36 @@ def test_bad_metadata_is_reported_by_key(root: Path) -> None:
     expect(root, meta, "key 'gen_len' must be an integer")
 
 
-def test_bad_logits_stop_the_analysis(root: Path) -> None:
-    write_tree(root, {1: {0: 1e-4, 1: 1e-4}})
+def test_bad_logits_leave_their_pair_unjudged(root: Path) -> None:
+    write_tree(root, {1: {0: 1e-4, 1: 1e-4}, 0: {0: 0.5, 1: 0.5}})
     logits = root / "runs" / "kv_aligned_1" / "seed_1" / "decode" / "logits.jsonl.gz"
     logits.write_bytes(logits.read_bytes()[:-10])
-    expect(root, logits, "corrupt gzip")
-    assert not (root / "summary.json").exists()
+    expect(root, logits, "corrupt gzip", seeds=[0, 1])
+
+
+def test_missing_tokens_are_never_a_pass(root: Path) -> None:
+    """Issue 9 case 4: both sides with fewer lines than gen_len, no early stop recorded."""
+    write_tree(root, {1: {0: 1e-4}, 0: {0: 0.5}})
+    for mode in ("prefill", "decode"):
+        meta = root / "runs" / "kv_aligned_1" / "seed_0" / mode / "metadata.json"
+        doc = load(meta)
+        doc["gen_len"] = T + 3
+        meta.write_text(json.dumps(doc))
+    expect(
+        root, root / "runs" / "kv_aligned_1" / "seed_0", f"{T} token lines but gen_len is {T + 3}"
+    )
+
+
+def test_an_early_stop_recorded_on_both_sides_is_judged(root: Path) -> None:
+    write_tree(root, {1: {0: 1e-4}, 0: {0: 0.5}})
+    base = root / "runs" / "kv_aligned_1" / "seed_0"
+    for mode, stop in (("prefill", T - 1), ("decode", T - 1)):
+        doc = load(base / mode / "metadata.json")
+        doc.update(gen_len=T + 10, eos_at_token=stop)
+        (base / mode / "metadata.json").write_text(json.dumps(doc))
+    summary, _ = analyze_tree(root, seeds=[0])
+    assert summary["global_verdict"] == "PASS_GUARDRAIL"
+    doc = load(base / "decode" / "metadata.json")
+    doc["eos_at_token"] = T - 2  # the sides disagree on where they stopped
+    (base / "decode" / "metadata.json").write_text(json.dumps(doc))
+    expect(root, base, "no early stop at token")

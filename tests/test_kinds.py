@@ -148,7 +148,7 @@ class ToyKind(Kind):
     sections = {"toy": {"per_cell": (int, False, 1)}}
     smoke = ("toy", ())
 
-    def check(self, data: dict[str, Any], source: str) -> None:
+    def check(self, data: dict[str, Any], source: str, options: frozenset[str]) -> None:
         if data["toy"]["per_cell"] < 1:
             raise PresetError(source, "toy.per_cell", "must be at least 1")
 

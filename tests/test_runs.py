@@ -89,7 +89,10 @@ def test_failing_cell_fails_the_run_and_shows_stderr(where: Where, tmp_path: Pat
         env=cli_env(where.home),
     )
     assert done.returncode == 1, done.stdout + done.stderr
-    assert "cell 0 (n=1 lines=1 pause=0 rc=3) exited 3; stderr ends: boom-on-stderr" in done.stdout
+    # cells are named as the headless lines number them: 1-based, out of the total
+    assert (
+        "cell 1/3 (n=1 lines=1 pause=0 rc=3) exited 3; stderr ends: boom-on-stderr" in done.stdout
+    )
     assert "RESULT: FAIL (exit 1)" in done.stdout
 
 

@@ -15,7 +15,7 @@ from console.panel import KindPanel
 from console.widgets.live_table import LiveTable
 from console.widgets.text import TONE_STYLES, clean, number, plain
 from runners.events import Event, RunFinished
-from runners.kinds.equivalence import KIND, PairVerdict
+from runners.kinds.equivalence import KIND, PairUnjudged, PairVerdict
 
 METRICS = ("max_abs_diff", "p99_abs_diff", "top1_agreement", "cos_sim_mean")
 
@@ -24,13 +24,18 @@ class EquivalenceView:
     """UI-free: the pairs judged so far, and the first failure worth showing."""
 
     def __init__(self) -> None:
-        self.verdicts: dict[tuple[int, int], PairVerdict] = {}
+        self.verdicts: dict[tuple[int, int], PairVerdict | PairUnjudged] = {}
         self.changed: dict[tuple[int, int], None] = {}
         self.first_fail: dict[str, Any] | None = None
         self.first_fail_verdict: str | None = None
         self.first_fail_changed = False
 
     def take(self, event: Event) -> bool:
+        if isinstance(event, PairUnjudged):
+            key = (event.kv_aligned, event.seed)
+            self.verdicts[key] = event
+            self.changed[key] = None
+            return True
         if isinstance(event, PairVerdict):
             key = (event.kv_aligned, event.seed)
             self.verdicts[key] = event
@@ -56,6 +61,13 @@ class EquivalenceView:
         return False
 
 
+def _compared(metrics: dict[str, Any]) -> str:
+    """Tokens compared, and where the modes parted ways when they did."""
+    count = number(metrics.get("pair_count"))
+    split = metrics.get("diverged_at_token")
+    return count if split is None else f"{count} (split at {split})"
+
+
 def row_key(key: tuple[int, int]) -> str:
     return f"kv{key[0]}-seed{key[1]}"
 
@@ -68,6 +80,7 @@ class VerdictTable(LiveTable):
         ("seed", "seed"),
         *((name, name) for name in METRICS),
         ("pairs", "pair_count"),
+        ("ULP / rel", "precision"),
         ("verdict", "verdict"),
     )
 
@@ -75,13 +88,20 @@ class VerdictTable(LiveTable):
     VerdictTable { height: auto; max-height: 11; }
     """
 
-    def cells(self, row: PairVerdict) -> tuple[Text, ...]:
+    def cells(self, row: PairVerdict | PairUnjudged) -> tuple[Text, ...]:
+        key = (Text(str(row.kv_aligned), justify="right"), Text(str(row.seed), justify="right"))
+        if isinstance(row, PairUnjudged):
+            blank = [Text("—", justify="right", style="dim") for _ in range(len(METRICS) + 2)]
+            return (*key, *blank, plain(f"NOT JUDGED ({row.kind}): {row.reason}", "bold red"))
         metrics = [Text(number(row.metrics.get(name)), justify="right") for name in METRICS]
+        p = row.precision or {}
+        ulps = p.get("max_abs_diff_ulps")
+        precision = f"{number(ulps)} / {number(p.get('max_rel_diff'))}" if p else "—"
         return (
-            Text(str(row.kv_aligned), justify="right"),
-            Text(str(row.seed), justify="right"),
+            *key,
             *metrics,
-            Text(number(row.metrics.get("pair_count")), justify="right"),
+            Text(_compared(row.metrics), justify="right"),
+            Text(precision, justify="right"),
             plain(row.verdict, TONE_STYLES[KIND.tone(row.verdict)]),
         )
 
@@ -122,14 +142,25 @@ def render_first_fail(ff: dict[str, Any], verdict: str | None) -> Group:
         ("  ", ""),
         (clean(verdict or ""), "bold red" if verdict == "FAIL_EQUIV" else "bold yellow"),
     )
-    failing = Text.assemble(
-        (metric, "bold"),
-        " = ",
-        (number(ff.get("value")), "bold red"),
-        ("  threshold ", "dim"),
-        number(ff.get("threshold")),
-        (f" ({_comparison(metric)})", "dim"),
-    )
+    if metric == "token_id":
+        ids = ff.get("token_ids") if isinstance(ff.get("token_ids"), dict) else {}
+        failing = Text.assemble(
+            ("token_id", "bold"),
+            ": the modes wrote different tokens: prefill ",
+            (clean(ids.get("prefill", "?")), "bold"),
+            ", decode ",
+            (clean(ids.get("decode", "?")), "bold red"),
+            (" (kv_aligned=1 must produce the same tokens)", "dim"),
+        )
+    else:
+        failing = Text.assemble(
+            (metric, "bold"),
+            " = ",
+            (number(ff.get("value")), "bold red"),
+            ("  threshold ", "dim"),
+            number(ff.get("threshold")),
+            (f" ({_comparison(metric)})", "dim"),
+        )
     top5 = ff.get("top5") if isinstance(ff.get("top5"), dict) else {}
     sides = {side: _top5(top5.get(side)) for side in SIDES}
     table = Table(box=None, padding=(0, 2, 0, 0), show_edge=False, header_style="bold")

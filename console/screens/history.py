@@ -43,10 +43,17 @@ class RunEntry:
     verdict: str | None
     problem: str | None = None
     kind: str = ""
+    why: str = ""  # the verdict's reason (a loosened pass says how much, a failure why)
 
 
 def last_verdict(events: Path) -> str | None:
     """The verdict of the last run_finished event (it is the run's last line), or None."""
+    finished = last_finished(events)
+    return finished.verdict if finished is not None else None
+
+
+def last_finished(events: Path) -> RunFinished | None:
+    """The last run_finished event (the run's last line), or None while it has none."""
     try:
         with open(events, "rb") as fh:
             size = fh.seek(0, 2)
@@ -62,7 +69,7 @@ def last_verdict(events: Path) -> str | None:
         except ValueError:
             continue  # the tail may start mid-line, or a line may be torn
         if isinstance(event, RunFinished):
-            return event.verdict
+            return event
     return None
 
 
@@ -78,6 +85,8 @@ def scan_runs(out_dir: Path) -> list[RunEntry]:
         except (OSError, ValueError) as exc:
             entries.append(RunEntry(local, "", local.name, "?", "?", None, f"{path}: {exc}"))
             continue
+        finished = last_finished(local / EVENTS)
+        summary = finished.summary if finished is not None else {}
         entries.append(
             RunEntry(
                 local_dir=local,
@@ -85,8 +94,9 @@ def scan_runs(out_dir: Path) -> list[RunEntry]:
                 run_id=str(data.get("run_id", local.name)),
                 preset=str(data.get("preset", "?")),
                 target=str(data.get("target", "?")),
-                verdict=last_verdict(local / EVENTS),
+                verdict=finished.verdict if finished is not None else None,
                 kind=str(data.get("kind", "")),
+                why=str(summary.get("reason") or summary.get("error") or ""),
             )
         )
     entries.sort(key=lambda e: (e.started, e.run_id), reverse=True)
@@ -134,6 +144,7 @@ class HistoryScreen(Screen[None]):
             ("preset", "preset"),
             ("target", "target"),
             ("verdict", "verdict"),
+            ("why", "why"),
         ):
             table.add_column(label, key=key)
         table.focus()
@@ -167,6 +178,7 @@ class HistoryScreen(Screen[None]):
                 plain(entry.preset),
                 plain(entry.target),
                 verdict,
+                plain(entry.why, "dim"),
                 key=str(entry.local_dir),
             )
         if previous is not None:

@@ -48,9 +48,14 @@ class VerdictBanner(Static):
         shade = tone(model.header.kind, finished.verdict) if finished.exit_code == 0 else "fail"
         self.add_class(f"-{shade}")
         text = Text(f"{clean(finished.verdict)}  (exit {finished.exit_code})")
-        error = finished.summary.get("error") if isinstance(finished.summary, dict) else None
-        if error:
-            text.append("\n" + clean(error), style="not bold")
+        summary = finished.summary if isinstance(finished.summary, dict) else {}
+        # Why, unless it simply passed: a failure, an engine error, a loosened pass say it here.
+        keys = ("error",) if shade == "pass" else ("reason", "error")
+        for key in keys:
+            if summary.get(key):
+                text.append("\n" + clean(summary[key]), style="not bold")
+        for problem in (summary.get("engine_errors") or [])[:3]:
+            text.append("\nengine error: " + clean(problem), style="not bold")
         self.update(text)
 
     def show_stopped(self, text: str) -> None:

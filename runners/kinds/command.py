@@ -12,6 +12,7 @@ class CommandKind(Kind):
     pass_word, fail_word = "PASS", "FAIL"
     pass_words = frozenset({"PASS"})
     smoke = ("hello_command", ())
+    cell_exit_is_verdict = True
 
 
 KIND = CommandKind()

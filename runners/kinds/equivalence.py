@@ -3,7 +3,8 @@
 The run's local directory is the seed's artifact tree: the cells fetch
 runs/kv_aligned_K/seed_N/MODE/{logits.jsonl.gz,metadata.json} into it, each pair is judged as
 soon as both sides are home (metrics/kv_aligned_K/seed_N_metrics.json), and the end of the run
-writes config.json, summary.json and B3_67_EQUIVALENCE_GUARDRAIL.md.
+writes config.json, summary.json and B3_67_EQUIVALENCE_GUARDRAIL.md. Every one of those files
+carries the verdict the run's exit code says; a pair without a verdict is named with why.
 """
 
 from __future__ import annotations
@@ -21,16 +22,22 @@ import orjson
 from analysis.equivalence import (
     EXPECTED_DRIFT,
     FAIL_GUARDRAIL,
+    INPUT_ERROR,
     PASS_EQUIV,
     PASS_GUARDRAIL,
+    PASS_GUARDRAIL_LOOSENED,
     THRESHOLDS,
+    VERDICT_EXIT,
     PairResult,
-    exit_code_for,
+    Unjudged,
+    describe_loosened,
+    loosened,
     metrics_document,
     resolve_thresholds,
     summarize,
 )
 from analysis.equivalence_tree import (
+    expected_pairs,
     judge_pair,
     judge_tree,
     load_pair_result,
@@ -40,15 +47,25 @@ from analysis.equivalence_tree import (
 from analysis.logits import InputError
 from analysis.report import report_markdown
 from runners.atomic import write_atomic
-from runners.cells import CellState
-from runners.events import Error, Event, RunFinished, event
-from runners.exits import EXIT_FAIL, EXIT_PASS, EXIT_USAGE
-from runners.kind import Ending, Judge, JudgeContext, Kind, KindPrinter
+from runners.cells import CellState, cell_name
+from runners.events import (
+    ArtifactFailed,
+    CellFinished,
+    Error,
+    Event,
+    RunFinished,
+    RunStarted,
+    event,
+)
+from runners.exits import EXIT_INFRA, EXIT_USAGE
+from runners.kind import ENDINGS, Ending, Judge, JudgeContext, Kind, KindPrinter, failure_text
 from runners.presets import PresetError
+from runners.record import RUN_JSON, RunRecord, read_events
 
 REPORT_NAME = "B3_67_EQUIVALENCE_GUARDRAIL.md"
 PAIR_KEYS = ("mode", "kv_aligned", "seed")
 METRICS_SHOWN = ("max_abs_diff", "p99_abs_diff", "top1_agreement", "cos_sim_mean")
+LOOSE = "loose_thresholds"
 
 
 @event
@@ -63,19 +80,21 @@ class PairVerdict(Event):
     thresholds: dict[str, float]
     first_fail: dict[str, Any] | None
     metrics_path: str
+    precision: dict[str, Any] | None = None
 
 
 @event
 class PairUnjudged(Event):
-    """A pair whose sides came home but could not be judged (bad input, missing file)."""
+    """A pair of the matrix with no verdict; `kind` is an analysis.equivalence.Unjudged class."""
 
     type: ClassVar[str] = "pair_unjudged"
     seed: int
     kv_aligned: int
     reason: str
+    kind: str = "output"
 
 
-# ---------------------------------------------------------------- writing the tree's documents
+# ---------------------------------------------------------------- the tree's documents
 
 
 def _now() -> str:
@@ -95,11 +114,19 @@ def write_pair(root: Path, result: PairResult) -> None:
 def write_summary(
     root: Path,
     results: list[PairResult],
+    unjudged: list[Unjudged],
     config_matrix: dict[str, Any],
     thresholds: dict[str, float],
     date: str,
+    *,
+    ended: str | None = None,
+    notes: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Writes config.json, summary.json and the report for judged pairs; returns the summary."""
+    """Writes config.json, summary.json and the report; returns the summary.
+
+    `ended` is the word of a run cut short (CANCELLED, CRASHED): it is then the global verdict
+    of every file, as it is the run's.
+    """
     config = read_config(root) or {}
     config.update(
         {
@@ -109,23 +136,63 @@ def write_summary(
             "thresholds": thresholds,
         }
     )
-    summary = summarize(results, config_matrix, thresholds, date)
+    summary = summarize(results, config_matrix, thresholds, date, unjudged)
+    if ended is not None:
+        summary["reason"] = f"the run ended {ended} before it was judged whole; {summary['reason']}"
+        summary["global_verdict"] = ended
+    if notes:
+        summary["notes"] = list(notes)
     _write_json(root / "config.json", config)
     _write_json(root / "summary.json", summary)
     write_atomic(root / REPORT_NAME, report_markdown(summary, results))
     return summary
 
 
+def write_not_judged(root: Path, why: str, date: str) -> dict[str, Any]:
+    """Replace a tree's summary and report with ones that say it could not be judged, and why."""
+    summary = {
+        "benchmark": "B3.67",
+        "date": date,
+        "global_verdict": INPUT_ERROR,
+        "reason": f"the tree could not be judged: {why}",
+        "first_fail": None,
+        "unjudged": [],
+    }
+    _write_json(root / "summary.json", summary)
+    write_atomic(
+        root / REPORT_NAME,
+        f"# B3.67 Equivalence Guardrail — {date}\n\n**Global verdict: {INPUT_ERROR}** — the tree "
+        f"could not be judged.\n\nWhy: {why}\n",
+    )
+    return summary
+
+
 def analyze_tree(
-    root: str | Path, thresholds: dict[str, float] | None = None, date: str | None = None
+    root: str | Path,
+    thresholds: dict[str, float] | None = None,
+    date: str | None = None,
+    seeds: list[int] | None = None,
+    engine_unjudged: list[Unjudged] | None = None,
 ) -> tuple[dict[str, Any], list[PairResult]]:
-    """Judges every pair of a tree and writes all its documents; returns (summary, results)."""
+    """Judges every pair of a tree and writes all its documents; returns (summary, results).
+
+    engine_unjudged: pairs a run's record shows never had an engine result; they are named as
+    such instead of as missing files.
+    """
     root = Path(root)
-    judged = judge_tree(root, thresholds, date)
+    judged = judge_tree(root, thresholds, date, seeds)
+    known = {(u.kv_aligned, u.seed): u for u in engine_unjudged or []}
+    unjudged = [known.get((u.kv_aligned, u.seed), u) for u in judged.unjudged]
     for result in judged.results:
         write_pair(root, result)
     summary = write_summary(
-        root, judged.results, judged.config_matrix, judged.thresholds, judged.date
+        root,
+        judged.results,
+        unjudged,
+        judged.config_matrix,
+        judged.thresholds,
+        judged.date,
+        notes=judged.notes,
     )
     return summary, judged.results
 
@@ -145,20 +212,31 @@ class EquivalenceJudge(Judge):
                 key = (int(p["kv_aligned"]), int(p["seed"]))
                 self.pairs.setdefault(key, {})[p["mode"]] = cell.index
         self.judged: dict[tuple[int, int], PairVerdict | PairUnjudged] = {}
+        self.failed_artifacts: dict[int, list[ArtifactFailed]] = {}
 
     @property
     def thresholds(self) -> dict[str, float]:
-        return {k: float(v) for k, v in self.ctx.preset.section("thresholds").items()}
+        return resolve_thresholds(
+            {k: float(v) for k, v in self.ctx.preset.section("thresholds").items()}
+        )
 
     def on_event(self, event: Event) -> None:
         if isinstance(event, PairVerdict | PairUnjudged):
             self.judged[(event.kv_aligned, event.seed)] = event
+        elif isinstance(event, ArtifactFailed):
+            self.failed_artifacts.setdefault(event.cell, []).append(event)
 
     async def advance(self) -> None:
         for key, sides in self.pairs.items():
-            if key in self.judged or not all(self._side_home(c) for c in sides.values()):
+            if key in self.judged:
                 continue
             kv, seed = key
+            why = self._no_result(sides)
+            if why is not None:
+                self.ctx.emit(PairUnjudged(seed=seed, kv_aligned=kv, reason=why[1], kind=why[0]))
+                continue
+            if not all(self._side_home(c) for c in sides.values()):
+                continue
             try:
                 result = await asyncio.to_thread(self._judge, kv, seed)
             except ValueError as exc:
@@ -178,8 +256,25 @@ class EquivalenceJudge(Judge):
                     thresholds=result.thresholds,
                     first_fail=result.first_fail,
                     metrics_path=f"metrics/kv_aligned_{kv}/seed_{seed}_metrics.json",
+                    precision=result.precision,
                 )
             )
+
+    def _no_result(self, sides: dict[str, int]) -> tuple[str, str] | None:
+        """(class, why) when a side of the pair has ended without a result to judge."""
+        for mode, cell in sides.items():
+            done = self.finished.get(cell)
+            if done is None:
+                continue
+            if done.state != CellState.PASSED:
+                params = next(c.params for c in self.ctx.cells if c.index == cell)
+                name = cell_name(cell, params, len(self.ctx.cells))
+                return "engine", f"{mode} side ({name}): {failure_text(done)}"
+            failed = self.failed_artifacts.get(cell)
+            if failed:
+                f = failed[0]
+                return ("engine" if f.missing else "infra"), f"{mode} side: {f.path}: {f.reason}"
+        return None
 
     def _judge(self, kv: int, seed: int) -> PairResult:
         result = judge_pair(self.ctx.local_dir, kv, seed, self.thresholds)
@@ -187,42 +282,48 @@ class EquivalenceJudge(Judge):
         return result
 
     def _side_home(self, cell: int) -> bool:
+        """The side passed and every artifact it must bring home is here."""
         done = self.finished.get(cell)
-        return done is not None and done.state == CellState.PASSED and cell in self.fetched
+        wanted = next(set(c.artifacts) for c in self.ctx.cells if c.index == cell)
+        return (
+            done is not None
+            and done.state == CellState.PASSED
+            and wanted <= self.fetched.get(cell, set())
+        )
 
     def verdict(self, ending: Ending) -> RunFinished:
-        results = [
-            load_pair_result(self.ctx.local_dir, kv, seed)
-            for (kv, seed), event in self.judged.items()
-            if isinstance(event, PairVerdict)
-        ]
-        unjudged = [
-            f"kv_aligned_{k}/seed_{s}"
-            for k, s in self.pairs
-            if not isinstance(self.judged.get((k, s)), PairVerdict)
-        ]
+        results: list[PairResult] = []
+        unjudged: list[Unjudged] = []
+        for key in self.pairs:
+            kv, seed = key
+            got = self.judged.get(key)
+            if isinstance(got, PairVerdict):
+                results.append(load_pair_result(self.ctx.local_dir, kv, seed))
+            elif isinstance(got, PairUnjudged):
+                unjudged.append(Unjudged(kv, seed, got.kind, got.reason))
+            else:
+                why = self._no_result(self.pairs[key]) or ("engine", "no side produced a result")
+                unjudged.append(Unjudged(kv, seed, why[0], why[1]))
         matrix = self.ctx.preset.matrix
         config_matrix = {
             "kv_aligned": matrix["kv_aligned"],
             "seeds": matrix["seed"],
             **{k: v for k, v in matrix.items() if k not in PAIR_KEYS},
         }
-        summary: dict[str, Any] = {}
-        if results:
-            summary = write_summary(
-                self.ctx.local_dir,
-                results,
-                config_matrix,
-                resolve_thresholds(self.thresholds),
-                self.ctx.date,
-            )
-        verdict = summary.get("global_verdict", FAIL_GUARDRAIL)
-        if unjudged or not self.cells_ok():
-            # A pair that could not be judged is not PASS_EQUIV, so the guardrail cannot pass.
-            verdict = FAIL_GUARDRAIL
-            summary = {**summary, "unjudged": unjudged, "errors": [e.message for e in self.errors]}
-        code = EXIT_PASS if verdict in (PASS_GUARDRAIL, EXPECTED_DRIFT) else EXIT_FAIL
-        return RunFinished(verdict=verdict, exit_code=code, summary=summary)
+        cut = ENDINGS.get(ending.how)
+        summary = write_summary(
+            self.ctx.local_dir,
+            results,
+            unjudged,
+            config_matrix,
+            self.thresholds,
+            self.ctx.date,
+            ended=cut[0] if cut else None,
+        )
+        summary["errors"] = [e.message for e in self.errors]
+        word = summary["global_verdict"]
+        code = cut[1] if cut else VERDICT_EXIT[word]
+        return RunFinished(verdict=word, exit_code=code, summary=summary)
 
 
 # ---------------------------------------------------------------- headless lines
@@ -232,8 +333,59 @@ def _num(value: Any) -> str:
     return f"{value:.6g}" if isinstance(value, float) else str(value)
 
 
+def precision_text(p: dict[str, Any] | None) -> str:
+    """`max |Δ| = 2 ULP of bf16 at |logit| 3.1; max relative Δ 0.004`, or ''."""
+    if not p:
+        return ""
+    parts = []
+    if p.get("max_abs_diff_ulps") is not None:
+        parts.append(
+            f"max |Δ| = {p['max_abs_diff_ulps']:.3g} ULP of {p['dtype']} at |logit| "
+            f"{p['logit_magnitude']:.3g}"
+        )
+    parts.append(f"max relative Δ {p.get('max_rel_diff', 0):.3g}")
+    return "; ".join(parts)
+
+
+def first_fail_lines(ff: dict[str, Any]) -> list[str]:
+    """The first failure as the console shows it: token, metric, both sides' top-5, where."""
+    if ff.get("metric") == "token_id":
+        ids = ff.get("token_ids") or {}
+        head = (
+            f"  first fail: token {ff.get('token_idx')}: the modes wrote different tokens "
+            f"(prefill {ids.get('prefill')}, decode {ids.get('decode')})"
+        )
+    else:
+        head = (
+            f"  first fail: token {ff.get('token_idx')} {ff.get('metric')}="
+            f"{_num(ff.get('value'))} (threshold {_num(ff.get('threshold'))})"
+        )
+    lines = [
+        head,
+        f"    {'rank':>4}  {'prefill id':>10} {'logit':>10}  {'decode id':>10} {'logit':>10}",
+    ]
+    top5 = ff.get("top5") or {}
+    pre, dec = top5.get("prefill") or [], top5.get("decode") or []
+    for rank in range(max(len(pre), len(dec))):
+        p = pre[rank] if rank < len(pre) else ["", ""]
+        d = dec[rank] if rank < len(dec) else ["", ""]
+        lines.append(
+            f"    {rank + 1:>4}  {p[0]!s:>10} {_num(p[1]):>10}  {d[0]!s:>10} {_num(d[1]):>10}"
+        )
+    for side, where in (ff.get("where") or {}).items():
+        lines.append(f"    {side}: {where}")
+    if ff.get("note"):
+        lines.append(f"    note: {ff['note']}")
+    return lines
+
+
 class EquivalencePrinter(KindPrinter):
     def lines(self, event: Event) -> list[str]:
+        if isinstance(event, PairUnjudged):
+            return [
+                f"not judged kv_aligned={event.kv_aligned} seed={event.seed} ({event.kind}): "
+                f"{event.reason}"
+            ]
         if not isinstance(event, PairVerdict):
             return []
         m = event.metrics
@@ -241,21 +393,48 @@ class EquivalencePrinter(KindPrinter):
             f"verdict kv_aligned={event.kv_aligned} seed={event.seed}: {event.verdict}  "
             + " ".join(f"{k}={_num(m[k])}" for k in METRICS_SHOWN if k in m)
         ]
+        if event.precision:
+            lines.append(f"  precision: {precision_text(event.precision)}")
         if m.get("diverged_at_token") is not None:
             lines.append(
-                f"  greedy decoding parted ways at token {m['diverged_at_token']}: "
+                f"  the modes wrote different tokens at token {m['diverged_at_token']}: "
                 f"compared {m.get('pair_count')} tokens, later ones follow other prefixes"
             )
         if event.first_fail:
-            ff = event.first_fail
-            lines.append(
-                f"  first fail: token {ff.get('token_idx')} {ff.get('metric')}="
-                f"{_num(ff.get('value'))} (threshold {_num(ff.get('threshold'))})"
-            )
+            lines += first_fail_lines(event.first_fail)
+        return lines
+
+    def final(self, event: RunFinished) -> list[str]:
+        s = event.summary
+        lines = []
+        if s.get("reason"):
+            lines.append(f"why: {s['reason']}")
+        for u in s.get("unjudged") or []:
+            lines.append(f"not judged: {u['pair']} ({u['class']}): {u['why']}")
+        if s.get("thresholds_loosened"):
+            lines.append(f"THRESHOLDS LOOSENED: {describe_loosened(s['thresholds_loosened'])}")
         return lines
 
 
 # ---------------------------------------------------------------- the kind
+
+
+def check_thresholds(values: dict[str, Any], source: str, allow_loose: bool, how: str) -> None:
+    """Finite, non-negative, and no looser than the seed's unless the operator asked."""
+    try:
+        resolved = resolve_thresholds(values)
+    except ValueError as exc:
+        key = str(exc).split("'")[1] if "'" in str(exc) else ""
+        raise PresetError(source, f"thresholds.{key}" if key else "thresholds", str(exc)) from None
+    loose = loosened(resolved)
+    if loose and not allow_loose:
+        key = next(iter(loose))
+        raise PresetError(
+            source,
+            f"thresholds.{key}",
+            f"looser than the seed's guardrail ({describe_loosened(loose)}); stricter thresholds "
+            f"may be set, looser ones only with {how}",
+        )
 
 
 class EquivalenceKind(Kind):
@@ -264,13 +443,20 @@ class EquivalenceKind(Kind):
     judge_class = EquivalenceJudge
     pass_word, fail_word = PASS_GUARDRAIL, FAIL_GUARDRAIL
     pass_words = frozenset({PASS_GUARDRAIL, PASS_EQUIV})
+    # A loosened pass is the operator's choice, not the seed's guardrail: shown like drift.
+    drift_words = frozenset({EXPECTED_DRIFT, PASS_GUARDRAIL_LOOSENED})
     smoke = ("b3_67_smoke", ("matrix.seed=[0]",))
-    drift_words = frozenset({EXPECTED_DRIFT})
+    options: ClassVar[dict[str, str]] = {
+        LOOSE: "B3.67: allow [thresholds] looser than the seed's; every verdict then says so",
+    }
     sections: ClassVar[dict[str, dict[str, tuple[Any, bool, Any]]]] = {
         "thresholds": {key: ((int, float), False, value) for key, value in THRESHOLDS.items()},
     }
 
-    def check(self, data: dict[str, Any], source: str) -> None:
+    def exit_code(self, word: str) -> int:
+        return VERDICT_EXIT.get(word, super().exit_code(word))
+
+    def check(self, data: dict[str, Any], source: str, options: frozenset[str]) -> None:
         matrix = data["matrix"]
         for key in PAIR_KEYS:
             if key not in matrix:
@@ -280,6 +466,12 @@ class EquivalenceKind(Kind):
         for value in matrix["kv_aligned"]:
             if value not in (0, 1) or isinstance(value, bool):
                 raise PresetError(source, "matrix.kv_aligned", "values must be 0 or 1")
+        if 1 not in matrix["kv_aligned"]:
+            raise PresetError(
+                source,
+                "matrix.kv_aligned",
+                "needs 1: a guardrail with no kv_aligned=1 pair guards nothing and never passes",
+            )
         for key, values in matrix.items():
             if key not in PAIR_KEYS and len(values) != 1:
                 raise PresetError(
@@ -288,6 +480,7 @@ class EquivalenceKind(Kind):
                     "the B3.67 layout (runs/kv_aligned_K/seed_N/MODE) has no place for a second "
                     "value here; run one preset per value",
                 )
+        check_thresholds(data["thresholds"], source, LOOSE in options, "--loose-thresholds")
 
     def printer(self) -> KindPrinter:
         return EquivalencePrinter()
@@ -298,15 +491,56 @@ class EquivalenceKind(Kind):
     def analyze_help(self) -> str:
         return "a B3.67 artifacts directory (runs/kv_aligned_K/seed_N/{prefill,decode}/)"
 
+    def add_analyze_args(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--seeds",
+            type=_int_list,
+            help="B3.67: the seeds the tree must hold, e.g. 0,1 (default: config.json's, "
+            "else the seed's 0,1,2)",
+        )
+        parser.add_argument(
+            "--threshold",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="B3.67: a threshold (stricter than the seed's; looser needs --loose-thresholds)",
+        )
+
     def analyze(self, path: Path, args: argparse.Namespace) -> int:
         try:
-            summary, results = analyze_tree(path)
-        except (InputError, ValueError, OSError) as exc:
+            thresholds = _threshold_args(args.threshold)
+            if thresholds is not None:
+                check_thresholds(
+                    thresholds, "--threshold", args.loose_thresholds, "--loose-thresholds"
+                )
+        except (PresetError, ValueError) as exc:
             print(f"tracedeck: {exc}", file=sys.stderr)
             return EXIT_USAGE
+        engine = _engine_failures(path, args.seeds)
+        try:
+            summary, results = analyze_tree(
+                path, thresholds, seeds=args.seeds, engine_unjudged=engine
+            )
+        except (InputError, ValueError, OSError) as exc:
+            print(f"tracedeck: {exc}", file=sys.stderr)
+            if (path / "runs").is_dir() or (path / "summary.json").exists():
+                write_not_judged(path, str(exc), datetime.now(UTC).strftime("%Y-%m-%d"))
+                print(
+                    f"tracedeck: wrote summary.json and {REPORT_NAME} saying so in {path}",
+                    file=sys.stderr,
+                )
+            if engine:
+                for u in engine:
+                    print(f"not judged: {u.to_json()['pair']} ({u.kind}): {u.why}", file=sys.stderr)
+                return EXIT_INFRA
+            return EXIT_USAGE
+        code = VERDICT_EXIT[summary["global_verdict"]]
+        for u in summary["unjudged"]:
+            print(f"tracedeck: not judged {u['pair']} ({u['class']}): {u['why']}", file=sys.stderr)
         if args.json:
             print(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode())
-            return exit_code_for(summary["global_verdict"])
+            return code
+        printer = EquivalencePrinter()
         for r in results:
             m = r.metrics
             print(
@@ -314,17 +548,78 @@ class EquivalenceKind(Kind):
                 f"max_abs_diff={m['max_abs_diff']:.6g} p99_abs_diff={m['p99_abs_diff']:.6g} "
                 f"top1_agreement={m['top1_agreement']:.6g} cos_sim_mean={m['cos_sim_mean']:.6g}"
             )
+            if r.precision:
+                print(f"  precision: {precision_text(r.precision)}")
+            if r.diverged_at_token is not None:
+                print(
+                    f"  the modes wrote different tokens at token {r.diverged_at_token}: "
+                    f"compared {r.pair_count} of {max(r.tokens.values())} tokens"
+                )
         ff = summary.get("first_fail")
         if ff:
-            print(
-                f"first fail: kv_aligned={ff['kv_aligned']} seed={ff['seed']} token "
-                f"{ff['token_idx']} {ff['metric']}={ff['value']:.6g} (threshold {ff['threshold']})"
-            )
+            print("\n".join(first_fail_lines(ff)).replace("  first fail:", "first fail:", 1))
+        for line in printer.final(RunFinished(summary["global_verdict"], code, summary)):
+            print(line)
+        for note in summary.get("notes", []):
+            print(f"note: {note}")
         print(
             f"global verdict: {summary['global_verdict']}  "
             f"(wrote summary.json, metrics/, {REPORT_NAME} in {path})"
         )
-        return exit_code_for(summary["global_verdict"])
+        return code
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give seeds as 0,1,2") from None
+    if not values or any(v < 0 for v in values) or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"{text!r}: give distinct non-negative seeds as 0,1,2")
+    return values
+
+
+def _threshold_args(items: list[str]) -> dict[str, float] | None:
+    if not items:
+        return None
+    out: dict[str, float] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key.strip() not in THRESHOLDS:
+            raise ValueError(
+                f"--threshold {item!r}: give KEY=VALUE with KEY one of {', '.join(THRESHOLDS)}"
+            )
+        try:
+            out[key.strip()] = float(value)
+        except ValueError:
+            raise ValueError(f"--threshold {item!r}: {value!r} is not a number") from None
+    return out
+
+
+def _engine_failures(root: Path, seeds: list[int] | None) -> list[Unjudged]:
+    """Pairs a run's record shows had no engine result (for a run directory; else none)."""
+    if not (root / RUN_JSON).is_file() or not (root / "events.jsonl").is_file():
+        return []
+    try:
+        run_id = RunRecord.load(root).run_id
+        events = read_events(root / "events.jsonl").events
+    except (OSError, ValueError, TypeError):
+        return []
+    params = {c["index"]: c["params"] for e in events if isinstance(e, RunStarted) for c in e.cells}
+    out: dict[tuple[int, int], Unjudged] = {}
+    for e in events:
+        if not isinstance(e, CellFinished) or e.state == CellState.PASSED:
+            continue
+        p = params.get(e.cell, {})
+        if not set(PAIR_KEYS) <= set(p):
+            continue
+        key = (int(p["kv_aligned"]), int(p["seed"]))
+        why = f"{p['mode']} side of run {run_id}: {failure_text(e)}"
+        out.setdefault(key, Unjudged(key[0], key[1], "engine", why))
+    if (root / "runs").is_dir():
+        wanted = set(expected_pairs(root, seeds)[0])
+        return [u for k, u in out.items() if k in wanted]
+    return list(out.values())
 
 
 KIND = EquivalenceKind()

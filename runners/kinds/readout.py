@@ -24,8 +24,8 @@ from analysis.readout import (
     to_json,
 )
 from runners.events import Event, RunFinished, TraceBatch, event
-from runners.exits import EXIT_FAIL, EXIT_PASS, EXIT_USAGE
-from runners.kind import Digest, Ending, Judge, JudgeContext, Kind, KindPrinter
+from runners.exits import EXIT_FAIL, EXIT_INFRA, EXIT_PASS, EXIT_USAGE
+from runners.kind import ENGINE_ERROR, Digest, Ending, Judge, JudgeContext, Kind, KindPrinter
 from runners.presets import PresetError
 
 
@@ -110,6 +110,10 @@ class ReadoutJudge(Judge):
         verdict = overall(rows)[0]
         ok = verdict == VERDICT_OK and self.cells_ok() and not self.errors
         summary = {**to_json(rows, verdict), "errors": [e.message for e in self.errors]}
+        engine = self.engine_errors()
+        if engine:
+            summary["engine_errors"] = engine
+            return RunFinished(verdict=ENGINE_ERROR, exit_code=EXIT_INFRA, summary=summary)
         return RunFinished(
             verdict=VERDICT_OK if ok else VERDICT_NO_OK,
             exit_code=EXIT_PASS if ok else EXIT_FAIL,
@@ -148,7 +152,7 @@ class ReadoutKind(Kind):
     pass_words = frozenset({VERDICT_OK})
     smoke = ("b3_11_readout", ('matrix.prompt=["p0_short", "p4_sys"]',))
 
-    def check(self, data: dict[str, Any], source: str) -> None:
+    def check(self, data: dict[str, Any], source: str, options: frozenset[str]) -> None:
         if not data["traces"]["follow"]:
             raise PresetError(source, "traces.follow", "a readout preset must name its trace file")
 
