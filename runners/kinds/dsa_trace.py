@@ -1,0 +1,344 @@
+"""DeepSeek DSA top-k traces (seed 004): shards followed live, every record judged as it comes.
+
+The engine (the reference `dsa` command or the real demo) writes
+<trace-out>/block<N>/trace_steps_<start>_<end>.jsonl shards and, at the end, summary.json. The
+preset follows the shards with a pattern ([traces] follow = [".../trace_steps_*.jsonl"]), so
+shards that appear during the run are followed from when they appear; each batch of lines is
+judged (analysis.dsa_stream) and recorded as its digest: counts, aggregate increments, the
+first invalid record, and the little state the cross-record checks carry (never the records).
+At the end summary.json comes home and is compared with the statistics recomputed live.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from analysis.dsa_stats import compare_summary
+from analysis.dsa_stream import SHARD, TraceStream
+from analysis.dsa_tree import (
+    TRACE_INVALID,
+    TRACE_OK,
+    NotATrace,
+    analyze_dir,
+    block_dirs,
+    format_result,
+    read_summary,
+)
+from runners.events import Event, RunFinished, TraceBatch
+from runners.exits import EXIT_FAIL, EXIT_INFRA, EXIT_PASS, EXIT_USAGE
+from runners.kind import ENGINE_ERROR, Digest, Ending, Judge, JudgeContext, Kind, KindPrinter
+from runners.presets import PresetError
+
+SERVING = "serving.jsonl"
+
+
+class TraceBook:
+    """Every followed trace directory's judge state, folded from digests (judge, printer, panel)."""
+
+    def __init__(self, topk: int | None = None, layers: int | None = None) -> None:
+        self.topk = topk
+        self.layers = layers
+        self.streams: dict[str, TraceStream] = {}
+        self.latency: dict[str, list[float]] = {}  # dir -> serving latency_ms (BurstGPT)
+        self.last: dict[str, Any] = {}  # the newest position: dir, file, request, layer, step
+
+    def stream(self, file: str) -> TraceStream:
+        folder = file.rsplit("/", 1)[0]
+        if folder not in self.streams:
+            self.streams[folder] = TraceStream(topk=self.topk, layers=self.layers)
+        return self.streams[folder]
+
+    def feed(self, file: str, lines: list[bytes], first_line: int) -> dict[str, Any]:
+        if file.endswith("/" + SERVING):
+            return self._serving(file, lines)
+        digest = self.stream(file).feed(file, lines, first_line)
+        self._note(file, digest)
+        return digest
+
+    def apply(self, event: TraceBatch) -> bool:
+        if not event.digest:
+            return False
+        folder = event.file.rsplit("/", 1)[0]
+        if "serving" in event.digest:
+            self.latency.setdefault(folder, []).extend(v for _, v in event.digest["serving"])
+            return True
+        self.stream(event.file).apply(event.file, event.digest)
+        self._note(event.file, event.digest)
+        return True
+
+    def _note(self, file: str, digest: dict[str, Any]) -> None:
+        reqs = (digest.get("state") or {}).get("reqs") or {}
+        if reqs:
+            req = max(reqs, key=int)
+            st = reqs[req]
+            self.last = {"file": file, "request": int(req), "step": st[1], "layer": st[2] - 1}
+
+    def _serving(self, file: str, lines: list[bytes]) -> dict[str, Any]:
+        got = []
+        for raw in lines:
+            try:
+                entry = orjson.loads(raw)
+                got.append([int(entry["request_id"]), float(entry["latency_ms"])])
+            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+                continue  # serving.jsonl is the reference engine's extra; summary.json rules
+        folder = file.rsplit("/", 1)[0]
+        self.latency.setdefault(folder, []).extend(v for _, v in got)
+        return {"serving": got}
+
+    def totals(self) -> dict[str, int]:
+        return {
+            "records": sum(s.records for s in self.streams.values()),
+            "invalid": sum(s.invalid for s in self.streams.values()),
+            "shards": sum(1 for s in self.streams.values() for f in s.files if _is_shard(f)),
+            "requests": sum(len(s.reqs) for s in self.streams.values()),
+        }
+
+    def first_fail(self) -> dict[str, Any] | None:
+        for s in self.streams.values():
+            if s.first is not None:
+                return s.first
+        return None
+
+
+def _is_shard(file: str) -> bool:
+    return bool(SHARD.fullmatch(file.rsplit("/", 1)[-1]))
+
+
+class DsaJudge(Judge):
+    """TRACE_OK when every record holds, every step and shard is whole and every cell passed."""
+
+    def __init__(self, kind: Kind, ctx: JudgeContext) -> None:
+        super().__init__(kind, ctx)
+        dsa = ctx.preset.section("dsa")
+        self.book = TraceBook(dsa["topk"], dsa["layers"] or None)
+
+    def digest(self, cell: int, file: str, lines: list[bytes], first_line: int) -> Digest:
+        stream = self.book.stream(file) if not file.endswith("/" + SERVING) else None
+        had_first = stream is not None and stream.first is not None
+        data = self.book.feed(file, lines, first_line)
+        errors = []
+        if stream is not None and not had_first and stream.first is not None:
+            first = stream.first
+            where = f"{first['file']}:{first['line']}" if first["line"] else first["file"]
+            errors.append((f"first invalid DSA record: {first['message']}", where))
+        return Digest(data, errors)
+
+    def apply_digest(self, event: TraceBatch) -> None:
+        self.book.apply(event)
+
+    def verdict(self, ending: Ending) -> RunFinished:
+        base = super().verdict(ending)
+        traces = [self._judge_dir(folder, s) for folder, s in sorted(self.book.streams.items())]
+        for cell in self.ctx.cells:
+            wanted = [a for a in cell.artifacts if a.endswith("summary.json")]
+            for rel in wanted:
+                folder = rel.rsplit("/", 1)[0]
+                if not any(t["dir"].endswith("/artifacts/" + folder) for t in traces):
+                    traces.append(_missing_dir(folder))
+        ok = all(t["verdict"] == TRACE_OK for t in traces) and bool(traces)
+        summary = {**base.summary, "traces": traces, **self.book.totals()}
+        if base.verdict == ENGINE_ERROR:
+            return RunFinished(verdict=ENGINE_ERROR, exit_code=EXIT_INFRA, summary=summary)
+        ok = ok and base.exit_code == EXIT_PASS
+        return RunFinished(
+            verdict=TRACE_OK if ok else TRACE_INVALID,
+            exit_code=EXIT_PASS if ok else EXIT_FAIL,
+            summary=summary,
+        )
+
+    def _judge_dir(self, folder: str, stream: TraceStream) -> dict[str, Any]:
+        rel = folder.split("/artifacts/", 1)[-1]
+        engine, why = read_summary(self.ctx.local_dir / rel / "summary.json")
+        config = engine.get("config") if isinstance(engine.get("config"), dict) else {}
+        requests = config.get("requests") if isinstance(config.get("requests"), int) else None
+        problems = stream.finish(requests, None)
+        if why:
+            problems.append(
+                {
+                    "file": f"{folder}/summary.json",
+                    "line": None,
+                    "field": "summary.json",
+                    "message": f"{folder}/summary.json: {why} (the engine writes it at the end "
+                    f"of a run, seed 004 5.3; list it in [artifacts] fetch)",
+                }
+            )
+        shards = engine.get("shards") if isinstance(engine.get("shards"), list) else []
+        for entry in shards:
+            path = f"{folder}/{entry.get('file')}"
+            seen = stream.files.get(path, 0)
+            if entry.get("records") != seen and not (seen == 0 and entry.get("records") == 0):
+                problems.append(
+                    {
+                        "file": path,
+                        "line": None,
+                        "field": "records",
+                        "message": f"{path}: summary.json counts {entry.get('records')} records, "
+                        f"{seen} were followed (a lost, torn or extra line)",
+                    }
+                )
+        warnings = compare_summary(engine, stream.summary.summary()) if engine else []
+        ok = stream.invalid == 0 and not problems
+        return {
+            "dir": folder,
+            "verdict": TRACE_OK if ok else TRACE_INVALID,
+            "records": stream.records,
+            "invalid": stream.invalid,
+            "requests": len(stream.reqs),
+            "layers": stream.layers,
+            "first_fail": stream.first or (problems[0] if problems else None),
+            "problems": problems[:20],
+            "warnings": warnings,
+        }
+
+
+def _missing_dir(folder: str) -> dict[str, Any]:
+    message = f"{folder}: no trace record was followed there (the engine wrote no shard)"
+    fail = {"file": folder, "line": None, "field": "records", "message": message}
+    return {
+        "dir": folder,
+        "verdict": TRACE_INVALID,
+        "records": 0,
+        "invalid": 0,
+        "requests": 0,
+        "layers": None,
+        "first_fail": fail,
+        "problems": [fail],
+        "warnings": [],
+    }
+
+
+class DsaPrinter(KindPrinter):
+    """A line when a shard appears, the first invalid record, a progress line every few seconds."""
+
+    EVERY_S = 2.0
+
+    def __init__(self) -> None:
+        self.book = TraceBook()
+        self.shards: set[str] = set()
+        self.shown_first = False
+        self.last_t = 0.0
+
+    def lines(self, event: Event) -> list[str]:
+        if not isinstance(event, TraceBatch) or not self.book.apply(event):
+            return []
+        out = []
+        name = event.file.rsplit("/", 1)[-1]
+        if _is_shard(event.file) and event.file not in self.shards:
+            self.shards.add(event.file)
+            out.append(f"dsa: following shard {name}")
+        first = self.book.first_fail()
+        if first is not None and not self.shown_first:
+            self.shown_first = True
+            out.append(f"dsa: FIRST INVALID RECORD {first['message']}")
+        if event.t - self.last_t >= self.EVERY_S:
+            self.last_t = event.t
+            t = self.book.totals()
+            out.append(
+                f"dsa: {t['records']} records, {t['requests']} requests, {t['shards']} shards, "
+                f"{t['invalid']} invalid"
+            )
+        return out
+
+    def final(self, event: RunFinished) -> list[str]:
+        lines = [""]
+        for t in event.summary.get("traces", []):
+            lines.append(
+                f"DSA trace {t['dir']}: {t['records']} records, {t['requests']} requests, "
+                f"{t['layers']} layers; {t['invalid']} invalid -> {t['verdict']}"
+            )
+            if t.get("first_fail"):
+                lines.append(f"  first fail: {t['first_fail']['message']}")
+            for p in t.get("problems", [])[:5]:
+                if p.get("message") != (t.get("first_fail") or {}).get("message"):
+                    lines.append(f"  problem: {p['message']}")
+            if t.get("warnings"):
+                lines.append(
+                    f"  summary.json differs from the live recomputation ({len(t['warnings'])} warnings):"
+                )
+                lines += [f"    - {w}" for w in t["warnings"]]
+            elif t["records"]:
+                lines.append("  summary.json: equal to the statistics recomputed live")
+        return lines if len(lines) > 1 else []
+
+
+class DsaTraceKind(Kind):
+    name = "dsa_trace"
+    description = "DeepSeek DSA top-k traces (seed 004): every dsa_topk record judged live"
+    judge_class = DsaJudge
+    pass_word, fail_word = TRACE_OK, TRACE_INVALID
+    pass_words = frozenset({TRACE_OK})
+    sections = {
+        "dsa": {
+            "topk": (int, False, 2048),  # the engine's index_topk (DSA top-2048 in production)
+            "layers": (int, False, 0),  # 0: learned from the trace's first whole step
+        }
+    }
+    smoke = ("dsa_smoke", ())
+    watch_dirs = True  # `tracedeck watch DIR` follows a directory of this kind's traces
+
+    def check(self, data: dict[str, Any], source: str, options: frozenset[str]) -> None:
+        follow = data["traces"]["follow"]
+        if not any("trace_steps" in f for f in follow):
+            raise PresetError(
+                source,
+                "traces.follow",
+                'name the shards, e.g. ["dsa/block64/trace_steps_*.jsonl"] (seed 004 5.1)',
+            )
+        if not any(str(a).endswith("summary.json") for a in data["artifacts"]["fetch"]):
+            raise PresetError(
+                source,
+                "artifacts.fetch",
+                'bring summary.json home, e.g. ["dsa/block64/summary.json"]',
+            )
+        dsa = data["dsa"]
+        if dsa["topk"] < 1 or dsa["layers"] < 0:
+            raise PresetError(source, "dsa", "topk must be >= 1 and layers >= 0")
+        for key in ("topk", "layers"):
+            value = data["vars"].get(key)
+            if value is not None and dsa[key] and value != dsa[key]:
+                raise PresetError(
+                    source, f"dsa.{key}", f"{dsa[key]} differs from vars.{key} = {value}"
+                )
+
+    def printer(self) -> KindPrinter:
+        return DsaPrinter()
+
+    def claims(self, path: Path) -> bool:
+        try:
+            return path.is_dir() and bool(block_dirs(path))
+        except NotATrace:
+            return False
+
+    def analyze_help(self) -> str:
+        return "a DSA trace directory (--trace-out, with block<N>/trace_steps_*.jsonl)"
+
+    def add_analyze_args(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--dsa-topk", type=int, help="DSA: the index top-k (default: summary.json's, else 2048)"
+        )
+        parser.add_argument(
+            "--dsa-layers",
+            type=int,
+            help="DSA: layers per step (default: summary.json's, else learned)",
+        )
+
+    def analyze(self, path: Path, args: argparse.Namespace) -> int:
+        try:
+            result = analyze_dir(path, args.dsa_topk, args.dsa_layers)
+        except (NotATrace, OSError) as exc:
+            print(f"tracedeck: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        if args.json:
+            print(json.dumps(result, indent=2))
+        else:
+            print(format_result(result))
+        return EXIT_PASS if result["verdict"] == TRACE_OK else EXIT_FAIL
+
+
+KIND = DsaTraceKind()
