@@ -65,6 +65,17 @@ class Derived:
     seq: np.ndarray
     code: np.ndarray  # 0 valid, else 1 + index of the first broken check
     explain: list[Callable[[int], Fail]] = field(default_factory=list)
+    cum: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # cumsum of occ
+    before: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    span: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    block_base: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+    def count_below(self, rows: np.ndarray, t: np.ndarray) -> np.ndarray:
+        """How many positions of each row in `rows` are < t."""
+        t = np.clip(t, 0, self.span[rows])
+        before = self.before[rows]
+        idx = np.minimum(self.base[rows] + t - 1, len(self.cum) - 1)
+        return np.where(t > 0, self.cum[np.maximum(idx, 0)], before) - before
 
 
 @dataclass
@@ -211,6 +222,10 @@ def check_batch(b: Batch, ctx: Context) -> Derived:
         seq=seq_c,
         code=code,
         explain=[e for _, e in checks],
+        cum=cum,
+        before=before,
+        span=span,
+        block_base=block_base,
     )
 
 

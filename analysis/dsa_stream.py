@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from analysis.dsa_checks import Context, check_batch, explain
+from analysis.dsa_live import LiveAgg
 from analysis.dsa_record import MAX_SEQ, Batch, Fail, read_batch
 from analysis.dsa_stats import SummaryAgg
 
@@ -106,6 +107,7 @@ class TraceStream:
 
     def __post_init__(self) -> None:
         self.summary = SummaryAgg(exact=self.exact)
+        self.live = LiveAgg()
 
     # -- one batch -------------------------------------------------------------------------------
 
@@ -157,13 +159,15 @@ class TraceStream:
         digest: dict[str, Any] = {"records": len(lines), "invalid": bad}
         if first is not None:
             digest["first"] = first
-        incs = []
+        incs, live = [], []
         for r0, sub, d in derived:
             keep = valid[r0 : r0 + len(sub)]
             if keep.any():
                 incs.append(self._aggregate(sub, d, keep))
+                live.append(self.live.increment(sub.col, d, np.flatnonzero(keep), bs))
         if incs:
             digest["summary"] = incs[0] if len(incs) == 1 else _merge(incs)
+            digest["live"] = live
         digest["state"] = self._delta(touched)
         return digest
 
@@ -347,6 +351,8 @@ class TraceStream:
             self.first = digest["first"]
         if digest.get("summary"):
             self.summary.apply(digest["summary"])
+        for inc in digest.get("live") or []:
+            self.live.apply(inc)
         state = digest.get("state") or {}
         consts = dict(state.get("consts") or {})
         for name in ("layers", "block_size", "bytes_per_token"):
