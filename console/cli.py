@@ -75,6 +75,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("presets", help="list shipped and user presets")
 
+    watch = sub.add_parser(
+        "watch", help="follow a trace directory another process writes (no preset, no lock)"
+    )
+    watch.add_argument("dir", help="DIR or ssh://[user@]host[:port]/DIR (e.g. a DSA --trace-out)")
+    watch.add_argument(
+        "--idle",
+        type=float,
+        default=0.0,
+        help="stop once the writer's summary is there and nothing came for this many seconds",
+    )
+    for kind in _kinds().values():
+        if getattr(kind, "watch_dirs", False):
+            kind.add_watch_args(watch)
+
     trust = sub.add_parser("trust", help="add a host's key to ~/.ssh/known_hosts after showing it")
     trust.add_argument("host", help="HOST or HOST:PORT")
     trust.add_argument("--yes", action="store_true", help="trust without asking")
@@ -94,6 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "replay": cmd_replay,
         "analyze": cmd_analyze,
         "presets": cmd_presets,
+        "watch": cmd_watch,
         "trust": cmd_trust,
         "ui": cmd_ui,
     }[command]
@@ -338,6 +353,15 @@ def cmd_analyze(args: argparse.Namespace) -> int:
             return kind.analyze(path, args)
     _err(f"{path}: not something tracedeck can judge; pass {_analyze_forms()}")
     return EXIT_USAGE
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    """Handed to the run kind that watches directories (kinds declare it: watch_dirs)."""
+    watchers = [k for k in _kinds().values() if getattr(k, "watch_dirs", False)]
+    if not watchers:
+        _err("no run kind can watch a directory")
+        return EXIT_USAGE
+    return int(watchers[0].watch(args))
 
 
 def cmd_presets(args: argparse.Namespace) -> int:

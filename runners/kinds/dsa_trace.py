@@ -309,6 +309,16 @@ class DsaTraceKind(Kind):
     def printer(self) -> KindPrinter:
         return DsaPrinter()
 
+    def add_watch_args(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--dsa-topk", type=int, default=2048, help="DSA: the index top-k")
+        parser.add_argument(
+            "--dsa-layers", type=int, help="DSA: layers per step (default: learned)"
+        )
+
+    def watch(self, args: argparse.Namespace) -> int:
+        """`tracedeck watch`: follow a trace directory (local or ssh://) with no preset or lock."""
+        return watch_headless(args)
+
     def claims(self, path: Path) -> bool:
         try:
             return path.is_dir() and bool(block_dirs(path))
@@ -342,3 +352,135 @@ class DsaTraceKind(Kind):
 
 
 KIND = DsaTraceKind()
+
+
+# -- tracedeck watch: follow a trace directory some other process writes ----------------------
+
+
+def split_watch_spec(spec: str) -> tuple[str, str]:
+    """("local" | "ssh://user@host:port", directory) from DIR or ssh://[user@]host[:port]/DIR."""
+    if spec.startswith("ssh://"):
+        rest = spec[len("ssh://") :]
+        host, slash, path = rest.partition("/")
+        if not host or not slash or not path:
+            raise ValueError(f"{spec}: use ssh://[user@]host[:port]/DIR (an absolute directory)")
+        return f"ssh://{host}", "/" + path
+    return "local", str(Path(spec).resolve())
+
+
+async def watch_dir(
+    spec: str,
+    sink: Any,
+    idle_s: float = 0.0,
+    poll_s: float = 0.05,
+    topk: int | None = None,
+    layers: int | None = None,
+) -> dict[str, Any]:
+    """Follow every shard (and serving.jsonl) under a trace directory as it is written; each
+    batch goes to `sink` as a TraceBatch. Returns the verdict once the writer's summary.json is
+    there and nothing new came for idle_s seconds (idle_s 0: until cancelled)."""
+    import asyncio
+
+    from analysis.dsa_stream import BLOCK_DIR
+    from runners.follow import FileFollower
+    from runners.targets.factory import parse_target
+
+    target_spec, root = split_watch_spec(spec)
+    target = parse_target(target_spec)
+    await target.connect()
+    book = TraceBook(topk, layers)
+    followers: dict[str, FileFollower] = {}
+    loop = asyncio.get_running_loop()
+    quiet = loop.time()
+    try:
+        while True:
+            names = await target.list_dir(root)
+            if names is None:
+                raise FileNotFoundError(f"{spec}: no such directory on {target.name}")
+            base = root.rsplit("/", 1)[-1]
+            dirs = (
+                [root]
+                if BLOCK_DIR.fullmatch(base)
+                else [f"{root}/{n}" for n in sorted(names) if BLOCK_DIR.fullmatch(n)]
+            )
+            summaries = 0
+            for folder in dirs:
+                for name in sorted(await target.list_dir(folder) or []):
+                    path = f"{folder}/{name}"
+                    if _is_shard(path) or name == SERVING:
+                        followers.setdefault(path, FileFollower(target, path))
+                    summaries += name == "summary.json"
+            got_any = False
+            for path, follower in sorted(followers.items()):
+                got = await follower.poll()
+                if got is None:
+                    continue
+                got_any = True
+                digest = book.feed(path, got.lines, got.first_line)
+                sink(
+                    TraceBatch(
+                        cell=-2,
+                        file=path,
+                        first_line=got.first_line,
+                        last_line=got.first_line + len(got.lines) - 1,
+                        end_offset=got.end_offset,
+                        digest=digest,
+                    )
+                )
+            now = loop.time()
+            if got_any:
+                quiet = now
+            elif idle_s and dirs and summaries == len(dirs) and now - quiet >= idle_s:
+                break
+            await asyncio.sleep(poll_s)
+        traces = []
+        for folder, stream in sorted(book.streams.items()):
+            raw = await target.read_from(f"{folder}/summary.json", 0, 1 << 24)
+            engine = json.loads(raw) if raw else {}
+            config = engine.get("config") if isinstance(engine.get("config"), dict) else {}
+            requests = config.get("requests") if isinstance(config.get("requests"), int) else None
+            shards = [f for f in followers if f.startswith(folder + "/") and _is_shard(f)]
+            problems = stream.finish(requests, shards)
+            warnings = compare_summary(engine, stream.summary.summary()) if engine else []
+            ok = stream.invalid == 0 and not problems
+            traces.append(
+                {
+                    "dir": folder,
+                    "verdict": TRACE_OK if ok else TRACE_INVALID,
+                    "records": stream.records,
+                    "invalid": stream.invalid,
+                    "requests": len(stream.reqs),
+                    "layers": stream.layers,
+                    "first_fail": stream.first or (problems[0] if problems else None),
+                    "problems": problems[:20],
+                    "warnings": warnings,
+                }
+            )
+        ok = bool(traces) and all(t["verdict"] == TRACE_OK for t in traces)
+        verdict = TRACE_OK if ok else TRACE_INVALID
+        return {"verdict": verdict, "traces": traces, **book.totals()}
+    finally:
+        await target.close()
+
+
+def watch_headless(args: argparse.Namespace) -> int:
+    """`tracedeck watch DIR --headless`: the run's headless lines, then the verdict."""
+    import asyncio
+
+    printer = DsaPrinter()
+
+    def sink(event: TraceBatch) -> None:
+        for line in printer.lines(event):
+            print(line, flush=True)
+
+    try:
+        result = asyncio.run(
+            watch_dir(args.dir, sink, args.idle, topk=args.dsa_topk, layers=args.dsa_layers)
+        )
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"tracedeck: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    for line in printer.final(RunFinished(verdict=result["verdict"], exit_code=0, summary=result)):
+        print(line)
+    print(f"RESULT: {result['verdict']}")
+    return EXIT_PASS if result["verdict"] == TRACE_OK else EXIT_FAIL

@@ -1,0 +1,135 @@
+"""Issue 12: watching a DSA trace directory as it is written, and the DSA panel live."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from dsa_writer import write_trace
+from runhelp import ROOT, cli_env, run_dirs, spawn, tracedeck
+from sshd import SshHome
+
+from console.app import create_app
+from console.screens.run import RunScreen
+
+WRITER = """
+import pathlib, shutil, sys, time
+src, dst = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+dst.mkdir(parents=True)
+for shard in sorted(src.glob("trace_steps_*.jsonl"), key=lambda p: int(p.name.split("_")[2])):
+    with open(dst / shard.name, "wb", buffering=0) as fh:
+        for line in shard.read_bytes().splitlines(keepends=True):
+            fh.write(line)
+            time.sleep(0.01)
+shutil.copy(src / "summary.json", dst / "summary.json")
+"""
+
+
+def _watch_while_writing(tmp_path: Path, target: str, env: dict) -> tuple[str, dict]:
+    src = write_trace(tmp_path / "src")
+    out = tmp_path / "live"
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(src), str(out / "block16")])
+    try:
+        time.sleep(0.2)  # the directory exists, the first shard is being written
+        watched = tracedeck(
+            "watch", target.format(dir=out), "--idle", "1", "--dsa-topk", "32", env=env, timeout=120
+        )
+    finally:
+        writer.wait(timeout=60)
+    finished = tracedeck("analyze", str(out), "--json", env=env)
+    return watched.stdout + watched.stderr, json.loads(finished.stdout)
+
+
+def test_watch_follows_shards_as_a_writer_fills_them(tmp_path: Path) -> None:
+    (tmp_path / "home").mkdir()
+    text, analyzed = _watch_while_writing(tmp_path, "{dir}", cli_env(tmp_path / "home"))
+    block = analyzed["dirs"][0]
+    assert "dsa: following shard trace_steps_4_5.jsonl" in text, text
+    assert (
+        f"{block['records']} records, {block['requests']} requests, 3 layers; 0 invalid -> TRACE_OK"
+        in text
+    )
+    assert text.rstrip().endswith("RESULT: TRACE_OK")
+
+
+@pytest.mark.ssh
+def test_watch_over_ssh_shows_the_same_totals_as_analyze(ssh_home: SshHome, tmp_path: Path) -> None:
+    spec = ssh_home.server.spec.rstrip("/") + "{dir}"
+    text, analyzed = _watch_while_writing(tmp_path, spec, cli_env(ssh_home.path))
+    block = analyzed["dirs"][0]
+    assert (
+        f"{block['records']} records, {block['requests']} requests, 3 layers; 0 invalid -> TRACE_OK"
+        in text
+    ), text
+
+
+def test_watch_of_a_missing_directory_is_a_usage_error(tmp_path: Path) -> None:
+    (tmp_path / "home").mkdir()
+    done = tracedeck("watch", str(tmp_path / "nope"), "--idle", "1", env=cli_env(tmp_path / "home"))
+    assert done.returncode == 2 and "no such directory" in done.stderr
+
+
+async def test_the_dsa_panel_and_detail_screen_after_a_smoke_run(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    (tmp_path / "home").mkdir()
+    iso = ["--set", f'target.runs="{tmp_path}/remote"', "--set", f'target.lock="{tmp_path}/lock"']
+    done = tracedeck(
+        "run", "dsa_smoke", "--out", str(out), *iso, env=cli_env(tmp_path / "home"), timeout=300
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    [local] = run_dirs(out)
+    app = create_app(out_dir=tmp_path / "td", replay_dir=local, speed=0)
+    async with app.run_test(size=(120, 40)) as pilot:
+        for _ in range(200):
+            screen = app.screen
+            if isinstance(screen, RunScreen) and screen.model.finished is not None:
+                break
+            await pilot.pause(0.05)
+        await pilot.pause(0.3)
+        panel = screen.panel
+        assert type(panel).__name__ == "DsaPanel" and panel.display
+        counters = str(panel.query_one("#dsa-counters").render())
+        assert "records 45" in counters and "invalid 0" in counters
+        assert "n=45" in str(panel.query_one("#dsa-h-touched").render())
+        await pilot.press("d")
+        await pilot.pause(0.3)
+        detail = app.screen
+        assert type(detail).__name__ == "DsaDetail"
+        assert "request 2: records touching" in str(detail.query_one("#dd-heat").render())
+        await pilot.press("l")
+        await pilot.pause(0.1)
+        assert panel.view.label() == "layer 0 only"
+        await pilot.press("r")
+        await pilot.pause(0.1)
+        assert panel.view.label() == "request 0 only"
+        assert "records 15" not in str(detail.query_one("#dd-counters").render())
+        hist = panel.view.live().vector(request=0)
+        assert int(hist[-2]) == 15  # request 0: 5 decode steps x 3 layers
+
+
+def test_a_live_run_spawned_shows_records_before_it_ends(tmp_path: Path) -> None:
+    """The run's events carry DSA digests while the engine still writes (followed live)."""
+    (tmp_path / "home").mkdir()
+    out = tmp_path / "out"
+    iso = ["--set", f'target.runs="{tmp_path}/remote"', "--set", f'target.lock="{tmp_path}/lock"']
+    run = spawn(
+        "run",
+        "dsa_smoke",
+        "--out",
+        str(out),
+        *iso,
+        "--set",
+        "matrix.gen=[12]",
+        env=cli_env(tmp_path / "home"),
+    )
+    stdout, stderr = run.communicate(timeout=300)
+    assert run.returncode == 0, stdout + stderr
+    lines = stdout.splitlines()
+    first_dsa = next(i for i, line in enumerate(lines) if line.startswith("dsa: following shard"))
+    cell_end = next(i for i, line in enumerate(lines) if "passed exit 0" in line)
+    assert first_dsa < cell_end
+    assert ROOT.exists()
