@@ -33,20 +33,23 @@ _NUM = "finite number"
 _STR = "string"
 _BOOL = "boolean"
 
+# What every line must carry once named the seed-003 way (see normalize_record): seed 001's
+# lines name the ids top1/top2 and carry no phase or step, which follow from seq_len and
+# tokens_total.
 REQUIRED_FIELDS: dict[str, str] = {
-    "phase": _STR,
-    "step": _INT,
     "tokens_total": _INT,
     "top1_id": _INT,
-    "top1_logit": _NUM,
-    "top2_id": _INT,
-    "top2_logit": _NUM,
     "gap": _NUM,
     "readout_mismatch": _BOOL,
 }
 
 # Fields named in seeds 001 / 003: not required, but checked when a line carries them.
 OPTIONAL_FIELDS: dict[str, str] = {
+    "phase": _STR,
+    "step": _INT,
+    "top1_logit": _NUM,
+    "top2_id": _INT,
+    "top2_logit": _NUM,
     "prompt": _STR,
     "readout_buffer_kind": _STR,
     "hidden_source_tag": _STR,
@@ -121,10 +124,51 @@ def _check_value(key: str, value: Any, kind: str, file: str, line_no: int) -> No
         )
 
 
+ALIASES = {"top1": "top1_id", "top2": "top2_id"}  # seed 001's names for the ids
+
+
+def normalize_record(record: dict[str, Any], line_no: int, file: str) -> dict[str, Any]:
+    """Seed 001's field list in seed 003's names: ids from top1/top2, phase from seq_len."""
+    out = dict(record)
+    for old, new in ALIASES.items():
+        if old in out and new not in out:
+            out[new] = out[old]
+    if "phase" not in out:
+        seq_len, total = out.get("seq_len"), out.get("tokens_total")
+        if isinstance(seq_len, int) and isinstance(total, int) and not isinstance(seq_len, bool):
+            out["phase"] = PHASE_DECODE if seq_len == 1 and total > 1 else PHASE_PREFILL_LAST
+        else:
+            raise TraceError(
+                file,
+                line_no,
+                "no phase, and no seq_len and tokens_total to tell prefill_last from decode",
+                key="phase",
+            )
+    return out
+
+
+def recomputed_mismatch(record: dict[str, Any]) -> bool | None:
+    """B3.12's rule from the line's own indices, or None when it carries none.
+
+    A single-token buffer's only valid physical index is 0; a sequence buffer (or a B3.11
+    line, with no buffer kind) must read the logical last index.
+    """
+    used = record.get("used_index", record.get("hidden_token_index_used"))
+    if not isinstance(used, int) or isinstance(used, bool):
+        return None
+    if record.get("readout_buffer_kind") == "single_token":
+        return used != 0
+    expected = record.get("logical_last_index", record.get("expected_last_index"))
+    if not isinstance(expected, int) or isinstance(expected, bool):
+        return None
+    return used != expected
+
+
 def validate_record(record: Any, line_no: int, file: str = "") -> dict[str, Any]:
-    """Check one parsed trace record against the seed contract; return it unchanged."""
+    """Check one parsed trace record against the seed contract; return it in seed 003's names."""
     if not isinstance(record, dict):
         raise TraceError(file, line_no, f"expected a JSON object, got {type(record).__name__}")
+    record = normalize_record(record, line_no, file)
     missing = [key for key in REQUIRED_FIELDS if key not in record]
     if missing:
         raise TraceError(
@@ -190,6 +234,9 @@ class _Prompt:
     prefill_gap: float
     mismatches: int
     last_step: int
+    tokens_total: int = 0  # of the prompt's last line: its next decode line has one more
+    prefill_tokens_total: int = 0
+    disagreements: int = 0  # lines whose readout_mismatch flag contradicts their indices
     top1_seq: list[int] = field(default_factory=list)
     gap_seq: list[float] = field(default_factory=list)
 
@@ -208,6 +255,11 @@ class _Prompt:
             notes.append(f"prefill_last_top1 {self.prefill_top1} != decode0_top1 {decode0_top1}")
         if self.mismatches:
             notes.append(f"readout_mismatch=true on {self.mismatches} line(s)")
+        if self.disagreements:
+            notes.append(
+                f"the engine's readout_mismatch flag contradicts its own indices on "
+                f"{self.disagreements} line(s) (B3.12 rule recomputed)"
+            )
         if collapsed:
             notes.append(f"collapsed: decode top-1 stuck on {decode0_top1} for {steps} steps")
         if self.mismatches:
@@ -239,8 +291,9 @@ class _Prompt:
 
 
 # A fact is the compact account of one trace line, all a row needs:
-# ["p", line, top1_id, gap, mismatch, step, prompt or None] for a prefill_last line,
-# ["d", line, top1_id, gap, mismatch, step] for a decode line.
+# ["p", line, top1_id, gap, mismatch, step, prompt name or None, tokens_total, disagrees]
+# for a prefill_last line, ["d", line, top1_id, gap, mismatch, step, prompt index,
+# tokens_total, disagrees] for a decode line (the prompt its tokens_total continues).
 Fact = list[Any]
 
 
@@ -258,18 +311,78 @@ class ReadoutAggregator:
         """Parse one line, fold it in, and return the rows it changed."""
         return self.feed(parse_line(raw, line_no, file), line_no, file)
 
-    def feed(self, record: dict[str, Any], line_no: int, file: str = "") -> list[dict[str, Any]]:
+    def feed(
+        self, record: dict[str, Any], line_no: int, file: str = "", name: str | None = None
+    ) -> list[dict[str, Any]]:
         """Validate one record, fold it in, and return the rows it changed."""
-        index = self.apply(self.fact(record, line_no, file), file)
+        index = self.apply(self.fact(record, line_no, file, name), file)
         return [self._prompts[index].row()]
 
-    def fact(self, record: dict[str, Any], line_no: int, file: str = "") -> Fact:
-        """The compact account of a record; TraceError when it cannot follow the lines so far."""
+    def fact(
+        self, record: dict[str, Any], line_no: int, file: str = "", name: str | None = None
+    ) -> Fact:
+        """The compact account of a record; TraceError when it cannot follow the lines so far.
+
+        name: what to call a prompt whose prefill_last line names none (the preset's name for
+        the cell that wrote it); else "prompt N".
+        """
         record = validate_record(record, line_no, file)
-        mismatch = 1 if record["readout_mismatch"] else 0
-        values = [line_no, record["top1_id"], record["gap"], mismatch, record["step"]]
+        engine_flag = bool(record["readout_mismatch"])
+        recomputed = recomputed_mismatch(record)
+        disagrees = int(recomputed is not None and recomputed != engine_flag)
+        mismatch = int(engine_flag or bool(recomputed))
+        total = record["tokens_total"]
         if record["phase"] == PHASE_PREFILL_LAST:
-            return ["p", *values, record.get("prompt")]
+            step = record.get("step", 0)
+            named = record.get("prompt") or name
+            return [
+                "p",
+                line_no,
+                record["top1_id"],
+                record["gap"],
+                mismatch,
+                step,
+                named,
+                total,
+                disagrees,
+            ]
+        index = self._continued(record, line_no, file)
+        prompt = self._prompts[index]
+        step = record.get("step", total - prompt.prefill_tokens_total)
+        named = record.get("prompt")
+        if named is not None and named != prompt.name:
+            raise TraceError(
+                file,
+                line_no,
+                f"decode line for prompt {named!r} continues prompt {prompt.name!r} "
+                f"(line {prompt.line}) by tokens_total",
+                hint="each prompt's decode lines must continue its own tokens_total",
+                key="prompt",
+            )
+        if prompt.top1_seq and step <= prompt.last_step:
+            raise TraceError(
+                file,
+                line_no,
+                f"decode step {step} does not follow step {prompt.last_step} "
+                f"of prompt {prompt.name!r}",
+                hint="decode steps must increase within a prompt; "
+                "were two traces written into one file?",
+                key="step",
+            )
+        return [
+            "d",
+            line_no,
+            record["top1_id"],
+            record["gap"],
+            mismatch,
+            step,
+            index,
+            total,
+            disagrees,
+        ]
+
+    def _continued(self, record: dict[str, Any], line_no: int, file: str) -> int:
+        """The prompt a decode line belongs to: the one whose tokens_total it continues."""
         if not self._prompts:
             raise TraceError(
                 file,
@@ -279,52 +392,49 @@ class ReadoutAggregator:
                 "check that the file is complete from its first line",
                 key="phase",
             )
-        prompt = self._prompts[-1]
-        named = record.get("prompt")
-        if named is not None and named != prompt.name:
-            raise TraceError(
-                file,
-                line_no,
-                f"decode line for prompt {named!r} while prompt {prompt.name!r} "
-                f"(line {prompt.line}) is open",
-                hint="each prompt's decode lines must follow its own prefill_last line",
-                key="prompt",
-            )
-        if prompt.top1_seq and record["step"] <= prompt.last_step:
-            raise TraceError(
-                file,
-                line_no,
-                f"decode step {record['step']} does not follow step {prompt.last_step} "
-                f"of prompt {prompt.name!r}",
-                hint="decode steps must increase within a prompt; "
-                "were two traces written into one file?",
-                key="step",
-            )
-        return ["d", *values]
+        total = record["tokens_total"]
+        for index in range(len(self._prompts) - 1, -1, -1):
+            if self._prompts[index].tokens_total + 1 == total:
+                return index
+        last = self._prompts[-1]
+        raise TraceError(
+            file,
+            line_no,
+            f"decode line with tokens_total {total} continues no prompt (prompt {last.name!r} "
+            f"of line {last.line} is at tokens_total {last.tokens_total}, so its next decode "
+            f"step has {last.tokens_total + 1})",
+            hint="a decode line follows its prompt's previous line with tokens_total + 1; a "
+            "gap means lost lines or two traces written into one file",
+            key="tokens_total",
+        )
 
     def apply(self, fact: Fact, file: str = "") -> int:
         """Fold one fact in; returns the index of the prompt row it changed."""
-        phase, line_no, top1, gap, mismatch, step = fact[:6]
+        phase, line_no, top1, gap, mismatch, step, who, total, disagrees = fact
         if phase == "p":
-            name = fact[6] or f"prompt {len(self._prompts) + 1}"
             self._prompts.append(
                 _Prompt(
-                    name=name,
+                    name=who or f"prompt {len(self._prompts) + 1}",
                     file=file,
                     line=line_no,
                     prefill_top1=top1,
                     prefill_gap=gap,
                     mismatches=mismatch,
                     last_step=step,
+                    tokens_total=total,
+                    prefill_tokens_total=total,
+                    disagreements=disagrees,
                 )
             )
             return len(self._prompts) - 1
-        prompt = self._prompts[-1]
+        prompt = self._prompts[who]
         prompt.last_step = step
+        prompt.tokens_total = total
         prompt.top1_seq.append(top1)
         prompt.gap_seq.append(gap)
         prompt.mismatches += mismatch
-        return len(self._prompts) - 1
+        prompt.disagreements += disagrees
+        return who
 
     def row(self, index: int) -> dict[str, Any]:
         return self._prompts[index].row()

@@ -93,6 +93,7 @@ def build_plan(
     workdir: str,
     python: str,
     date: str,
+    lock: str,
     pythonpath: str = "",
 ) -> RunPlan:
     base = {**preset.vars, **placeholder_values(run_dir, workdir, python, run_id, date)}
@@ -116,7 +117,7 @@ def build_plan(
         run_id=run_id,
         run_dir=run_dir,
         workdir=workdir,
-        lock=preset.section("target")["lock"],
+        lock=lock,
         python=python,
         setup=setup,
         cells=cells,
@@ -136,8 +137,12 @@ def _planned(preset: Preset, cell: Cell, values: dict[str, Any]) -> PlannedCell:
 
 
 def cell_script(plan: RunPlan, env: dict[str, str], commands: list[str]) -> str:
-    """One cell: cd, export its environment (never via SSH env requests), run its command(s)."""
-    lines = ["set -e", f"cd {shlex.quote(plan.workdir)}"]
+    """One cell, run by bash: cd, export its environment (never via SSH env requests), run.
+
+    `set -euo pipefail` (seed 000 section 4): a failing step, an unset variable, a failing
+    stage of a pipe or of a command substitution in an assignment fails the cell.
+    """
+    lines = ["set -euo pipefail", f"cd {shlex.quote(plan.workdir)}"]
     if plan.pythonpath:
         lines.append(
             f"export PYTHONPATH={shlex.quote(plan.pythonpath)}${{PYTHONPATH:+:$PYTHONPATH}}"

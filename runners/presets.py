@@ -29,7 +29,8 @@ SCHEMA: dict[str, dict[str, tuple[Any, bool, Any]]] = {
         "host": (str, False, "local"),
         "workdir": (str, False, "."),
         "runs": (str, False, ".tracedeck/runs"),
-        "lock": (str, False, "/tmp/tracedeck.lock"),
+        # "" (the default): the host's lock (runners.config); a path names another on purpose
+        "lock": (str, False, ""),
         "python": (str, False, ""),
         "connect_timeout_s": ((int, float), False, 10.0),
         "keepalive_s": ((int, float), False, 5.0),

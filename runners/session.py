@@ -23,6 +23,7 @@ import orjson
 
 from runners import kinds
 from runners.cells import CellState
+from runners.config import host_lock
 from runners.determinism import run_env
 from runners.events import (
     CellFinished,
@@ -154,7 +155,7 @@ class Session:
             preset_data=preset.data,
             target=target_spec,
             remote_dir="",
-            lock=tgt["lock"],
+            lock=host_lock(target_spec, tgt["lock"]),
             local_dir=str(_fresh_dir(out_dir / rel)),
             started_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             user=getpass.getuser(),
@@ -181,6 +182,7 @@ class Session:
             workdir=workdir,
             python=python,
             date=self.record.date,
+            lock=self.record.lock,
             pythonpath=f"{run_dir}/pkg" if ship else "",
         )
         self._use_plan(plan)
@@ -295,6 +297,7 @@ class Session:
                 workdir=extra["workdir"],
                 python=extra["python"],
                 date=record.date,
+                lock=record.lock,
                 pythonpath=f"{record.remote_dir}/pkg" if ship else "",
             )
         )

@@ -14,6 +14,7 @@ from runners.presets import (
     load_preset,
     parse_value,
     preset_files,
+    resolve_preset,
 )
 from runners.targets.local import LocalTarget
 from runners.templates import render
@@ -147,6 +148,7 @@ def test_hostile_matrix_value_reaches_the_cell_script_as_data(tmp_path: Path) ->
         workdir=str(tmp_path),
         python="python3",
         date="2026-01-01",
+        lock=str(tmp_path / "lock"),
     )
     files = {**cell_scripts(plan), **DetachedLauncher(LocalTarget()).files(plan, {})}
     assert any(name.endswith("cmd.sh") for name in files)
@@ -154,7 +156,7 @@ def test_hostile_matrix_value_reaches_the_cell_script_as_data(tmp_path: Path) ->
         if name.endswith("cmd.sh"):
             script = tmp_path / "cmd.sh"
             script.write_text(body)
-            out = subprocess.run(["sh", str(script)], capture_output=True, text=True)
+            out = subprocess.run(["bash", str(script)], capture_output=True, text=True)
             assert out.returncode == 0, out.stderr
     assert not marker.exists()
 
@@ -164,3 +166,49 @@ def test_shipped_presets_all_load() -> None:
     assert {p.stem for p in files} >= {"hello_command"}
     for path in files:
         load_preset(path)
+
+
+# -- the lock belongs to the host (issue 9 case 10) -------------------------------------------
+
+
+def test_every_shipped_preset_aimed_at_a_host_takes_the_same_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from runners.config import DEFAULT_LOCK, host_lock
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    locks: dict[str, set[str]] = {}
+    for path in preset_files():
+        target = load_preset(path).section("target")
+        locks.setdefault(target["host"], set()).add(host_lock(target["host"], target["lock"]))
+    assert locks and all(found == {DEFAULT_LOCK} for found in locks.values()), locks
+    config = tmp_path / "tracedeck" / "config.toml"
+    config.parent.mkdir()
+    config.write_text('[hosts.mi300x]\nlock = "/tmp/gpu0.lock"\n')
+    for name in ("b3_67_greta", "b3_12_readout_greta"):
+        target = load_preset(resolve_preset(name)).section("target")
+        assert host_lock(target["host"], target["lock"]) == "/tmp/gpu0.lock"
+    assert host_lock("mi300x", "/tmp/other.lock") == "/tmp/other.lock"  # named on purpose
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("[hosts.x]\nlock = 3\n", "hosts.x.lock: must be a non-empty string"),
+        ("[hosts.x]\nlokc = '/tmp/l'\n", "hosts.x.lokc: unknown key"),
+        ("[host]\n", "host: unknown section"),
+        ("[hosts\n", "not valid TOML"),
+    ],
+)
+def test_a_bad_host_config_names_the_file_and_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str, words: str
+) -> None:
+    from runners.config import ConfigError, host_lock
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    config = tmp_path / "tracedeck" / "config.toml"
+    config.parent.mkdir()
+    config.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        host_lock("x")
+    assert str(config) in str(err.value) and words in str(err.value)

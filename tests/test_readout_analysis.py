@@ -13,6 +13,7 @@ from analysis.readout import (
     TraceError,
     analyze_trace,
     format_table,
+    recomputed_mismatch,
     to_json,
 )
 
@@ -20,10 +21,11 @@ SAMPLE = Path(__file__).resolve().parents[1] / "presets" / "samples" / "b3_12_mi
 
 
 def rec(phase: str, step: int, top1: int, mismatch: bool = False, **extra: Any) -> dict[str, Any]:
+    # A 10-token prompt: prefill_last has tokens_total 10, decode step s the token after it.
     record: dict[str, Any] = {
         "phase": phase,
         "step": step,
-        "tokens_total": 10 + step,
+        "tokens_total": 10 + step + (phase == "decode"),
         "top1_id": top1,
         "top1_logit": 12.5,
         "top2_id": 18,
@@ -188,8 +190,24 @@ def test_b3_12_like_readout_mismatch_is_no_ok_and_counted(tmp_path: Path) -> Non
         tmp_path / "b3_12.jsonl",
         [
             rec("prefill_last", 0, 79, readout_buffer_kind="seq"),
-            rec("decode", 1, 79, True, readout_buffer_kind="single_token", used_index=205),
-            rec("decode", 2, 79, True, readout_buffer_kind="single_token", used_index=206),
+            rec(
+                "decode",
+                1,
+                79,
+                True,
+                readout_buffer_kind="single_token",
+                used_index=205,
+                tokens_total=11,
+            ),
+            rec(
+                "decode",
+                2,
+                79,
+                True,
+                readout_buffer_kind="single_token",
+                used_index=206,
+                tokens_total=12,
+            ),
             rec("prefill_last", 0, 79, True),
         ],
     )
@@ -326,7 +344,11 @@ def test_decode_before_prefill(tmp_path: Path) -> None:
 def test_decode_steps_must_increase(tmp_path: Path) -> None:
     path = write_jsonl(
         tmp_path / "s.jsonl",
-        [rec("prefill_last", 0, 79), rec("decode", 1, 5), rec("decode", 1, 5)],
+        [
+            rec("prefill_last", 0, 79),
+            rec("decode", 1, 5, tokens_total=11),
+            rec("decode", 1, 5, tokens_total=12),
+        ],
     )
     err = trace_error(path)
     assert err.line == 3
@@ -388,3 +410,74 @@ def test_missing_file(tmp_path: Path) -> None:
     err = trace_error(tmp_path / "nope.jsonl")
     assert "cannot read trace" in str(err)
     assert str(tmp_path / "nope.jsonl") in str(err)
+
+
+# --- issue 9, case 8: seed 001's lines, tokens_total continuity, the B3.12 rule recomputed --------
+
+
+def seed_001_line(tokens_total: int, seq_len: int, top1: int, used: int, expected: int) -> dict:
+    """A B3.11 line as seed 001 lists its fields: no phase, no step, top1/top2/gap."""
+    return {
+        "tokens_total": tokens_total,
+        "seq_len": seq_len,
+        "pos_id": tokens_total - 1,
+        "hidden_token_index_used": used,
+        "expected_last_index": expected,
+        "readout_mismatch": used != expected,
+        "top1": top1,
+        "top2": top1 + 1,
+        "gap": 0.5,
+    }
+
+
+def test_seed_001_lines_without_phase_or_step_are_read(tmp_path: Path) -> None:
+    path = write_jsonl(
+        tmp_path / "b3_11.jsonl",
+        [
+            seed_001_line(205, 205, 79, 204, 204),  # prefill_last: seq_len == tokens_total
+            seed_001_line(206, 1, 79, 205, 205),
+            seed_001_line(207, 1, 80, 206, 206),
+        ],
+    )
+    (row,) = analyze_trace(path).rows()
+    assert (row["prefill_last_top1"], row["decode0_top1"], row["decode_steps"]) == (79, 79, 2)
+    assert row["verdict"] == "OK"
+
+
+def test_decode_lines_are_credited_by_tokens_total_not_order(tmp_path: Path) -> None:
+    """Two prompts in flight at once (a batched engine): each decode line finds its prompt."""
+    path = write_jsonl(
+        tmp_path / "batch.jsonl",
+        [
+            rec("prefill_last", 0, 79, tokens_total=205, prompt="long"),
+            rec("prefill_last", 0, 42, tokens_total=45, prompt="short"),
+            rec("decode", 1, 79, tokens_total=206),
+            rec("decode", 1, 43, tokens_total=46),
+            rec("decode", 2, 79, tokens_total=207),
+        ],
+    )
+    rows = {r["prompt"]: r for r in analyze_trace(path).rows()}
+    assert rows["long"]["top1_seq"] == [79, 79] and rows["long"]["verdict"] == "OK"
+    assert rows["short"]["top1_seq"] == [43] and rows["short"]["verdict"] == "NO OK"
+
+
+def test_a_decode_line_that_continues_no_prompt_is_located(tmp_path: Path) -> None:
+    path = write_jsonl(
+        tmp_path / "gap.jsonl",
+        [rec("prefill_last", 0, 79, tokens_total=205), rec("decode", 1, 79, tokens_total=208)],
+    )
+    err = trace_error(path)
+    assert err.line == 2 and err.key == "tokens_total"
+    assert "continues no prompt" in err.message and "206" in err.message
+
+
+def test_the_engines_flag_is_checked_against_its_own_indices(tmp_path: Path) -> None:
+    """B3.11's engine said readout_mismatch=false while reading the wrong index: caught."""
+    lying = rec("decode", 0, 79, False, readout_buffer_kind="single_token", used_index=205)
+    honest = rec("decode", 1, 79, False, readout_buffer_kind="single_token", used_index=0)
+    path = write_jsonl(tmp_path / "lie.jsonl", [rec("prefill_last", 0, 79), lying, honest])
+    (row,) = analyze_trace(path).rows()
+    assert row["readout_mismatch_count"] == 1 and row["verdict"] == "NO OK"
+    assert "contradicts its own indices on 1 line(s)" in row["note"]
+    assert recomputed_mismatch({"readout_buffer_kind": "seq", "used_index": 3}) is None
+    assert recomputed_mismatch({"used_index": 204, "logical_last_index": 204}) is False

@@ -167,3 +167,76 @@ def test_a_run_recorded_before_trace_digests_still_replays_the_same_rows(tmp_pat
     assert old.stdout.split("\n\n", 1)[1] == new.stdout.split("\n\n", 1)[1]  # the final tables
     assert final_rows(DATA / "legacy_readout_run") == final_rows(DATA / "readout_run")
     assert "RESULT: NO OK (exit 1)" in old.stdout
+
+
+LINES_WRITER = """
+import sys
+lines = open(sys.argv[1]).read().splitlines(keepends=True)
+with open(sys.argv[2], "a") as fh:
+    fh.writelines(lines[int(a)] for a in sys.argv[3].split(","))
+"""
+
+
+@pytest.mark.parametrize(
+    ("extra", "names"),
+    [
+        ("", ["p4_sys", "p5_ba"]),  # the cell's matrix value of prompt_key ("prompt")
+        ('[readout]\nprompts = ["alpha", "beta"]\n', ["alpha", "beta"]),
+    ],
+)
+def test_rows_of_an_engine_that_names_no_prompt_take_the_presets_names(
+    tmp_path: Path, extra: str, names: list[str]
+) -> None:
+    """Issue 9 case 8: greta's lines carry no prompt name; the preset's names label the rows."""
+    writer = tmp_path / "writer.py"
+    writer.write_text(LINES_WRITER)
+    preset = tmp_path / "greta_like.toml"
+    preset.write_text(f"""
+[preset]
+name = "greta_like"
+kind = "readout"
+[target]
+python = "{sys.executable}"
+[engine]
+# p4_sys writes the seed's first prompt (prefill and decode lines), p5_ba its prefill only
+command = "mkdir -p {{out}} && {{python}} {writer} {SAMPLE} {{out}}/trace.jsonl $([ {{prompt}} = p4_sys ] && echo 0,1 || echo 2)"
+[matrix]
+prompt = ["p4_sys", "p5_ba"]
+[traces]
+follow = ["trace.jsonl"]
+{extra}""")
+    out = tmp_path / "out"
+    done = tracedeck(
+        "run", str(preset), "--out", str(out), *isolated(tmp_path), env=cli_env(home(tmp_path))
+    )
+    assert done.returncode == 1, done.stdout + done.stderr  # the seed's lines are NO OK
+    rows = final_rows(run_dirs(out)[0])
+    assert list(rows) == names
+    assert rows[names[0]]["decode0_top1"] == 96965 and rows[names[1]]["decode_steps"] == 0
+    assert f"| {names[0]} | 79 | 96965 |" in done.stdout
+
+
+def test_a_missing_prompt_file_fails_the_cell_naming_the_file(tmp_path: Path) -> None:
+    """Issue 9 case 9: cells run under bash with set -euo pipefail; no empty prompt."""
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    (prompts / "p4_sys.txt").write_text("hello")
+    done = tracedeck(
+        "run",
+        "b3_12_readout_greta",
+        "--target",
+        "local",
+        "--out",
+        str(tmp_path / "out"),
+        *isolated(tmp_path),
+        "--set",
+        f'target.workdir="{tmp_path}"',
+        "--set",
+        'vars.bin="/bin/true"',
+        "--set",
+        f'vars.prompts="{prompts}"',
+        env=cli_env(home(tmp_path)),
+    )
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "RESULT: ENGINE_ERROR (exit 3)" in done.stdout
+    assert f"{prompts}/p5_ba.txt: No such file or directory" in done.stdout

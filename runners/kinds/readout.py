@@ -70,6 +70,13 @@ class RowBook:
         return out
 
 
+def _is_prefill(record: dict[str, Any]) -> bool:
+    """A prefill_last line, by its phase or (seed 001's lines) its seq_len."""
+    if "phase" in record:
+        return record["phase"] == "prefill_last"
+    return record.get("seq_len") != 1
+
+
 def row_key(row: dict[str, Any]) -> str:
     return f"{row.get('file', '')}:{row.get('line', '')}:{row.get('prompt', '')}"
 
@@ -80,6 +87,21 @@ class ReadoutJudge(Judge):
     def __init__(self, kind: Kind, ctx: JudgeContext) -> None:
         super().__init__(kind, ctx)
         self.book = RowBook()
+        section = ctx.preset.section("readout")
+        self.prompt_key: str = section["prompt_key"]
+        self.prompt_names: list[str] = list(section["prompts"])
+        self.params = {c.index: c.params for c in ctx.cells}
+        self.named: dict[str, int] = {}  # file -> prefill_last lines named so far
+
+    def name_for(self, cell: int, file: str) -> str | None:
+        """The preset's name for the next prompt of a file: [readout] prompts in order, else
+        the cell's matrix value of prompt_key; None leaves the record's own or "prompt N"."""
+        n = self.named.get(file, 0)
+        self.named[file] = n + 1
+        if n < len(self.prompt_names):
+            return self.prompt_names[n]
+        value = self.params.get(cell, {}).get(self.prompt_key)
+        return None if value is None else str(value)
 
     def digest(self, cell: int, file: str, lines: list[bytes], first_line: int) -> Digest:
         table = self.book.table(file)
@@ -90,7 +112,10 @@ class ReadoutJudge(Judge):
                 continue
             try:
                 record = orjson.loads(raw)
-                fact = table.fact(record, n, file)
+                name = None
+                if isinstance(record, dict) and _is_prefill(record):
+                    name = self.name_for(cell, file)
+                fact = table.fact(record, n, file, name)
             except orjson.JSONDecodeError as exc:
                 why = f"{file}:{n}: not valid JSON ({exc}); the engine wrote a bad trace line"
                 errors.append((why, f"{file}:{n}"))
@@ -104,6 +129,8 @@ class ReadoutJudge(Judge):
 
     def apply_digest(self, event: TraceBatch) -> None:
         self.book.fold(event)
+        prefills = sum(1 for fact in (event.digest or {}).get("facts", []) if fact[0] == "p")
+        self.named[event.file] = self.named.get(event.file, 0) + prefills
 
     def verdict(self, ending: Ending) -> RunFinished:
         rows = list(self.book.rows().values())
@@ -152,9 +179,19 @@ class ReadoutKind(Kind):
     pass_words = frozenset({VERDICT_OK})
     smoke = ("b3_11_readout", ('matrix.prompt=["p0_short", "p4_sys"]',))
 
+    sections: ClassVar[dict[str, dict[str, tuple[Any, bool, Any]]]] = {
+        # Names for rows whose prefill_last line names no prompt: `prompts`, in the order the
+        # prompts appear in each trace file, else the cell's value of the matrix key
+        # `prompt_key` (the cell that wrote the line), else "prompt N".
+        "readout": {"prompt_key": (str, False, "prompt"), "prompts": (list, False, [])},
+    }
+
     def check(self, data: dict[str, Any], source: str, options: frozenset[str]) -> None:
         if not data["traces"]["follow"]:
             raise PresetError(source, "traces.follow", "a readout preset must name its trace file")
+        for i, name in enumerate(data["readout"]["prompts"]):
+            if not isinstance(name, str) or not name:
+                raise PresetError(source, f"readout.prompts[{i}]", "must be a non-empty string")
 
     def printer(self) -> KindPrinter:
         return ReadoutPrinter()

@@ -33,7 +33,7 @@ sizes() {{
 }}
 run_cell() {{
   ev "{{\"e\":\"start\",\"cell\":\"$1\",\"t\":$(now)}}"
-  sh "cells/$1/cmd.sh" > "cells/$1/stdout.log" 2> "cells/$1/stderr.log" < /dev/null
+  bash "cells/$1/cmd.sh" > "cells/$1/stdout.log" 2> "cells/$1/stderr.log" < /dev/null
   rc=$?
   echo "$rc" > "cells/$1/exit_code"
   sizes > "cells/$1/trace_sizes"

@@ -49,8 +49,18 @@ class Model:
     """Weights generated from a seed; forward over any number of new tokens with a KV cache."""
 
     def __init__(
-        self, cfg: ModelConfig, model_seed: int, dtype: torch.dtype, device: str, max_pos: int
+        self,
+        cfg: ModelConfig,
+        model_seed: int,
+        dtype: torch.dtype,
+        device: str,
+        max_pos: int,
+        *,
+        copy_head: bool = False,
     ) -> None:
+        """copy_head: tie the LM head to a strong embedding, so each position's top-1 is the
+        token it read (a greedy decode then repeats the prefill's top-1, as a well-read-out
+        engine must for B3.11's prefill_last_top1 == decode0_top1 to hold)."""
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
@@ -79,6 +89,9 @@ class Model:
             )
         self.final_norm = self._norm_weight(gen)
         self.lm_head = weight(cfg.vocab, d, 3.0 * d**-0.5)
+        if copy_head:
+            self.embed = self.embed * 4
+            self.lm_head = self.embed
         # One table for the whole run, same length in every mode, so each position's cos/sin is
         # computed identically whichever path asks for it.
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))

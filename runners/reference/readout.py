@@ -1,15 +1,18 @@
 """B3.11/B3.12: append the readout-consistency trace of one prompt, one JSON line per readout.
 
-Each prompt is two requests on buffers laid out like greta_infer's: a hidden arena
+Each prompt is one request on buffers laid out like greta_infer's: a hidden arena
 [capacity, d_model], the final-RMSNorm output arena of the same shape, and a logits arena
 [capacity, vocab] float32 (prefill fills one row per token; decode's LM head writes at the logical
-slot ``tokens_total - 1``, the B3.11 fix). Arenas are zeroed when a request allocates them and
-keep the same (fake, stable) addresses, as a caching allocator hands back the same block.
+slot ``tokens_total - 1``, the B3.11 fix). Arenas are zeroed when allocated and have fake, stable
+addresses, as a caching allocator hands back the same block.
 
-1. prefill all P tokens and read row P-1: the ``prefill_last`` line;
-2. prefill P-1 tokens, then decode token P-1 as step 0 (same logical position as prefill_last),
-   then greedily ``gen_len - 1`` more steps: one ``decode`` line each. Decode's hidden buffer is
-   single-token: the step's hidden goes to physical row 0.
+1. prefill all P tokens and read row P-1: the ``prefill_last`` line (step 0, tokens_total P);
+2. decode greedily, as in seed 003's MI300X lines: step 1 reads the token prefill picked at
+   position P (tokens_total P + 1), and so on for ``gen_len`` steps, one ``decode`` line each.
+   Decode's hidden buffer is single-token: the step's hidden goes to physical row 0.
+
+The model's LM head is tied to a strong embedding (``copy_head``), so a correctly read-out
+position predicts the token it read: decode0_top1 == prefill_last_top1 for a correct engine.
 
 Injected bugs (decode lines only):
 - ``b3_11``: the sampler reads logits at offset 0 (slot 0, a stale prefill row) instead of the
@@ -194,7 +197,7 @@ def run_readout(run: ReadoutRun, model: Model, device_desc: str) -> dict[str, in
     run.check()
     log = Progress(f"readout {run.prompt_name}")
     p_len, cfg = run.prompt_len, run.cfg
-    capacity = pad_to(p_len + run.gen_len, KV_PAD)
+    capacity = pad_to(p_len + run.gen_len + 1, KV_PAD)
     plan = AttnPlan(aligned=bool(run.kv_aligned))
     prompt = make_prompt(run.seed, p_len, cfg.vocab)
     log(
@@ -222,14 +225,13 @@ def run_readout(run: ReadoutRun, model: Model, device_desc: str) -> dict[str, in
             trace.write(first)
             log(f"prefill_last top1={first['top1_id']}")
 
-            # request 2: P-1 tokens of prefill, then decode from token P-1
-            a = Arenas(model, capacity)
-            cache = KVCache(cfg, capacity, model.dtype, model.device)
-            _prefill_into(model, a, cache, prompt[:-1], plan)
-            token = prompt[-1]
+            # decode, as greta_infer does it (seed 003's lines): step 1 reads the token the
+            # prefill picked at position P (tokens_total P + 1), each step the next one; the
+            # hidden buffer is single-token, so the step's hidden is physical row 0.
+            token = first["top1_id"]
             marks = checkpoints(run.gen_len)
             decode0 = -1
-            for step in range(run.gen_len):
+            for step in range(1, run.gen_len + 1):
                 tokens_total = p_len + step
                 logical = tokens_total - 1
                 hidden = model.forward(torch.tensor([token], device=model.device), cache, plan)
@@ -250,10 +252,10 @@ def run_readout(run: ReadoutRun, model: Model, device_desc: str) -> dict[str, in
                 )
                 trace.write(line)
                 token = line["top1_id"]
-                if step == 0:
+                if step == 1:
                     decode0 = token
-                if step + 1 in marks:
-                    log(f"decode steps done {step + 1}/{run.gen_len}, last top1={token}")
+                if step in marks:
+                    log(f"decode steps done {step}/{run.gen_len}, last top1={token}")
     finally:
         trace.close()
     log(
@@ -316,5 +318,6 @@ def run(args: argparse.Namespace) -> None:
     )
     job.check()
     desc = setup_torch(args.device)
-    max_pos = pad_to(args.prompt_len + args.gen_len, KV_PAD)
-    run_readout(job, build_model(cfg, args.model_seed, args.dtype, args.device, max_pos), desc)
+    max_pos = pad_to(args.prompt_len + args.gen_len + 1, KV_PAD)
+    model = build_model(cfg, args.model_seed, args.dtype, args.device, max_pos, copy_head=True)
+    run_readout(job, model, desc)

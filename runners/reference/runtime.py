@@ -44,13 +44,21 @@ def setup_torch(device: str) -> str:
     return f"cpu ({torch.get_num_threads()} threads)"
 
 
-def build_model(cfg: ModelConfig, model_seed: int, dtype: str, device: str, max_pos: int) -> Model:
+def build_model(
+    cfg: ModelConfig,
+    model_seed: int,
+    dtype: str,
+    device: str,
+    max_pos: int,
+    *,
+    copy_head: bool = False,
+) -> Model:
     problems = cfg.problems()
     if problems:
         raise UsageError("model shape: " + "; ".join(problems))
     if dtype not in DTYPES:
         raise UsageError(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}")
-    return Model(cfg, model_seed, DTYPES[dtype], device, max_pos)
+    return Model(cfg, model_seed, DTYPES[dtype], device, max_pos, copy_head=copy_head)
 
 
 class Progress:

@@ -4,7 +4,9 @@ equivalence_fail/: a B3.67 matrix (kv_aligned [1,0] x seed [0,1,2] x mode [prefi
 kv_aligned=1 seed=1 is FAIL_EQUIV with a first_fail; the guardrail fails (FAIL_GUARDRAIL, exit 1).
 readout_run/: a B3.11/B3.12 readout run whose trace digests come from the real judge.
 (legacy_readout_run/ is not written here: it was recorded by tracedeck 0.1, with whole readout
-rows as events, and stays as it is to show that old records still replay.)
+rows as events, and stays as it is to show that old records still replay. equivalence_fail/ as
+checked in was also written by 0.1, without the fields events gained since; rerunning this
+script adds them, which replays the same.)
 Times are fixed so the screens built from these runs are the same on every machine.
 """
 
@@ -227,13 +229,26 @@ def readout_trace() -> list[dict[str, Any]]:
         )
         for n, top1 in enumerate(steps, start=1):
             gap = round(0.5 + 0.25 * (n % 4), 3)
+            total = template["tokens_total"] + n
+            # a single-token buffer read at physical row 0; the bad step reads the logical
+            # index instead (B3.12's bug), and says so in its flag
+            used = total - 1 if n == bad_step else 0
             records.append(
                 {
                     **template,
                     "prompt": name,
                     "phase": "decode",
+                    "readout_buffer_kind": "single_token",
+                    "hidden_source_tag": "decode_hidden_single_token",
+                    "seq_len": 1,
+                    "pos_id": total - 1,
+                    "token_index": total - 1,
+                    "used_index": used,
+                    "logical_last_index": total - 1,
+                    "expected_last_index": total - 1,
+                    "hidden_token_index_used": used,
                     "step": n,
-                    "tokens_total": template["tokens_total"] + n,
+                    "tokens_total": total,
                     "top1_id": top1,
                     "top2_id": top1 + 1,
                     "gap": gap,
