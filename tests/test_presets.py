@@ -212,3 +212,27 @@ def test_a_bad_host_config_names_the_file_and_key(
     with pytest.raises(ConfigError) as err:
         host_lock("x")
     assert str(config) in str(err.value) and words in str(err.value)
+
+
+def test_the_greta_presets_pass_only_what_the_seeds_show() -> None:
+    """Issue 9 case 9: no invented flags; seed 001's environment; the open flag is a var."""
+    b3_67 = load_preset(resolve_preset("b3_67_greta"))
+    command = b3_67.section("engine")["command"]
+    for invented in ("--seed", "--dtype", "--prompt-len", "--gen-len", "--logits-out"):
+        assert f"{invented} " not in command, invented
+    for seed_flag in ("--kv-aligned", "--mode", "--model", "--prompt", "--max-tokens", "--greedy"):
+        assert seed_flag in command
+    assert "{logits_flag}" in command and b3_67.vars["logits_flag"] == "--logits-out"
+    assert b3_67.section("engine")["env"]["GRETA_INT4_WEIGHTS"] == "1"
+    assert "GRETA_MAX_SEQ_LEN" in b3_67.section("engine")["env"]
+    readout = load_preset(resolve_preset("b3_12_readout_greta"))
+    assert readout.section("determinism") == {"profile": "none", "env": {}}
+    assert set(readout.section("engine")["env"]) == {
+        "GRETA_INT4_WEIGHTS",
+        "GRETA_MAX_SEQ_LEN",
+        "GRETA_TRACE_EMBED_VERIFY",
+        "GRETA_EMBED_LAYOUT",
+        "GRETA_TRACE_READOUT",
+        "GRETA_TRACE_READOUT_OUT",
+    }
+    assert "--max-tokens 16 --greedy --debug-decode 4" in readout.section("engine")["command"]
