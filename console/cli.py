@@ -214,54 +214,86 @@ def find_run(run: str, out: Path | None) -> Path:
 
 def cmd_attach(args: argparse.Namespace) -> int:
     from console.headless import Printer
-    from runners.session import Session
     from runners.targets.base import TargetError
 
     printer = Printer(json_lines=args.json)
     try:
         local = find_run(args.run, args.out)
-        session = Session.attach(local, printer, replay=printer)
-    except (FileNotFoundError, ValueError, KeyError) as exc:
+        return asyncio.run(_attach(local, printer))
+    except (FileNotFoundError, ValueError, KeyError, TypeError) as exc:
         _err(str(exc))
         return EXIT_USAGE
-    try:
-        return asyncio.run(_follow_interruptible(session))
     except TargetError as exc:
         return _infra_error(exc)
+
+
+async def _attach(local: Path, printer) -> int:  # type: ignore[no-untyped-def]
+    """Follow a run as its record's writer; or, while another console writes it, read-only,
+    taking the writing over if that console goes."""
+    from runners.record import RecordBusy
+    from runners.session import Session
+    from runners.viewer import skipping, view
+
+    shown = 0
+    while True:
+        try:
+            session = Session.attach(local, printer, replay=skipping(printer, shown))
+        except RecordBusy:
+            if shown == 0:
+                _err(
+                    "another console follows this run and writes its record: following that "
+                    "record read-only (this console takes over if that one goes)"
+                )
+            finished, shown = await view(local, skipping(printer, shown))
+            if finished is not None:
+                return finished.exit_code
+            continue
+        return await _follow_interruptible(session)
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     from console.headless import Printer
-    from runners.session import Session
     from runners.targets.base import TargetError
 
     try:
         local = find_run(args.run, args.out)
-        session = Session.attach(local, Printer(), replay=lambda e: None)
-    except (FileNotFoundError, ValueError, KeyError) as exc:
+        return asyncio.run(_cancel(local, args.grace, Printer()))
+    except (FileNotFoundError, ValueError, KeyError, TypeError) as exc:
         _err(str(exc))
         return EXIT_USAGE
-    if session.finished is not None:
-        _err(f"run {session.record.run_id} already finished: {session.finished.verdict}")
-        return 0
-
-    async def go() -> int:
-        try:
-            await session.target.connect()
-            outcome = await session.cancel(args.grace)
-            result = await session.follow()
-            print(
-                f"cancel: {outcome.removeprefix('TRACEDECK_').lower().replace('_', ' ')}; "
-                f"run {session.record.run_id} ended {result.verdict}"
-            )
-            return 0
-        finally:
-            await session.close()
-
-    try:
-        return asyncio.run(go())
     except TargetError as exc:
         return _infra_error(exc)
+
+
+async def _cancel(local: Path, grace: float, printer) -> int:  # type: ignore[no-untyped-def]
+    """Kill every live process of the run, whatever its record says, then record its end
+    (unless the console that follows it does that)."""
+    from runners.record import RecordBusy
+    from runners.session import Session
+
+    session = Session.from_record(local, printer)
+    try:
+        await session.target.connect()
+        outcome = await session.cancel(grace)
+    finally:
+        await session.close()
+    word = outcome.removeprefix("TRACEDECK_").lower().replace("_", " ") or "sent"
+    run_id = session.record.run_id
+    try:
+        attached = Session.attach(local, printer, replay=printer.track)
+    except RecordBusy:
+        print(f"cancel: {word}; the console following run {run_id} records its end")
+        return 0
+    try:
+        if attached.finished is not None:
+            killed = "" if outcome == "TRACEDECK_NOT_RUNNING" else " (its leftover processes)"
+            print(f"cancel: {word}{killed}; run {run_id} had ended {attached.finished.verdict}")
+            return 0
+        result = await attached.follow()
+    finally:
+        await attached.close()
+    print(f"cancel: {word}; run {run_id} ended {result.verdict}")
+    return 0
 
 
 def cmd_replay(args: argparse.Namespace) -> int:

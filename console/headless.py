@@ -41,6 +41,11 @@ class Printer:
                 self.out.write(line + "\n")
         self.out.flush()
 
+    def track(self, event: Event) -> None:
+        """Take an event into the printer's state without printing it (a record replayed
+        silently, so later lines are numbered as the run's cells are)."""
+        self.lines(event)
+
     def _tag(self, cell: int) -> str:
         if cell == SETUP_CELL:
             return "[setup]"

@@ -13,7 +13,7 @@ class CellState(StrEnum):
     RUNNING = "running"
     PASSED = "passed"
     FAILED = "failed"
-    SKIPPED = "skipped"  # never ran because the setup step failed
+    SKIPPED = "skipped"  # never ran: the setup step failed, or the run never started
     CANCELLED = "cancelled"
     LOST = "lost"  # the run ended (crashed, killed outside tracedeck) before the cell did
 

@@ -1,4 +1,4 @@
-"""Follow files on a target by byte offset, handing out complete lines only."""
+"""Follow files on a target by byte offset, in bounded chunks, handing out complete lines only."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from runners.targets.base import Target, TargetError
 
 CHUNK = 1 << 20
+# At most this much is handed out per poll: a backlog of any size is read in bounded steps, so
+# memory stays flat and the consumer (recorder, console) keeps pace between steps.
+POLL_BYTES = 4 << 20
 MAX_LINE = 64 << 20
 
 
@@ -15,7 +18,7 @@ class Lines:
     lines: list[bytes]  # without their newlines
     first_line: int  # 1-based number of lines[0] in the file
     start_offset: int  # offset of lines[0]
-    end_offset: int  # offset just past the last complete line
+    end_offset: int  # offset just past the last line
 
     def offsets(self) -> list[int]:
         """The byte offset each line starts at."""
@@ -47,15 +50,23 @@ class FileFollower:
         self.path = path
         self.offset = offset
         self.lines_read = line_no
+        self.seen = offset > 0  # the file has existed
+        self.caught_up = True  # the last poll reached the end of what was written
         self._chunk = CHUNK
 
-    async def poll(self, until: int | None = None) -> Lines | None:
-        """Complete lines appended since the last poll (ending at or before `until` when given)."""
+    async def poll(self, until: int | None = None, max_bytes: int = POLL_BYTES) -> Lines | None:
+        """Complete lines appended since the last poll, at most about max_bytes of them (ending
+        at or before `until` when given); caught_up says whether more is already waiting."""
         collected: list[bytes] = []
         first, start = self.lines_read + 1, self.offset
+        self.caught_up = False
         while until is None or self.offset < until:
+            if self.offset - start >= max_bytes:
+                return Lines(collected, first, start, self.offset)
             want = self._chunk if until is None else min(self._chunk, until - self.offset)
             data = await self.target.read_from(self.path, self.offset, want)
+            if data is not None:
+                self.seen = True
             if not data:
                 break
             cut = data.rfind(b"\n")
@@ -76,6 +87,19 @@ class FileFollower:
             self.lines_read += len(batch)
             if len(data) < want:
                 break
+        self.caught_up = True
         if not collected:
             return None
         return Lines(collected, first, start, self.offset)
+
+    async def rest(self) -> Lines | None:
+        """What follows the last complete line, as one final line (the writer has ended: a
+        last line without its newline is still a line, never dropped)."""
+        data = await self.target.read_from(self.path, self.offset, MAX_LINE)
+        if not data:
+            return None
+        self.seen = True
+        line = Lines([data], self.lines_read + 1, self.offset, self.offset + len(data))
+        self.offset += len(data)
+        self.lines_read += 1
+        return line

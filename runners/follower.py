@@ -152,6 +152,75 @@ class RunFollower:
                 await self._drain_cell(track)
         return self.ended
 
+    @property
+    def behind(self) -> bool:
+        """Did the last pass leave lines unread (a backlog read a bounded step at a time)?"""
+        followers = [*self.traces.values(), self.progress]
+        followers += [f for t in self.cells.values() for f in t.outputs.values()]
+        return not all(f.caught_up for f in followers)
+
+    async def drain_rest(self) -> None:
+        """At the end of the run: every line left, the last one even without its newline.
+
+        A last line that is complete JSON is judged like any other; one that is not is a
+        located error (a truncated line at its offset), never dropped.
+        """
+        for track in self.cells.values():
+            if track.started is None:
+                continue
+            while True:
+                await self._drain_cell(track)
+                if all(f.caught_up for f in track.outputs.values()):
+                    break
+            for stream in ("stdout", "stderr"):
+                follower = self._output(track, stream)
+                got = await follower.rest()
+                if got is not None:
+                    self.emit(
+                        OutputLines(
+                            cell=track.plan.index,
+                            stream=stream,
+                            lines=[got.lines[0].decode("utf-8", "replace")],
+                            file=follower.path,
+                            end_offset=got.end_offset,
+                        )
+                    )
+        for path, follower in self.traces.items():
+            owner = self.trace_owner[path]
+            cell = owner if owner is not None else NO_CELL
+            while (got := await follower.poll()) is not None:
+                self._emit_trace(cell, path, got)
+            last = await follower.rest()
+            if last is None or not last.lines[0].strip():
+                continue
+            try:
+                orjson.loads(last.lines[0])
+            except orjson.JSONDecodeError:
+                where = f"{path}:{last.first_line}"
+                self.emit(
+                    Error(
+                        message=f"{where}: truncated last line at byte {last.start_offset} "
+                        f"({len(last.lines[0])} bytes, no newline, not valid JSON): the writer "
+                        "was cut off; this line cannot be judged",
+                        where=where,
+                    )
+                )
+                continue
+            self._emit_trace(cell, path, last)
+
+    def never_appeared(self) -> list[str]:
+        """Trace files (or patterns) the run was to write and never did."""
+        missing = [p for p, f in self.traces.items() if not f.seen]
+        for t in self.patterns:
+            folder, _, pattern = t.path.rpartition("/")
+            if not any(
+                p.rpartition("/")[0] == folder
+                and fnmatch.fnmatchcase(p.rpartition("/")[2], pattern)
+                for p in self.traces
+            ):
+                missing.append(t.path)
+        return missing
+
     async def _on_progress(self, entry: dict[str, Any], pending: dict[str, list[Lines]]) -> None:
         word = entry.get("e")
         if word in ("start", "end"):
@@ -184,8 +253,11 @@ class RunFollower:
         # Every shared-trace line before the cell's end size is written; bring them in first.
         for path, size in (track.end_sizes or {}).items():
             if self._known_trace(path) and self.trace_owner[path] is None:
-                got = await self.traces[path].poll(until=size)
-                if got is not None:
+                follower = self.traces[path]
+                while follower.offset < size:
+                    got = await follower.poll(until=size)
+                    if got is None:
+                        break
                     pending.setdefault(path, []).append(got)
         self._emit_shared(pending, ended=track)
         await self._drain_cell(track)

@@ -31,7 +31,12 @@ SectionSchema = dict[str, tuple[Any, bool, Any]]
 # Words every kind shares: how a run ends when it did not end by itself, and an engine that
 # crashed or never ran (infrastructure, not a verdict on the engine's results).
 CANCELLED, CRASHED, ENGINE_ERROR = "CANCELLED", "CRASHED", "ENGINE_ERROR"
-ENDINGS = {"cancelled": (CANCELLED, EXIT_INTERRUPT), "crashed": (CRASHED, EXIT_INFRA)}
+NOT_STARTED = "NOT_STARTED"
+ENDINGS = {
+    "cancelled": (CANCELLED, EXIT_INTERRUPT),
+    "crashed": (CRASHED, EXIT_INFRA),
+    "not_started": (NOT_STARTED, EXIT_INFRA),
+}
 NEVER_STARTED = (126, 127)  # the shell could not run the command: no engine ran at all
 
 TONES = ("pass", "drift", "fail")
@@ -50,7 +55,7 @@ class JudgeContext:
 class Ending:
     """How the run ended, as the follower saw it."""
 
-    how: str  # "done" | "cancelled" | "crashed"
+    how: str  # "done" | "cancelled" | "crashed" | "not_started"
     message: str = ""
 
 
@@ -70,7 +75,7 @@ def failure_text(e: CellFinished) -> str:
     if e.state == CellState.FAILED:
         return f"the engine crashed (exit {e.exit_code}){tail}"
     if e.state == CellState.SKIPPED:
-        return "skipped: the setup step failed"
+        return "skipped: it never ran (the setup step failed, or the run never started)"
     return f"{e.state} before it finished"
 
 

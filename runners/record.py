@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import fcntl
 import os
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,9 +14,12 @@ import orjson
 
 from runners.atomic import write_atomic
 from runners.events import Event, event_from_dict
+from runners.targets.base import TargetError
 
 RUN_JSON = "run.json"
 EVENTS = "events.jsonl"
+RECORD_LOCK = "record.lock"
+CHUNK = 4 << 20
 
 
 @dataclass(slots=True)
@@ -51,22 +57,96 @@ class RunRecord:
             ) from None
         except orjson.JSONDecodeError as exc:
             raise ValueError(f"{path}: not valid JSON ({exc})") from None
+        except OSError as exc:
+            raise ValueError(f"{path}: cannot read the run record ({exc.strerror})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: holds a JSON {type(data).__name__}, not a run record")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        required = {
+            n
+            for n, f in fields.items()
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        }
+        missing = sorted(required - set(data))
+        if missing:
+            raise ValueError(f"{path}: not a run record: missing {', '.join(missing)}")
+        unknown = sorted(set(data) - set(fields))
+        if unknown:
+            raise ValueError(f"{path}: not a run record of this version: {', '.join(unknown)}")
+        for name in ("preset_data", "extra"):
+            if name in data and not isinstance(data[name], dict):
+                raise ValueError(f"{path}: {name} must be an object")
         return cls(**data)
 
 
+class RecordBusy(Exception):
+    """Another console writes this run's record: this one may only view it."""
+
+
+class RecordError(TargetError):
+    """The record could not be written (a full disk, a read-only directory), naming the file."""
+
+    def __init__(self, errno: int | None, message: str) -> None:
+        super().__init__(message)
+        self.errno = errno
+        self.strerror = message
+
+
+def try_lock(local_dir: str | os.PathLike[str]) -> int | None:
+    """The fd of an exclusive lock on the run's record.lock, or None when another holds it."""
+    path = Path(local_dir) / RECORD_LOCK
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def writer_present(local_dir: str | os.PathLike[str]) -> bool:
+    """Does a console hold the run's record lock (is someone writing its events)?"""
+    fd = try_lock(local_dir)
+    if fd is None:
+        return True
+    os.close(fd)
+    return False
+
+
 class Recorder:
-    """Appends each event to events.jsonl as it happens, so a crash leaves a replayable record."""
+    """The one writer of a run's record: appends each event to events.jsonl as it happens (a
+    crash leaves a replayable record) and holds record.lock for as long as it lives."""
 
     def __init__(self, local_dir: str | os.PathLike[str]) -> None:
         self.path = Path(local_dir) / EVENTS
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        lock = try_lock(local_dir)
+        if lock is None:
+            raise RecordBusy(
+                f"{local_dir}: another console is following this run and writes its record"
+            )
+        self._lock = lock
+        try:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError:
+            os.close(lock)
+            raise
 
     def __call__(self, event: Event) -> None:
-        os.write(self._fd, event.to_json() + b"\n")
+        data = event.to_json() + b"\n"
+        try:
+            while data:
+                data = data[os.write(self._fd, data) :]
+        except OSError as exc:
+            raise RecordError(
+                exc.errno,
+                f"cannot record the run in {self.path}: {exc.strerror}; the run goes on on "
+                f"its target: free the space, then `tracedeck attach {self.path.parent}`",
+            ) from exc
 
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
+            os.close(self._lock)
             self._fd = -1
 
 
@@ -90,18 +170,46 @@ def decode_event(path: str | os.PathLike[str], number: int, line: bytes) -> Even
         raise ValueError(f"{path}:{number}: not a tracedeck event ({exc})") from None
 
 
+def iter_events(path: str | os.PathLike[str]) -> Iterator[Event]:
+    """The recorded events in order, read a chunk at a time (memory stays flat whatever the
+    record's size); a torn last line is left out, a malformed complete line is an error."""
+    number = 0
+    pending = b""
+    with open(path, "rb") as fh:
+        while chunk := fh.read(CHUNK):
+            lines, pending = split_lines(pending + chunk)
+            for line in lines:
+                number += 1
+                if line.strip():
+                    yield decode_event(path, number, line)
+
+
+def recorded_count(local_dir: str | os.PathLike[str]) -> int:
+    """How many complete events a run's record holds."""
+    path = Path(local_dir) / EVENTS
+    return sum(1 for _ in iter_events(path)) if path.exists() else 0
+
+
+def torn_tail(path: str | os.PathLike[str]) -> bytes:
+    """What follows the record's last newline (a console killed mid-write leaves it)."""
+    with open(path, "rb") as fh:
+        size = fh.seek(0, 2)
+        back = min(size, CHUNK)
+        fh.seek(size - back)
+        tail = fh.read()
+    cut = tail.rfind(b"\n") + 1
+    if cut == 0 and back < size:
+        raise ValueError(f"{path}: the last {back} bytes hold no newline: not an events record")
+    return tail[cut:]
+
+
 def read_events(path: str | os.PathLike[str]) -> Recorded:
     """Every recorded event; a malformed complete line is an error naming its line."""
-    lines, torn = split_lines(Path(path).read_bytes())
-    events = [
-        decode_event(path, number, line)
-        for number, line in enumerate(lines, start=1)
-        if line.strip()
-    ]
-    return Recorded(events, torn)
+    return Recorded(list(iter_events(path)), torn_tail(path))
 
 
-def drop_torn_tail(path: str | os.PathLike[str], recorded: Recorded) -> None:
-    if recorded.torn_tail:
-        size = Path(path).stat().st_size
-        os.truncate(path, size - len(recorded.torn_tail))
+def drop_torn_tail(path: str | os.PathLike[str]) -> None:
+    """Cut a torn last line, so the record goes on from its last complete event."""
+    tail = torn_tail(path)
+    if tail:
+        os.truncate(path, Path(path).stat().st_size - len(tail))

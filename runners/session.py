@@ -42,13 +42,21 @@ from runners.launchers.base import Launcher, LockBusyError, NotStartedError
 from runners.launchers.detached import DetachedLauncher
 from runners.plan import RunPlan, build_plan, cell_scripts, plan_document
 from runners.presets import Preset
-from runners.record import EVENTS, Recorder, RunRecord, drop_torn_tail, read_events
+from runners.record import (
+    EVENTS,
+    Recorder,
+    RecordError,
+    RunRecord,
+    drop_torn_tail,
+    iter_events,
+)
 from runners.reference import SHIPPED_WITH
 from runners.targets.base import ConnectionLost, Target, TargetError
 from runners.targets.factory import parse_target
 from runners.templates import render_plain
 
 POLL_S = 0.1
+NOT_RECORDED = "NOT_RECORDED"
 ALIVE_EVERY_S = 2.0
 CANCEL_GRACE_S = 5.0
 DISCONNECTED = "DISCONNECTED"
@@ -100,6 +108,9 @@ class Session:
         )
         self._recorder: Recorder | None = None
         self._cancelling = False
+        # The consumer says it is behind (the console's buffer is full): wait before reading
+        # more, so a backlog of any size flows through in bounded steps.
+        self.pressure: Callable[[], bool] | None = None
 
     # -- the one path of every event ---------------------------------------------------------
 
@@ -271,10 +282,8 @@ class Session:
     # -- attaching -----------------------------------------------------------------------------
 
     @classmethod
-    def attach(
-        cls, local_dir: Path, emit: Callable[[Event], None], replay: Callable[[Event], None]
-    ) -> Session:
-        """Rebuild a session from its record; recorded events go to `replay`, new ones to `emit`."""
+    def from_record(cls, local_dir: Path, emit: Callable[[Event], None]) -> Session:
+        """A session for a recorded run, its plan rebuilt; nothing replayed, nothing written."""
         record = RunRecord.load(local_dir)
         preset = Preset(
             source=record.source,
@@ -301,16 +310,29 @@ class Session:
                 pythonpath=f"{record.remote_dir}/pkg" if ship else "",
             )
         )
-        events_path = Path(local_dir) / EVENTS
-        recorded = read_events(events_path) if events_path.exists() else None
-        if recorded is not None:
-            drop_torn_tail(events_path, recorded)
-            for event in recorded.events:
-                if isinstance(event, RunFinished) and event.verdict == DISCONNECTED:
-                    continue  # the console gave up following; the run itself went on
-                session._fold(event)
-                replay(event)
-        session._recorder = Recorder(local_dir)
+        return session
+
+    @classmethod
+    def attach(
+        cls, local_dir: Path, emit: Callable[[Event], None], replay: Callable[[Event], None]
+    ) -> Session:
+        """Rebuild a session from its record, as the record's one writer; recorded events go to
+        `replay`, new ones to `emit`. RecordBusy when another console writes the record."""
+        session = cls.from_record(local_dir, emit)
+        recorder = Recorder(local_dir)  # the writer lock first: no two consoles append
+        try:
+            events_path = Path(local_dir) / EVENTS
+            if events_path.exists():
+                drop_torn_tail(events_path)
+                for event in iter_events(events_path):
+                    if isinstance(event, RunFinished) and event.verdict == DISCONNECTED:
+                        continue  # the console gave up following; the run itself went on
+                    session._fold(event)
+                    replay(event)
+        except BaseException:
+            recorder.close()
+            raise
+        session._recorder = recorder
         return session
 
     # -- following -----------------------------------------------------------------------------
@@ -324,6 +346,9 @@ class Session:
         last_alive = 0.0
         loop = asyncio.get_running_loop()
         while self.finished is None:
+            if self.pressure is not None and self.pressure():
+                await asyncio.sleep(POLL_S / 2)
+                continue
             try:
                 ended = await self.follower.poll()
                 if ended:
@@ -339,10 +364,27 @@ class Session:
                 if not await self._reconnect(str(exc)):
                     break
                 continue
+            except RecordError as exc:
+                self._stop_recording(exc)
+                break
             if self.finished is None:
-                await asyncio.sleep(POLL_S)
+                # A backlog is read step after step; otherwise wait for more to be written.
+                await asyncio.sleep(0 if self.follower.behind else POLL_S)
         assert self.finished is not None
         return self.finished
+
+    def _stop_recording(self, exc: RecordError) -> None:
+        """The record cannot be written (a full disk): stop following, say so, never guess."""
+        if self._recorder is not None:
+            self._recorder.close()
+            self._recorder = None
+        message = str(exc.strerror or exc)
+        for event in (
+            Error(message=message, where=str(self.local_dir), affects_verdict=False),
+            RunFinished(verdict=NOT_RECORDED, exit_code=EXIT_INFRA, summary={"error": message}),
+        ):
+            self._fold(event)
+            self._consumers(event)
 
     async def _connect_with_retry(self) -> None:
         try:
@@ -389,6 +431,25 @@ class Session:
         if await self.follower.poll():
             await self._finish_run(Ending("cancelled" if self.follower.cancelled else "done"))
             return
+        run_dir = self.plan.run_dir
+        if await self.target.read_from(f"{run_dir}/pgid", 0, 64) is None:
+            # No process group was ever recorded: the console stopped during the launch.
+            message = (
+                f"{self.target.name}: the run never started: {run_dir} holds its plan but no "
+                f"process group (the console stopped during the launch); nothing ran, no lock "
+                f"is held; start it again"
+            )
+            self.emit(Error(message=message, where=run_dir))
+            await self._finish_run(Ending("not_started", message))
+            return
+        if await self.target.read_from(f"{run_dir}/cancel", 0, 0) is not None:
+            # Cancelled from elsewhere: its script records the cancel once every process died.
+            for _ in range(50):
+                if await self.follower.poll():
+                    break
+                await asyncio.sleep(POLL_S)
+            await self._finish_run(Ending("cancelled"))
+            return
         tail = await self.follower.tail(f"{self.plan.run_dir}/runner.err")
         message = (
             f"{self.target.name}: the run in {self.plan.run_dir} ended without finishing "
@@ -401,20 +462,37 @@ class Session:
         assert self.follower is not None and self.judge is not None
         follower = self.follower
         await follower.drain_started()
+        await follower.drain_rest()
         for index, track in follower.cells.items():
             if track.finished:
                 continue
-            # Cells after a failed setup never ran; otherwise a cell with no end was cut short
-            # by a cancel or by the run dying.
+            # Cells after a failed setup, or of a run that never started, never ran; otherwise
+            # a cell with no end was cut short by a cancel or by the run dying.
             if ending.how == "cancelled":
                 state = CellState.CANCELLED
-            elif follower.setup_failed:
+            elif follower.setup_failed or ending.how == "not_started":
                 state = CellState.SKIPPED
             else:
                 state = CellState.LOST
             self.emit(CellFinished(cell=index, state=state, exit_code=None, duration_s=None))
+        for path in follower.never_appeared():
+            self.emit(
+                Error(
+                    message=f"trace file {self.target.name}:{path} never appeared: the engine "
+                    f"wrote no trace there (check [traces] follow and the engine's trace path)",
+                    where=path,
+                )
+            )
         await self.judge.advance()
-        result = await asyncio.to_thread(self.judge.finish, ending)
+        try:
+            result = await asyncio.to_thread(self.judge.finish, ending)
+        except OSError as exc:
+            where = exc.filename or self.local_dir
+            result = RunFinished(
+                verdict=NOT_RECORDED,
+                exit_code=EXIT_INFRA,
+                summary={"error": f"cannot write the run's documents in {where}: {exc.strerror}"},
+            )
         self.emit(result)
 
     # -- cancelling ------------------------------------------------------------------------------

@@ -110,12 +110,32 @@ def output_lines(evts: list[dict[str, Any]]) -> list[str]:
     return [line for e in evts if e["type"] == "output" for line in e["lines"]]
 
 
+def live_processes() -> list[tuple[int, int, list[str]]]:
+    """(pid, process group, environment) of every process that is not a zombie."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_bytes()
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if fields[0] != b"Z":
+            out.append((int(entry.name), int(fields[2]), [e.decode(errors="replace") for e in env]))
+    return out
+
+
 def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    """Does a process of the group live? Zombies (reaped later by PID 1) do not count."""
+    return any(group == pgid for _, group, _ in live_processes())
+
+
+def run_alive(run_id: str) -> bool:
+    """Does any process of the run live, in its group or escaped from it (its marker says)?"""
+    marker = f"TRACEDECK_RUN_ID={run_id}"
+    return any(marker in env for _, _, env in live_processes())
 
 
 def kill_group(pgid: int) -> None:

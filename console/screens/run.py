@@ -35,15 +35,18 @@ from console.widgets.run_header import RunHeader
 from console.widgets.run_log import RunLog
 from runners.events import Error, Event
 from runners.presets import PresetError
+from runners.record import RecordBusy, recorded_count
 from runners.session import Session
 from runners.targets.base import HostKeyUnknown, TargetError
 from runners.trust import trust_host
+from runners.viewer import skipping, view
 
 TICK_HZ = 15
 # Per tick, events are applied for at most this long; the rest waits for the next tick so
 # the screen keeps drawing while a big batch (an attach, a fast replay) goes in.
 BUDGET_S = 0.035
 TABLES_EVERY_S = 0.25
+BUFFER_HIGH = 20_000
 
 
 class RunScreen(Screen[None]):
@@ -125,6 +128,8 @@ class RunScreen(Screen[None]):
     # -- workers: they only append to the buffer or post messages ------------------------------
 
     async def _feed_follow(self, session: Session, offer_trust: bool = False) -> None:
+        # Backpressure: the session reads no further while this many events wait to be drawn.
+        session.pressure = lambda: len(self.buffer) > BUFFER_HIGH
         try:
             await session.follow()
         except HostKeyUnknown as exc:
@@ -139,19 +144,35 @@ class RunScreen(Screen[None]):
                 await session.close()
 
     async def _feed_attach(self, local_dir: Path, replay: bool = True) -> None:
-        def discard(_: Event) -> None:
-            pass
-
-        try:
-            session = await asyncio.to_thread(
-                Session.attach,
-                local_dir,
-                self.buffer.append,
-                self.buffer.append if replay else discard,
-            )
-        except (FileNotFoundError, ValueError, KeyError, PresetError) as exc:
-            self.buffer.append(Error(message=f"cannot reattach: {exc}", where=str(local_dir)))
-            return
+        """Reattach as the record's writer; while another console writes it, view it read-only
+        and take the writing over if that console goes."""
+        # Events of the record already in the model (a first attempt replayed them) are skipped.
+        shown = 0 if replay else await asyncio.to_thread(recorded_count, local_dir)
+        while True:
+            try:
+                session = await asyncio.to_thread(
+                    Session.attach,
+                    local_dir,
+                    self.buffer.append,
+                    skipping(self.buffer.append, shown),
+                )
+            except RecordBusy:
+                if shown == 0:
+                    self.post_message(
+                        self.Notice(
+                            "another console follows this run and writes its record: viewing "
+                            "it read-only; this console takes over if that one goes"
+                        )
+                    )
+                finished, count = await view(local_dir, skipping(self.buffer.append, shown))
+                if finished is not None:
+                    return
+                shown = count
+                continue
+            except (FileNotFoundError, ValueError, KeyError, TypeError, PresetError) as exc:
+                self.buffer.append(Error(message=f"cannot reattach: {exc}", where=str(local_dir)))
+                return
+            break
         self.session = session
         await self._feed_follow(session, offer_trust=True)
 

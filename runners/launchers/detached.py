@@ -20,9 +20,27 @@ from runners.targets.base import Target, TargetError
 
 LOCK_BUSY = 75
 
+# Every process of a run carries TRACEDECK_RUN_ID in its environment (run.sh exports it), so a
+# process that leaves the group (setsid) or outlives run.sh is still found, and a zombie (a
+# host whose PID 1 does not reap) is never counted as alive.
+RUN_PIDS = r"""run_pids() {{
+  for d in /proc/[0-9]*; do
+    p=${{d#/proc/}}
+    [ "$p" = "$$" ] && continue
+    line=
+    {{ read -r line < "$d/stat"; }} 2>/dev/null || continue
+    s=${{line##*) }}
+    [ "${{s%% *}}" = Z ] && continue
+    {{ grep -qzxF {marker} "$d/environ"; }} 2>/dev/null && echo "$p"
+  done
+  return 0
+}}
+"""
+
 RUN_SH = r"""#!/bin/sh
 # Written by tracedeck: runs detached (setsid) and holds the host lock through fd 9.
 cd {run_dir}
+export TRACEDECK_RUN_ID={run_id}
 now() {{ date +%s.%N; }}
 ev() {{ printf '%s\n' "$1" >> progress.jsonl; }}
 sizes() {{
@@ -57,7 +75,7 @@ setsid sh {run_dir}/run.sh < /dev/null > runner.out 2> runner.err &
 pid=$!
 # Not a group leader (no job control here), so setsid did not fork: $! is the new group's id.
 echo "$pid" > pgid.part && mv pgid.part pgid
-sed "s/\"pgid\": null/\"pgid\": $pid/" holder.json > {holder}.part && mv {holder}.part {holder}
+sed "s/\"pgid\": *null/\"pgid\":$pid/" holder.json > {holder}.part && mv {holder}.part {holder}
 echo "TRACEDECK_STARTED $pid"
 """
 
@@ -75,6 +93,7 @@ def run_script(plan: RunPlan) -> str:
     body += [f"run_cell {cell_dir_name(c.index)}" for c in plan.cells]
     return RUN_SH.format(
         run_dir=shlex.quote(plan.run_dir),
+        run_id=shlex.quote(plan.run_id),
         traces=" ".join(_shell_word(t) for t in plan.traces if t.cell is None),
         body="\n".join(body),
     )
@@ -96,32 +115,42 @@ def launch_script(plan: RunPlan) -> str:
     )
 
 
-def cancel_script(run_dir: str, grace_s: float) -> str:
-    """TERM the run's process group, wait, then KILL; record the cancel in progress.jsonl."""
+def _marker(run_id: str) -> str:
+    return shlex.quote(f"TRACEDECK_RUN_ID={run_id}")
+
+
+def pids_command(run_id: str) -> str:
+    """Prints the pids of the run's live processes, one a line (none: the run is over)."""
+    return RUN_PIDS.format(marker=_marker(run_id)) + "run_pids\n"
+
+
+def cancel_script(run_dir: str, run_id: str, grace_s: float) -> str:
+    """TERM every process of the run (its group and any that left it), KILL what outlives the
+    grace, and record the cancel in progress.jsonl; prints the outcome word last."""
     d = shlex.quote(run_dir)
     steps = max(1, int(grace_s * 10))
-    return f"""cd {d} || exit 70
-[ -f pgid ] || {{ echo TRACEDECK_NO_PGID; exit 71; }}
-pg=$(cat pgid)
-touch cancel
-if kill -0 -"$pg" 2>/dev/null; then
-  kill -TERM -"$pg" 2>/dev/null
-  i=0
-  while kill -0 -"$pg" 2>/dev/null && [ $i -lt {steps} ]; do sleep 0.1; i=$((i+1)); done
-  if kill -0 -"$pg" 2>/dev/null; then kill -KILL -"$pg" 2>/dev/null; sleep 0.2; echo TRACEDECK_KILLED; fi
-  printf '{{"e":"cancelled","t":%s}}\\n' "$(date +%s.%N)" >> progress.jsonl
-  echo TRACEDECK_CANCELLED
-else
-  echo TRACEDECK_NOT_RUNNING
-fi
-if kill -0 -"$pg" 2>/dev/null; then echo TRACEDECK_STILL_ALIVE; exit 72; fi
-"""
-
-
-def alive_command(run_dir: str) -> str:
-    d = shlex.quote(run_dir)
     return (
-        f'pg=$(cat {d}/pgid 2>/dev/null) && kill -0 -"$pg" 2>/dev/null && echo alive || echo gone'
+        RUN_PIDS.format(marker=_marker(run_id))
+        + f"""cd {d} || exit 70
+touch cancel
+pg=$(cat pgid 2>/dev/null)
+pids=$(run_pids)
+if [ -z "$pids" ]; then echo TRACEDECK_NOT_RUNNING; exit 0; fi
+[ -n "$pg" ] && kill -TERM -"$pg" 2>/dev/null
+kill -TERM $pids 2>/dev/null
+i=0
+while [ -n "$(run_pids)" ] && [ $i -lt {steps} ]; do sleep 0.1; i=$((i+1)); done
+left=$(run_pids)
+if [ -n "$left" ]; then
+  [ -n "$pg" ] && kill -KILL -"$pg" 2>/dev/null
+  kill -KILL $left 2>/dev/null
+  sleep 0.2
+  echo TRACEDECK_KILLED
+fi
+printf '{{"e":"cancelled","t":%s}}\\n' "$(date +%s.%N)" >> progress.jsonl
+if [ -n "$(run_pids)" ]; then echo TRACEDECK_STILL_ALIVE; exit 72; fi
+echo TRACEDECK_CANCELLED
+"""
     )
 
 
@@ -163,23 +192,26 @@ class DetachedLauncher:
         return Started(holder={**holder, "pgid": self.pgid})
 
     async def alive(self, plan: RunPlan) -> bool:
-        """Is the run's group leader alive? /proc over the open SFTP session, else kill -0."""
+        """Does any process of the run live? The group leader over SFTP (cheap, every check),
+        else a scan for the run's marker (a process that left the group or outlived run.sh)."""
         if self.pgid is None:
             raw = await self.target.read_from(f"{plan.run_dir}/pgid", 0, 64)
-            if raw is None or not raw.strip().isdigit():
-                return False
-            self.pgid = int(raw)
-        stat = await self.target.read_from(f"/proc/{self.pgid}/stat", 0, 4096)
-        if stat is not None:
+            if raw is not None and raw.strip().isdigit():
+                self.pgid = int(raw)
+        if self.pgid is not None:
+            stat = await self.target.read_from(f"/proc/{self.pgid}/stat", 0, 4096)
             # Field 3, after the command name in parentheses, is the state; Z is a zombie.
-            return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z"
-        if await self.target.read_from("/proc/self/stat", 0, 64) is not None:
-            return False  # /proc works on this host and the leader is gone
-        result = await self.target.run(alive_command(plan.run_dir))
-        return result.stdout.strip() == "alive"
+            if stat is not None and stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z":
+                return True
+        return bool(await self.pids(plan))
+
+    async def pids(self, plan: RunPlan) -> list[int]:
+        """The run's live processes, zombies left out."""
+        result = await self.target.run(pids_command(plan.run_id))
+        return [int(w) for w in result.stdout.split() if w.isdigit()]
 
     async def cancel(self, plan: RunPlan, grace_s: float) -> str:
-        result = await self.target.run(cancel_script(plan.run_dir, grace_s))
+        result = await self.target.run(cancel_script(plan.run_dir, plan.run_id, grace_s))
         words = result.stdout.split()
         if result.exit_status != 0:
             raise TargetError(
