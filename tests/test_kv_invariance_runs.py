@@ -367,3 +367,24 @@ def test_the_shipped_presets_load_with_the_grid_they_promise() -> None:
     assert llama.section("kv_invariance")["source"] == "llamacpp"
     assert "-DGGML_DETERMINISTIC=ON" in llama.section("engine")["setup"][0]
     assert llama.section("determinism")["env"]["RUN_KVCACHE_CHUNK_TESTS"] == "1"
+
+
+def test_attach_judges_the_cells_a_dead_console_left_unjudged(tmp_path: Path) -> None:
+    done, local_dir, home = run(tmp_path)
+    assert done.returncode == 0 and local_dir is not None
+    # the console died right after cell 3 ended: its artifacts and the later verdicts are lost
+    record = local_dir / "events.jsonl"
+    kept = []
+    for line in record.read_text().splitlines():
+        kept.append(line)
+        event = json.loads(line)
+        if event["type"] == "cell_finished" and event["cell"] == 2:
+            break
+    record.write_text("\n".join(kept) + "\n")
+    judged_before = [json.loads(x)["cell"] for x in kept if '"kv_cell_verdict"' in x]
+    assert judged_before == [0, 1]
+    again = tracedeck("attach", str(local_dir), env=cli_env(home), timeout=120)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "RESULT: PASS_INVARIANCE (exit 0)" in again.stdout
+    cells = [e["cell"] for e in events(local_dir) if e["type"] == "kv_cell_verdict"]
+    assert sorted(cells) == [0, 1, 2, 3]  # each cell judged once, none twice
