@@ -96,6 +96,8 @@ def point_of(params: dict[str, Any]) -> dict[str, int]:
 
 
 def point_label(point: dict[str, Any], source: str = "") -> str:
+    if not point:
+        return f"{source} (grid point unknown)" if source else "(grid point unknown)"
     text = " ".join(f"{k}={point.get(k)}" for k in POINT_KEYS)
     return f"{source} {text}" if source else text
 
@@ -415,7 +417,7 @@ def judge_cell_dir(
     chunk_tests: whether the cell ran with RUN_KVCACHE_CHUNK_TESTS=1 (None: the result says).
     """
     where = str(cell_dir / RESULT)
-    fallback = expect or {}
+    fallback = expect or parse_point_dir(cell_dir.name) or {}
     try:
         meta = read_meta(cell_dir)
         point = check_point(meta, expect, where)
@@ -441,16 +443,32 @@ def judge_cell_dir(
 
 
 def find_cells(root: Path) -> list[Path]:
-    """Directories under root that hold a kv_invariance result.json, in path order."""
+    """Directories under root that hold a kv_invariance cell, in path order: a result.json of
+    this format, or one that cannot be read beside a flows.bin or in a directory named like a
+    grid point (a broken cell is judged UNJUDGED, never skipped)."""
     out = []
     for path in sorted(root.rglob(RESULT)):
         try:
             meta = json.loads(path.read_bytes())
         except (OSError, ValueError):
             meta = None
-        if isinstance(meta, dict) and meta.get("format") == FORMAT:
+        ours = isinstance(meta, dict) and meta.get("format") == FORMAT
+        if ours or (path.parent / FLOWS).exists() or parse_point_dir(path.parent.name):
             out.append(path.parent)
     return out
+
+
+def parse_point_dir(name: str) -> dict[str, int] | None:
+    """The grid point a directory named by point_dir() stands for, else None."""
+    parts = name.split("_")
+    if len(parts) != len(POINT_KEYS):
+        return None
+    point = {}
+    for key, part in zip(POINT_KEYS, parts, strict=True):
+        if not part.startswith(key) or not part[len(key) :].isdigit():
+            return None
+        point[key] = int(part[len(key) :])
+    return point
 
 
 # ---------------------------------------------------------------- the run
@@ -606,9 +624,12 @@ class Grid:
 
 
 def grid_of(cells: list[CellResult]) -> Grid:
+    """The grid of the cells that name a grid point (a cell whose point is unknown is in the
+    counts and the verdict, not in the grid)."""
     grid = Grid()
     for c in cells:
-        grid.put(c)
+        if all(k in c.point for k in POINT_KEYS):
+            grid.put(c)
     return grid.sorted()
 
 

@@ -370,3 +370,25 @@ def test_judgement_and_kind_load_neither_textual_nor_torch() -> None:
     done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == ""
+
+
+def test_a_tree_keeps_its_broken_cells_and_names_them(tmp_path: Path) -> None:
+    from analysis.kv_invariance import find_cells, parse_point_dir, point_dir
+
+    good = write_cell(tmp_path / "kv" / point_dir(POINT))
+    cut = write_cell(tmp_path / "kv" / "elsewhere")
+    (cut / "result.json").write_text("{")
+    named = tmp_path / "kv" / point_dir({**POINT, "kv": 1024})
+    named.mkdir()
+    (named / "result.json").write_text("[]")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "result.json").write_text('{"format": "someone-else/1"}')
+    assert find_cells(tmp_path) == [named, good, cut]  # path order
+    assert parse_point_dir(point_dir(POINT)) == POINT and parse_point_dir("elsewhere") is None
+    results = [judge_cell_dir(d) for d in find_cells(tmp_path)]
+    assert [r.verdict for r in results] == [UNJUDGED, BITWISE_EQUAL, UNJUDGED]
+    assert results[0].point == {**POINT, "kv": 1024} and results[2].point == {}
+    grid = grid_of(results)
+    assert len(grid.cells) == 2  # the cell with no known point is counted, not placed
+    assert global_verdict(results)[0] == FAIL_INVARIANCE

@@ -227,10 +227,16 @@ def test_analyze_a_hand_broken_tree(tmp_path: Path) -> None:
     meta = json.loads((cell / "result.json").read_text())
     meta.pop("flows_sha256")
     (cell / "result.json").write_text(json.dumps(meta))
+    broken = tree / "kv_invariance" / point_dir(SMOKE_POINTS[0]) / "result.json"
+    broken.write_text(broken.read_text()[:40])  # cut short: not JSON any more
     got = tracedeck("analyze", str(tree), env=cli_env(home))
     assert got.returncode == 1, got.stdout + got.stderr
     assert "d=64 kv=256 b=1 gqa=2 mask=0 alibi=1 sinks=1: DIFFERS" in got.stdout
     assert "first difference: single vs chunk33 at batch 0 head 3 index 63" in got.stdout
+    assert (
+        f"d=64 kv=256 b=1 gqa=2 mask=1 alibi=1 sinks=1: UNJUDGED (output): {broken}: not valid JSON"
+        in got.stdout
+    )
 
 
 # -- llama.cpp's test --------------------------------------------------------------------------

@@ -505,9 +505,10 @@ def _analyze(path: Path) -> tuple[list[CellResult], list[tuple[str, str]], list[
     if path.is_file():
         book = read_log(path.read_text(encoding="utf-8", errors="replace"))
         return book.results(None)
-    cells = [judge_cell_dir(d) for d in find_cells(path)]
-    for c, d in zip(cells, find_cells(path), strict=True):
-        c.where = str(d.relative_to(path))
+    cells = []
+    for folder in find_cells(path):
+        cells.append(judge_cell_dir(folder))
+        cells[-1].where = str(folder.relative_to(path))
     problems: list[tuple[str, str]] = []
     notes: list[str] = []
     for log in sorted(path.rglob(LOG_NAME)):
