@@ -600,7 +600,8 @@ class Grid:
         return Grid(sorted(self.rows), sorted(self.cols), dict(self.cells))
 
     def text(self) -> list[str]:
-        """The grid as text: '=' equal, 'X' differs, 'P' precondition, '?' unjudged, '.' none."""
+        """The grid as text: '=' equal, 'X' differs, 'P' precondition, '?' unjudged, '-' not
+        run, '.' not judged yet."""
         if not self.rows:
             return []
         width = max(len(row_label(r)) for r in self.rows)
@@ -618,9 +619,17 @@ class Grid:
                 elif cell is None:
                     marks.append(".")
                 else:
-                    marks.append(SYMBOL.get(cell.verdict, "?"))
+                    marks.append(mark(cell))
             lines.append(f"{row_label(r):<{width}} " + " ".join(f"{m:^5}" for m in marks))
         return lines
+
+
+def mark(cell: CellResult) -> str:
+    """A cell's one-character mark; '-' for a cell its engine never ran (not a failure of its
+    own: the one before it failed, or the engine stopped)."""
+    if cell.verdict == UNJUDGED and cell.klass == "not_run":
+        return "-"
+    return SYMBOL.get(cell.verdict, "?")
 
 
 def grid_of(cells: list[CellResult]) -> Grid:

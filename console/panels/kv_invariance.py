@@ -29,6 +29,7 @@ from analysis.kv_invariance import (
     col_key,
     col_label,
     describe,
+    mark,
     point_label,
     point_of,
     row_key,
@@ -175,6 +176,9 @@ def render_cell(view: GridView, key: Key) -> Text:
     state = view.state(key)
     if state is None:
         return Text("·", style="dim", justify="center")
+    result = view.verdicts.get(key)
+    if result is not None and mark(result) == "-":
+        return Text(" - ", style="dim", justify="center")
     return Text(f" {MARKS.get(state, '?')} ", style=STYLES.get(state, "bold"), justify="center")
 
 

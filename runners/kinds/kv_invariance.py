@@ -317,7 +317,10 @@ class KvInvarianceJudge(Judge):
 def final_lines(summary: dict[str, Any]) -> list[str]:
     cells = [CellResult.from_json(c) for c in summary.get("cells") or []]
     lines = [""] if cells else []
-    lines += ["KV-cache invariance grid ('=' equal, 'X' differs, 'P' precondition, '?' unjudged):"]
+    lines += [
+        "KV-cache invariance grid ('=' equal, 'X' differs, 'P' precondition, '?' unjudged, "
+        "'-' not run):"
+    ]
     lines += ["  " + line for line in grid_of(cells).text()] if cells else ["  (no cell)"]
     ff = summary.get("first_fail")
     if ff:
