@@ -272,6 +272,7 @@ async def _cancel(local: Path, grace: float, printer) -> int:  # type: ignore[no
     from runners.session import Session
 
     session = Session.from_record(local, printer)
+    asked = time.time()
     try:
         await session.target.connect()
         outcome = await session.cancel(grace)
@@ -286,8 +287,15 @@ async def _cancel(local: Path, grace: float, printer) -> int:  # type: ignore[no
         return 0
     try:
         if attached.finished is not None:
-            killed = "" if outcome == "TRACEDECK_NOT_RUNNING" else " (its leftover processes)"
-            print(f"cancel: {word}{killed}; run {run_id} had ended {attached.finished.verdict}")
+            ended = attached.finished
+            if ended.t >= asked:  # the console that followed it recorded the cancel
+                print(f"cancel: {word}; run {run_id} ended {ended.verdict}")
+            elif outcome == "TRACEDECK_NOT_RUNNING":
+                print(f"cancel: nothing was running; run {run_id} had ended {ended.verdict}")
+            else:
+                print(
+                    f"cancel: {word} processes left over after run {run_id} ended {ended.verdict}"
+                )
             return 0
         result = await attached.follow()
     finally:

@@ -278,9 +278,22 @@ class RunFollower:
                 t=t,
             )
         )
+        label = cell_name(track.plan.index, track.plan.params, len(self.plan.cells))
         if rc != 0:
-            label = cell_name(track.plan.index, track.plan.params, len(self.plan.cells))
             self.emit(Error(message=f"{label} exited {rc}; stderr ends: {tail}", where=label))
+        left = await self.target.read_from(
+            self.plan.cell_path(track.plan.index, "leftover"), 0, 4096
+        )
+        if left:
+            pids = " ".join(left.decode("ascii", "replace").split())
+            self.emit(
+                Error(
+                    message=f"{label} left processes running after its command ended (pids "
+                    f"{pids}); they were killed, so they hold neither the GPU nor the lock",
+                    where=label,
+                    affects_verdict=False,
+                )
+            )
         await self.catch_up()
         await self.judge.advance()
 

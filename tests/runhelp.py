@@ -127,6 +127,11 @@ def live_processes() -> list[tuple[int, int, list[str]]]:
     return out
 
 
+def pid_alive(pid: int) -> bool:
+    """Is the process there and not a zombie?"""
+    return any(p == pid for p, _, _ in live_processes())
+
+
 def group_alive(pgid: int) -> bool:
     """Does a process of the group live? Zombies (reaped later by PID 1) do not count."""
     return any(group == pgid for _, group, _ in live_processes())

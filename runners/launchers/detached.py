@@ -20,21 +20,22 @@ from runners.targets.base import Target, TargetError
 
 LOCK_BUSY = 75
 
-# Every process of a run carries TRACEDECK_RUN_ID in its environment (run.sh exports it), so a
-# process that leaves the group (setsid) or outlives run.sh is still found, and a zombie (a
-# host whose PID 1 does not reap) is never counted as alive.
-RUN_PIDS = r"""run_pids() {{
+# Every process of a run carries TRACEDECK_RUN_ID in its environment (run.sh exports it), and
+# each cell's processes TRACEDECK_CELL too, so a process that leaves the group (setsid) or
+# outlives its cell is still found, and a zombie (a host whose PID 1 does not reap) is never
+# counted as alive. run_pids MARKER lists the live processes whose environment holds MARKER.
+RUN_PIDS = r"""run_pids() {
   for d in /proc/[0-9]*; do
-    p=${{d#/proc/}}
+    p=${d#/proc/}
     [ "$p" = "$$" ] && continue
     line=
-    {{ read -r line < "$d/stat"; }} 2>/dev/null || continue
-    s=${{line##*) }}
-    [ "${{s%% *}}" = Z ] && continue
-    {{ grep -qzxF {marker} "$d/environ"; }} 2>/dev/null && echo "$p"
+    { read -r line < "$d/stat"; } 2>/dev/null || continue
+    s=${line##*) }
+    [ "${s%% *}" = Z ] && continue
+    { grep -qzxF "$1" "$d/environ"; } 2>/dev/null && echo "$p"
   done
   return 0
-}}
+}
 """
 
 RUN_SH = r"""#!/bin/sh
@@ -49,11 +50,28 @@ sizes() {{
   done
   return 0
 }}
+{run_pids}
+# A process a cell leaves behind (a daemon, a child that left the group) would hold the GPU
+# and the lock after its cell: TERM it, then KILL, and say how many there were.
+reap_cell() {{
+  left=$(run_pids "TRACEDECK_CELL=$TRACEDECK_RUN_ID/$1")
+  [ -z "$left" ] && return 0
+  echo "$left" > "cells/$1/leftover"
+  kill -TERM $left 2>/dev/null
+  i=0
+  while [ -n "$(run_pids "TRACEDECK_CELL=$TRACEDECK_RUN_ID/$1")" ] && [ $i -lt 20 ]; do
+    sleep 0.1; i=$((i+1))
+  done
+  kill -KILL $(run_pids "TRACEDECK_CELL=$TRACEDECK_RUN_ID/$1") 2>/dev/null
+  return 0
+}}
 run_cell() {{
   ev "{{\"e\":\"start\",\"cell\":\"$1\",\"t\":$(now)}}"
-  bash "cells/$1/cmd.sh" > "cells/$1/stdout.log" 2> "cells/$1/stderr.log" < /dev/null
+  TRACEDECK_CELL="$TRACEDECK_RUN_ID/$1" bash "cells/$1/cmd.sh" > "cells/$1/stdout.log" \
+    2> "cells/$1/stderr.log" < /dev/null
   rc=$?
   echo "$rc" > "cells/$1/exit_code"
+  reap_cell "$1"
   sizes > "cells/$1/trace_sizes"
   ev "{{\"e\":\"end\",\"cell\":\"$1\",\"rc\":$rc,\"t\":$(now)}}"
   return "$rc"
@@ -92,6 +110,7 @@ def run_script(plan: RunPlan) -> str:
         )
     body += [f"run_cell {cell_dir_name(c.index)}" for c in plan.cells]
     return RUN_SH.format(
+        run_pids=RUN_PIDS,
         run_dir=shlex.quote(plan.run_dir),
         run_id=shlex.quote(plan.run_id),
         traces=" ".join(_shell_word(t) for t in plan.traces if t.cell is None),
@@ -121,26 +140,27 @@ def _marker(run_id: str) -> str:
 
 def pids_command(run_id: str) -> str:
     """Prints the pids of the run's live processes, one a line (none: the run is over)."""
-    return RUN_PIDS.format(marker=_marker(run_id)) + "run_pids\n"
+    return RUN_PIDS + f"run_pids {_marker(run_id)}\n"
 
 
 def cancel_script(run_dir: str, run_id: str, grace_s: float) -> str:
     """TERM every process of the run (its group and any that left it), KILL what outlives the
     grace, and record the cancel in progress.jsonl; prints the outcome word last."""
     d = shlex.quote(run_dir)
+    m = _marker(run_id)
     steps = max(1, int(grace_s * 10))
     return (
-        RUN_PIDS.format(marker=_marker(run_id))
+        RUN_PIDS
         + f"""cd {d} || exit 70
 touch cancel
 pg=$(cat pgid 2>/dev/null)
-pids=$(run_pids)
+pids=$(run_pids {m})
 if [ -z "$pids" ]; then echo TRACEDECK_NOT_RUNNING; exit 0; fi
 [ -n "$pg" ] && kill -TERM -"$pg" 2>/dev/null
 kill -TERM $pids 2>/dev/null
 i=0
-while [ -n "$(run_pids)" ] && [ $i -lt {steps} ]; do sleep 0.1; i=$((i+1)); done
-left=$(run_pids)
+while [ -n "$(run_pids {m})" ] && [ $i -lt {steps} ]; do sleep 0.1; i=$((i+1)); done
+left=$(run_pids {m})
 if [ -n "$left" ]; then
   [ -n "$pg" ] && kill -KILL -"$pg" 2>/dev/null
   kill -KILL $left 2>/dev/null
@@ -148,7 +168,7 @@ if [ -n "$left" ]; then
   echo TRACEDECK_KILLED
 fi
 printf '{{"e":"cancelled","t":%s}}\\n' "$(date +%s.%N)" >> progress.jsonl
-if [ -n "$(run_pids)" ]; then echo TRACEDECK_STILL_ALIVE; exit 72; fi
+if [ -n "$(run_pids {m})" ]; then echo TRACEDECK_STILL_ALIVE; exit 72; fi
 echo TRACEDECK_CANCELLED
 """
     )

