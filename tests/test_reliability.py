@@ -391,3 +391,67 @@ def test_a_full_disk_stops_recording_with_a_located_error_and_attach_resumes(
         output = [line for e in events(local) if e["type"] == "output" for line in e["lines"]]
         assert len(output) == 3 * 8000 and len(set(output)) == len(output)
         assert_run_gone(local)
+
+
+# -- 8. a backlog of any size is read in bounded steps -------------------------------------------
+
+BURST = """
+import sys
+line = "x" * 120
+out = sys.stdout
+for i in range(int(sys.argv[1]) // 1000):
+    out.write("".join(f"{i * 1000 + j:09d} {line}\\n" for j in range(1000)))
+"""
+
+MEASURE = """
+import resource, subprocess, sys
+with open(sys.argv[1], "wb") as sink:
+    done = subprocess.run(sys.argv[2:], stdout=sink, stderr=subprocess.STDOUT)
+print(done.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+"""
+
+
+def peak_rss_mib(tmp: Path, log: Path, *args: str, env: dict[str, str]) -> tuple[int, float]:
+    """Run tracedeck in a fresh parent; (exit code, peak RSS of it and what it waited for)."""
+    measure = tmp / "measure.py"
+    measure.write_text(MEASURE)
+    done = subprocess.run(
+        [sys.executable, str(measure), str(log), sys.executable, "-m", "console.cli", *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    code, rss_kib = done.stdout.split()
+    return int(code), int(rss_kib) / 1024
+
+
+@pytest.mark.slow
+def test_a_million_line_burst_and_its_attach_stay_under_200_mib(tmp_path: Path) -> None:
+    lines = 1_000_000
+    burst = tmp_path / "burst.py"
+    burst.write_text(BURST)
+    preset = write_lines_preset(tmp_path, lines=1, pause=0)
+    home = tmp_path / "home"
+    home.mkdir()
+    env = cli_env(home)
+    out = tmp_path / "out"
+    sets = ["--set", f"engine.command='{sys.executable} {burst} {lines}'", "--set", "matrix.n=[1]"]
+    code, rss = peak_rss_mib(
+        tmp_path, tmp_path / "run.log", "run", str(preset), "--out", str(out), *sets, env=env
+    )
+    assert code == 0, (tmp_path / "run.log").read_text()[-2000:]
+    assert rss < 200, f"peak RSS {rss:.0f} MiB following a {lines}-line burst"
+    local = run_dirs(out)[0]
+    recorded = [line for e in events(local) if e["type"] == "output" for line in e["lines"]]
+    assert len(recorded) == lines and recorded[-1].startswith(f"{lines - 1:09d}")
+    # The console gone, the whole burst waits on the host: attach reads it in bounded steps.
+    (local / "events.jsonl").write_bytes(
+        b"".join(e + b"\n" for e in (local / "events.jsonl").read_bytes().splitlines()[:2])
+    )
+    code, rss = peak_rss_mib(tmp_path, tmp_path / "attach.log", "attach", str(local), env=env)
+    assert code == 0, (tmp_path / "attach.log").read_text()[-2000:]
+    assert rss < 200, f"peak RSS {rss:.0f} MiB attaching after a {lines}-line backlog"
+    assert sum(len(e["lines"]) for e in events(local) if e["type"] == "output") == lines
+    assert_run_gone(local)
