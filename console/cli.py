@@ -156,11 +156,54 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 async def _launch_and_follow(session) -> int:  # type: ignore[no-untyped-def]
+    """Launch, then follow. A Ctrl-C during the launch lets it finish and then cancels the run;
+    a second one stops waiting, and either way the run's id and the commands to attach to it or
+    cancel it are printed: a run is never left going unreported."""
+    loop = asyncio.get_running_loop()
+    launch = asyncio.ensure_future(session.launch())
+    interrupts = 0
+    where = session.local_dir
+    commands = f"attach: tracedeck attach {where}; cancel: tracedeck cancel {where}"
+
+    def on_sigint() -> None:
+        nonlocal interrupts
+        interrupts += 1
+        if interrupts == 1:
+            _err(
+                f"interrupt during the launch of run {session.record.run_id}: it is cancelled "
+                "as soon as it has started (Ctrl-C again to stop waiting and leave it)"
+            )
+        else:
+            launch.cancel()
+
+    loop.add_signal_handler(signal.SIGINT, on_sigint)
     try:
-        await session.launch()
+        await launch
+    except asyncio.CancelledError:
+        if session.stage in ("starting", "started"):
+            _err(
+                f"stopped waiting for the launch of run {session.record.run_id}; it may have "
+                f"started on its target ({commands})"
+            )
+        else:
+            _err(
+                f"stopped the launch of run {session.record.run_id} while {session.stage}: it "
+                "never started on its target; nothing to cancel"
+            )
+        await session.close()
+        return EXIT_INTERRUPT
     except Exception:
         await session.close()
         raise
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+    if interrupts:
+        _err(f"run {session.record.run_id} started; cancelling it now ({commands})")
+        cancelling = asyncio.ensure_future(session.cancel())
+        code = await _follow_interruptible(session)
+        if cancelling.done() and not cancelling.cancelled() and cancelling.exception():
+            _err(f"the cancel failed: {cancelling.exception()} ({commands})")
+        return code
     return await _follow_interruptible(session)
 
 
@@ -177,7 +220,10 @@ async def _follow_interruptible(session) -> int:  # type: ignore[no-untyped-def]
             _err("interrupt: cancelling the run (Ctrl-C again to detach and leave it running)")
             asyncio.ensure_future(session.cancel())
         else:
-            _err(f"detached; the run goes on. Reattach: tracedeck attach {session.local_dir}")
+            _err(
+                f"detached; the run goes on. Reattach: tracedeck attach {session.local_dir}; "
+                f"cancel: tracedeck cancel {session.local_dir}"
+            )
             follow.cancel()
 
     loop.add_signal_handler(signal.SIGINT, on_sigint)

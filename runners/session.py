@@ -108,6 +108,9 @@ class Session:
         )
         self._recorder: Recorder | None = None
         self._cancelling = False
+        # How far launch() got: "" (not begun), "connecting", "uploading", "starting" (the
+        # launcher was asked; the run may be going), "started".
+        self.stage = ""
         # The consumer says it is behind (the console's buffer is full): wait before reading
         # more, so a backlog of any size flows through in bounded steps.
         self.pressure: Callable[[], bool] | None = None
@@ -178,6 +181,7 @@ class Session:
 
     async def launch(self) -> None:
         """Connect, upload the plan, take the lock and start the run detached."""
+        self.stage = "connecting"
         self.local_dir.mkdir(parents=True, exist_ok=True)
         await self.target.connect()
         tgt = self.preset.section("target")
@@ -199,6 +203,7 @@ class Session:
         self._use_plan(plan)
         self.record.remote_dir = run_dir
         self.record.extra = {"workdir": workdir, "python": python}
+        self.stage = "uploading"
         self.record.save()
         self._recorder = Recorder(self.local_dir)
 
@@ -215,6 +220,7 @@ class Session:
             await self._ship_reference(f"{run_dir}/pkg")
 
         self.emit(self._run_started(plan, attached=False))
+        self.stage = "starting"
         try:
             started = await self.launcher.start(plan)
         except LockBusyError as error:
@@ -233,6 +239,7 @@ class Session:
                 )
             )
             raise
+        self.stage = "started"
         self.emit(LockAcquired(lock=plan.lock, holder=started.holder))
 
     async def _resolve_dir(self, path: str, key: str) -> str:

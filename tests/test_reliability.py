@@ -16,7 +16,7 @@ from pathlib import Path
 
 import orjson
 import pytest
-from faults import assert_run_gone, grow_disk, record_of, small_disk
+from faults import assert_run_gone, grow_disk, lock_free, record_of, small_disk
 from runhelp import (
     ROOT,
     cli_env,
@@ -29,6 +29,7 @@ from runhelp import (
     wait_for,
     write_lines_preset,
 )
+from sshd import PROXY_ALIAS, CuttableProxy, SshHome
 
 SAMPLE = ROOT / "presets" / "samples" / "b3_12_mi300x.jsonl"
 
@@ -454,4 +455,43 @@ def test_a_million_line_burst_and_its_attach_stay_under_200_mib(tmp_path: Path) 
     assert code == 0, (tmp_path / "attach.log").read_text()[-2000:]
     assert rss < 200, f"peak RSS {rss:.0f} MiB attaching after a {lines}-line backlog"
     assert sum(len(e["lines"]) for e in events(local) if e["type"] == "output") == lines
+    assert_run_gone(local)
+
+
+# -- 5. Ctrl-C during the launch ----------------------------------------------------------------
+
+
+@pytest.mark.ssh
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_during_the_launch_never_leaves_a_run_unreported(
+    ssh_home: SshHome, ssh_proxy: CuttableProxy, tmp_path: Path, presses: int
+) -> None:
+    preset = write_lines_preset(tmp_path, lines=200, pause=0.05)
+    env = cli_env(ssh_home.path)
+    out = tmp_path / "out"
+    ssh_proxy.stall()  # the launch hangs on the link until resumed
+    console = spawn("run", str(preset), "--target", PROXY_ALIAS, "--out", str(out), env=env)
+    try:
+        wait_for(lambda: ssh_proxy.accepted >= 1, what="the launch to reach the host")
+        time.sleep(0.3)
+        for _ in range(presses):
+            console.send_signal(signal.SIGINT)
+            time.sleep(0.3)
+        ssh_proxy.resume()
+        stdout, stderr = console.communicate(timeout=120)
+    finally:
+        ssh_proxy.resume()
+        if console.poll() is None:
+            console.kill()
+    assert console.returncode == 130, stdout + stderr
+    if presses == 2:  # stopped before the host was reached: nothing started, and it says so
+        assert "it never started on its target; nothing to cancel" in stderr, stderr
+        run_id = re.search(r"launch of run (\S+)", stderr).group(1)  # type: ignore[union-attr]
+        assert not run_alive(run_id)
+        assert lock_free(str(tmp_path / "gpu.lock"))
+        return
+    local = run_dirs(out)[0]
+    run_id = record_of(local)["run_id"]
+    assert run_id in stderr and f"tracedeck cancel {local}" in stderr, stderr
+    assert "RESULT: CANCELLED (exit 130)" in stdout
     assert_run_gone(local)
