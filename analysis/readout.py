@@ -520,6 +520,7 @@ def analyze_trace(path: str | Path) -> ReadoutAggregator:
 
 def _feed_lines(agg: ReadoutAggregator, lines: Iterable[bytes], file: str) -> None:
     blank_since = 0  # first of a run of blank lines: allowed only at the end of the file
+    judged = 0
     for line_no, raw in enumerate(lines, start=1):
         if not raw.strip():
             blank_since = blank_since or line_no
@@ -543,3 +544,12 @@ def _feed_lines(agg: ReadoutAggregator, lines: Iterable[bytes], file: str) -> No
                     "wait for the run to finish or re-run it",
                 ) from None
         agg.feed_line(raw, line_no, file)
+        judged += 1
+    if not judged:
+        raise TraceError(
+            file,
+            0,
+            "no readout lines (the file is empty or blank)",
+            hint="the engine wrote no trace: was GRETA_TRACE_READOUT=1 set, and is this the file "
+            "it writes?",
+        )

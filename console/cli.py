@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -143,16 +144,41 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         preset = load_preset(resolve_preset(args.preset), args.overrides, chosen_options(args))
         target = args.target or preset.section("target")["host"]
-        session = Session.create(
-            preset, target, args.out or default_out_dir(), Printer(json_lines=args.json)
-        )
+        out = usable_out_dir(args.out or default_out_dir())
+        session = Session.create(preset, target, out, Printer(json_lines=args.json))
     except (PresetError, ValueError) as exc:
         _err(str(exc))
         return EXIT_USAGE
     try:
         return asyncio.run(_launch_and_follow(session))
+    except PresetError as exc:
+        _err(str(exc))
+        return EXIT_USAGE
     except TargetError as exc:
         return _infra_error(exc)
+    except OSError as exc:
+        _err(f"{exc.filename or session.local_dir}: {exc.strerror or exc}")
+        return EXIT_INFRA
+
+
+def usable_out_dir(out: Path) -> Path:
+    """The run records' root, created if needed; ValueError naming it when it cannot hold runs."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=out, prefix=".tracedeck-probe-", delete=True)  # noqa: SIM115
+        probe.close()
+    except FileExistsError:
+        raise ValueError(f"--out {out}: a file is in the way; name a directory") from None
+    except NotADirectoryError:
+        raise ValueError(f"--out {out}: a file on that path is not a directory") from None
+    except OSError as exc:
+        raise ValueError(
+            f"--out {out}: cannot write run records there ({exc.strerror}); name a writable "
+            "directory"
+        ) from None
+    if not out.is_dir():
+        raise ValueError(f"--out {out}: not a directory")
+    return out
 
 
 async def _launch_and_follow(session) -> int:  # type: ignore[no-untyped-def]
@@ -484,9 +510,14 @@ def cmd_trust(args: argparse.Namespace) -> int:
     except ValueError:
         _err(f"{args.host}: port must be a number (HOST or HOST:PORT)")
         return EXIT_USAGE
+    if not host or not 0 < port < 65536:
+        _err(f"{args.host}: give HOST or HOST:PORT (port 1 to 65535)")
+        return EXIT_USAGE
+    from runners.targets.base import TargetError
+
     try:
         key_type, fingerprint, _ = asyncio.run(fetch_host_key(host, port))
-    except OSError as exc:
+    except (OSError, TargetError) as exc:
         _err(f"{host}:{port}: could not fetch the host key ({exc})")
         return EXIT_INFRA
     print(f"{host}:{port} presents {key_type} {fingerprint}")

@@ -17,6 +17,8 @@ from typing import Any
 
 DEFAULT_LOCK = "/tmp/tracedeck.lock"
 HOST_KEYS = {"lock": str}
+# A relative lock would depend on each console's directory: two runs could share the GPU.
+LOCK_RULE = "must be an absolute path (every console must take the same lock)"
 
 
 class ConfigError(ValueError):
@@ -54,6 +56,8 @@ def load_config(path: Path | None = None) -> dict[str, Any]:
                     )
                 if not isinstance(value, HOST_KEYS[key]) or not value:
                     raise ConfigError(f"{path}: hosts.{name}.{key}: must be a non-empty string")
+                if key == "lock" and not value.startswith("/"):
+                    raise ConfigError(f"{path}: hosts.{name}.lock: {LOCK_RULE}, got {value!r}")
     return data
 
 

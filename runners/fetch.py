@@ -26,6 +26,12 @@ async def fetch_cell(
             continue
         local = local_dir / rel
         remote = f"{plan.artifacts}/{rel}"
+        if not local.resolve().is_relative_to(local_dir.resolve()):
+            # The plan refuses such paths; a link planted in the run's directory is caught here.
+            why = f"{local} resolves outside the run's directory {local_dir}: not written"
+            events.append(Error(message=f"{cell_name(cell.index, cell.params)}: {why}", where=rel))
+            events.append(ArtifactFailed(cell=cell.index, path=rel, reason=why, missing=False))
+            continue
         try:
             await target.download(remote, local)
         except ConnectionLost:

@@ -73,9 +73,10 @@ class RunPlan:
 
 
 def placeholder_values(
-    plan_run_dir: str, workdir: str, python: str, run_id: str, date: str
+    plan_run_dir: str, workdir: str, python: str, run_id: str, date: str, name: str
 ) -> dict[str, Any]:
     return {
+        "name": name,
         "python": python,
         "out": f"{plan_run_dir}/artifacts",
         "run_dir": plan_run_dir,
@@ -96,7 +97,10 @@ def build_plan(
     lock: str,
     pythonpath: str = "",
 ) -> RunPlan:
-    base = {**preset.vars, **placeholder_values(run_dir, workdir, python, run_id, date)}
+    base = {
+        **preset.vars,
+        **placeholder_values(run_dir, workdir, python, run_id, date, preset.name),
+    }
     cells = []
     owners: dict[str, list[int]] = {}
     for cell in preset.cells():

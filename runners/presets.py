@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import itertools
+import math
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from runners.cells import params_label
+from runners.config import LOCK_RULE
 from runners.determinism import PROFILES
 from runners.templates import TemplateError
 from runners.templates import template_fields as _fields
@@ -60,7 +63,10 @@ SCHEMA: dict[str, dict[str, tuple[Any, bool, Any]]] = {
 REQUIRED_SECTIONS = ("preset", "engine", "matrix")
 
 # Placeholders every template may use besides the matrix keys.
-BUILTIN_PLACEHOLDERS = ("python", "out", "run_dir", "workdir", "cell", "date", "run_id")
+BUILTIN_PLACEHOLDERS = ("python", "out", "run_dir", "workdir", "cell", "date", "run_id", "name")
+# More cells than this is a typo in a matrix (a product grows fast), not a run: refused up front.
+MAX_CELLS = 10_000
+NAME_CHARS = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 class PresetError(Exception):
@@ -215,21 +221,75 @@ def validate(
             _check_type(source, f"{table}[{i}]", item, str)
 
     known = set(out["matrix"]) | set(out["vars"]) | set(BUILTIN_PLACEHOLDERS)
-    for sec, key in (("engine", "command"), ("artifacts", "dir")):
-        _check_placeholders(source, f"{sec}.{key}", out[sec][key], known | {"name"})
+    _check_placeholders(source, "engine.command", out["engine"]["command"], known)
+    # The run's local directory is named before any cell exists: run-wide names only.
+    _check_placeholders(source, "artifacts.dir", out["artifacts"]["dir"], {"date", "name"})
+    _check_relative(source, "artifacts.dir", out["artifacts"]["dir"])
     for sec, key in (("engine", "setup"), ("artifacts", "fetch")):
         for i, item in enumerate(out[sec][key]):
             _check_placeholders(source, f"{sec}.{key}[{i}]", item, known)
+    for i, item in enumerate(out["artifacts"]["fetch"]):
+        _check_relative(source, f"artifacts.fetch[{i}]", item)
     # A trace path under the run's artifacts dir: per cell when a matrix key or {cell} shapes it.
     trace_names = set(out["vars"]) | set(out["matrix"]) | {"date", "run_id", "cell"}
     for i, item in enumerate(out["traces"]["follow"]):
         _check_placeholders(source, f"traces.follow[{i}]", item, trace_names)
         _check_trace_path(source, f"traces.follow[{i}]", item)
+        _check_relative(source, f"traces.follow[{i}]", item)
     for sec in ("determinism", "engine"):
         for name, value in out[sec]["env"].items():
             _check_placeholders(source, f"{sec}.env.{name}", str(value), known)
+    _check_run_settings(out, source)
+    _check_rendered_paths(out, source)
     kind.check(out, source, options)
     return out
+
+
+def _check_rendered_paths(out: dict[str, Any], source: str) -> None:
+    """Every cell's fetch and trace paths, rendered with its values, stay inside the run."""
+    from runners.templates import render_plain
+
+    keys = list(out["matrix"])
+    sample = {"date": "2000-01-01", "run_id": "run", **out["vars"]}
+    combos = itertools.product(*(out["matrix"][k] for k in keys))
+    for index, combo in enumerate(combos):
+        values = {**sample, **dict(zip(keys, combo, strict=True)), "cell": index}
+        for section, key in (("artifacts", "fetch"), ("traces", "follow")):
+            for i, template in enumerate(out[section][key]):
+                known = set(values)
+                if not set(template_fields(template, source, f"{section}.{key}[{i}]")) <= known:
+                    continue  # an unknown placeholder is reported where it is checked
+                rel = render_plain(template, values)
+                problem = relative_problem(rel)
+                if problem is not None:
+                    label = " ".join(f"{k}={v}" for k, v in zip(keys, combo, strict=True))
+                    raise PresetError(
+                        source,
+                        f"{section}.{key}[{i}]",
+                        f"{rel!r} (cell {index + 1}: {label}) {problem}",
+                    )
+
+
+def _check_run_settings(out: dict[str, Any], source: str) -> None:
+    """The preset's name becomes part of paths and ids; timeouts must be real durations."""
+    name = out["preset"]["name"]
+    if not NAME_CHARS.fullmatch(name):
+        raise PresetError(
+            source,
+            "preset.name",
+            f"{name!r}: use letters, digits, '.', '_' and '-' only (it names directories)",
+        )
+    target = out["target"]
+    for key in ("connect_timeout_s", "keepalive_s"):
+        value = target[key]
+        if not math.isfinite(value) or value <= 0:
+            raise PresetError(
+                source, f"target.{key}", f"must be a finite number > 0, got {value!r}"
+            )
+    if target["lock"] and not target["lock"].startswith("/"):
+        raise PresetError(source, "target.lock", f"{LOCK_RULE}, got {target['lock']!r}")
+    if target["reconnect_attempts"] < 0:
+        raise PresetError(source, "target.reconnect_attempts", "must be 0 or more")
 
 
 def _kinds() -> dict[str, Any]:
@@ -277,6 +337,25 @@ TRACE_NAME_CHARS = frozenset(
 )
 
 
+def relative_problem(path: str) -> str | None:
+    """Why a path cannot stay inside the directory it is relative to, or None when it can."""
+    if not path.strip():
+        return "is empty"
+    if "\0" in path:
+        return "holds a NUL byte"
+    if path.startswith(("/", "~")):
+        return "must be relative to the run's directory, not absolute"
+    if ".." in path.split("/"):
+        return "must not leave the run's directory ('..')"
+    return None
+
+
+def _check_relative(source: str, key: str, template: str) -> None:
+    problem = relative_problem(template)
+    if problem is not None:
+        raise PresetError(source, key, f"{template!r} {problem}")
+
+
 def _check_trace_path(source: str, key: str, template: str) -> None:
     """A pattern (* ? [) may shape the file name only, in plain characters."""
     *dirs, name = template.split("/")
@@ -299,6 +378,19 @@ def _check_placeholders(source: str, key: str, template: str, known: set[str]) -
 def _validate_matrix(matrix: dict[str, Any], source: str) -> dict[str, list[Any]]:
     if not matrix:
         raise PresetError(source, "matrix", "needs at least one key (a list of values)")
+    cells = 1
+    for values in matrix.values():
+        cells *= len(values) if isinstance(values, list) else 1
+    if cells > MAX_CELLS:
+        sizes = " x ".join(
+            f"{key} {len(v) if isinstance(v, list) else 1}" for key, v in matrix.items()
+        )
+        raise PresetError(
+            source,
+            "matrix",
+            f"{cells:,} cells ({sizes}) is more than {MAX_CELLS:,}: split it into presets, or "
+            "narrow a key with --set",
+        )
     for key, values in matrix.items():
         if not key.isidentifier() or key in BUILTIN_PLACEHOLDERS:
             raise PresetError(source, f"matrix.{key}", "must be an identifier, not a built-in name")
@@ -331,8 +423,16 @@ def load_preset(
             data = tomllib.load(fh)
     except FileNotFoundError:
         raise PresetError(source, "", "no such preset file") from None
+    except IsADirectoryError:
+        raise PresetError(source, "", "a directory, not a preset file (name a .toml)") from None
+    except UnicodeDecodeError as exc:
+        raise PresetError(
+            source, "", f"not a UTF-8 text file (byte {exc.start}): is this a preset?"
+        ) from None
     except tomllib.TOMLDecodeError as exc:
         raise PresetError(source, "", f"not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise PresetError(source, "", f"cannot read it ({exc.strerror})") from None
     for assignment in overrides or []:
         apply_override(data, assignment, f"{source} (--set {assignment})")
     try:

@@ -225,10 +225,16 @@ def test_b3_12_like_readout_mismatch_is_no_ok_and_counted(tmp_path: Path) -> Non
     assert to_json(agg.rows(), agg.verdict())["readout_mismatch_count"] == 3
 
 
-def test_empty_trace_is_not_ok(tmp_path: Path) -> None:
+@pytest.mark.parametrize("text", ["", "\n", " \n\t\n"])
+def test_an_empty_trace_file_cannot_be_judged(tmp_path: Path, text: str) -> None:
     path = tmp_path / "empty.jsonl"
-    path.write_text("")
-    agg = analyze_trace(path)
+    path.write_text(text)
+    error = trace_error(path)
+    assert str(path) in str(error) and "no readout lines" in str(error)
+
+
+def test_no_prompts_is_not_ok() -> None:
+    agg = ReadoutAggregator()
     assert agg.rows() == []
     assert agg.verdict() == "NO OK"
     assert "no prompts" in agg.reason()

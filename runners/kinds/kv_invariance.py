@@ -506,8 +506,7 @@ def _looks_like_log(path: Path) -> bool:
 def _analyze(path: Path) -> tuple[list[CellResult], list[tuple[str, str]], list[str]]:
     """Re-judge a tree (or one llama.cpp log): the cells, the problems, the notes."""
     if path.is_file():
-        book = read_log(path.read_text(encoding="utf-8", errors="replace"))
-        return book.results(None)
+        return _log_results(path)
     cells = []
     for folder in find_cells(path):
         cells.append(judge_cell_dir(folder))
@@ -515,14 +514,20 @@ def _analyze(path: Path) -> tuple[list[CellResult], list[tuple[str, str]], list[
     problems: list[tuple[str, str]] = []
     notes: list[str] = []
     for log in sorted(path.rglob(LOG_NAME)):
-        more, extra, told = read_log(log.read_text(encoding="utf-8", errors="replace")).results(
-            None
-        )
+        more, extra, told = _log_results(log)
         cells += more
         problems += extra
         notes += told
     cells += _planned_without_result(path, cells)
     return cells, problems, notes
+
+
+def _log_results(log: Path) -> tuple[list[CellResult], list[tuple[str, str]], list[str]]:
+    """One llama.cpp log judged; its problems name the log."""
+    cells, problems, notes = read_log(log.read_text(encoding="utf-8", errors="replace")).results(
+        None
+    )
+    return cells, [(cls, f"{log}: {text}") for cls, text in problems], notes
 
 
 def _planned_without_result(root: Path, found: list[CellResult]) -> list[CellResult]:

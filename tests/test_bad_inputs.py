@@ -1,0 +1,358 @@
+"""Hand-written bad inputs, through the real CLI: each exits 2 (the input) or 3 (the host) with
+a message naming the file, key, line, host or path at fault, and never with a traceback."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from console.cli import main
+
+GOOD = """
+[preset]
+name = "t"
+kind = "command"
+description = "a bad-input test"
+
+[engine]
+command = "echo {word}"
+
+[matrix]
+word = ["a", "b"]
+"""
+
+READOUT_LINE = {
+    "phase": "prefill_last",
+    "step": 0,
+    "tokens_total": 10,
+    "top1_id": 5,
+    "top1_logit": 12.5,
+    "top2_id": 18,
+    "top2_logit": 11.0,
+    "gap": 1.5,
+    "readout_mismatch": False,
+}
+
+
+@dataclass
+class Case:
+    """argv built in a scratch directory; the exit it must give; words its stderr must hold."""
+
+    build: Callable[[Path], list[str]]
+    code: int
+    words: Callable[[Path], list[str]]
+
+
+def preset(text: str, *extra: str) -> Callable[[Path], list[str]]:
+    def build(tmp: Path) -> list[str]:
+        (tmp / "p.toml").write_text(text)
+        return ["run", str(tmp / "p.toml"), "--out", str(tmp / "out"), *extra]
+
+    return build
+
+
+def with_file(name: str, data: bytes | str, *argv: str) -> Callable[[Path], list[str]]:
+    """Writes tmp/name, then argv with {tmp} filled in."""
+
+    def build(tmp: Path) -> list[str]:
+        path = tmp / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(data, bytes):
+            path.write_bytes(data)
+        else:
+            path.write_text(data)
+        return [fill(a, tmp) for a in argv]
+
+    return build
+
+
+def fill(text: str, tmp: Path) -> str:
+    return text.replace("{tmp}", str(tmp))
+
+
+def names(*words: str) -> Callable[[Path], list[str]]:
+    return lambda tmp: [fill(w, tmp) for w in words]
+
+
+def readout(*records: dict | str) -> str:
+    return "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records)
+
+
+def run_record(tmp: Path, record: dict | str) -> Path:
+    run = tmp / "run"
+    run.mkdir()
+    text = record if isinstance(record, str) else json.dumps(record)
+    (run / "run.json").write_text(text)
+    return run
+
+
+P = "{tmp}/p.toml"
+FIRST_EVENT = (
+    (Path(__file__).parent / "data" / "hello_command_run" / "events.jsonl")
+    .read_text()
+    .splitlines(keepends=True)[0]
+)
+CASES: dict[str, Case] = {
+    # --- presets -------------------------------------------------------------------------------
+    "preset missing": Case(names("run", "{tmp}/nope.toml"), 2, names("{tmp}/nope.toml", "no such")),
+    "preset is a directory": Case(lambda tmp: ["run", str(tmp)], 2, names("{tmp}", "a directory")),
+    "preset not text": Case(
+        with_file("p.toml", b"\xff\xfe\x00garbage", "run", P), 2, names(P, "UTF-8")
+    ),
+    "preset bad toml": Case(
+        with_file("p.toml", "[preset\nname=", "run", P), 2, names(P, "not valid TOML", "line 1")
+    ),
+    "preset unknown section": Case(
+        preset(GOOD + "[bogus]\nx = 1\n"), 2, names(P, "bogus", "unknown section")
+    ),
+    "preset unknown key": Case(
+        preset(GOOD.replace("description", "descr")), 2, names(P, "preset.descr", "unknown key")
+    ),
+    "preset wrong type": Case(
+        preset(GOOD + "[target]\nreconnect_attempts = '5'\n"),
+        2,
+        names(P, "target.reconnect_attempts", "int"),
+    ),
+    "preset unknown kind": Case(
+        preset(GOOD.replace('"command"', '"nope"')), 2, names(P, "preset.kind", "one of")
+    ),
+    "preset unknown placeholder": Case(
+        preset(GOOD.replace("{word}", "{wrod}")), 2, names(P, "engine.command", "{wrod}")
+    ),
+    "preset matrix too big": Case(
+        preset(
+            GOOD.replace(
+                'word = ["a", "b"]',
+                "a = " + str(list(range(101))) + "\nb = " + str(list(range(101))),
+            )
+        ),
+        2,
+        names(P, "matrix", "10,201 cells", "split it"),
+    ),
+    "preset name makes paths": Case(
+        preset(GOOD.replace('name = "t"', 'name = "../t"')), 2, names(P, "preset.name")
+    ),
+    "preset timeout infinite": Case(
+        preset(GOOD + "[target]\nconnect_timeout_s = inf\n"),
+        2,
+        names(P, "target.connect_timeout_s", "finite"),
+    ),
+    "preset timeout negative": Case(
+        preset(GOOD + "[target]\nkeepalive_s = -1.0\n"), 2, names(P, "target.keepalive_s", "> 0")
+    ),
+    "preset reconnects negative": Case(
+        preset(GOOD + "[target]\nreconnect_attempts = -1\n"),
+        2,
+        names(P, "target.reconnect_attempts", "0 or more"),
+    ),
+    "preset relative lock": Case(
+        preset(GOOD + "[target]\nlock = 'gpu.lock'\n"), 2, names(P, "target.lock", "absolute")
+    ),
+    "fetch absolute path": Case(
+        preset(GOOD + "[artifacts]\nfetch = ['/etc/passwd']\n"),
+        2,
+        names(P, "artifacts.fetch[0]", "absolute"),
+    ),
+    "fetch leaves the run": Case(
+        preset(GOOD + "[artifacts]\nfetch = ['../../x']\n"),
+        2,
+        names(P, "artifacts.fetch[0]", "'..'"),
+    ),
+    "matrix value leaves the run": Case(
+        preset(GOOD.replace('"b"]', '"../../../etc"]') + "[artifacts]\nfetch = ['{word}/x']\n"),
+        2,
+        names(P, "artifacts.fetch[0]", "cell 2", "word=../../../etc"),
+    ),
+    "trace path absolute": Case(
+        preset(GOOD + "[traces]\nfollow = ['/tmp/x.jsonl']\n"),
+        2,
+        names(P, "traces.follow[0]"),
+    ),
+    "artifacts dir per cell": Case(
+        preset(GOOD + "[artifacts]\ndir = 'runs/{word}'\n"),
+        2,
+        names(P, "artifacts.dir", "{word}"),
+    ),
+    "--set without a value": Case(preset(GOOD, "--set", "matrix"), 2, names("key.path=VALUE")),
+    "--set unknown key": Case(
+        preset(GOOD, "--set", "target.nope=1"), 2, names("target.nope", "unknown key")
+    ),
+    "--out is a file": Case(
+        lambda tmp: [*preset(GOOD)(tmp)[:2], "--out", str(tmp / "p.toml")],
+        2,
+        names("--out {tmp}/p.toml", "directory"),
+    ),
+    "--out under a file": Case(
+        lambda tmp: [*preset(GOOD)(tmp)[:2], "--out", str(tmp / "p.toml" / "sub")],
+        2,
+        names("--out {tmp}/p.toml/sub"),
+    ),
+    "--target closed port": Case(
+        preset(
+            GOOD + "[target]\nconnect_timeout_s = 5.0\nreconnect_attempts = 0\n",
+            "--target",
+            "ssh://127.0.0.1:1",
+        ),
+        3,
+        names("127.0.0.1:1"),
+    ),
+    "--target not a target": Case(preset(GOOD, "--target", "ssh://"), 2, names("ssh://")),
+    "host config not toml": Case(
+        lambda tmp: _host_config(tmp, "[hosts.gpu\n") + preset(GOOD)(tmp),
+        2,
+        names("{tmp}/home/.config/tracedeck/config.toml"),
+    ),
+    "host config relative lock": Case(
+        lambda tmp: _host_config(tmp, "[hosts.local]\nlock = 'x.lock'\n") + preset(GOOD)(tmp),
+        2,
+        names("{tmp}/home/.config/tracedeck/config.toml", "hosts.local.lock"),
+    ),
+    # --- analyze -------------------------------------------------------------------------------
+    "analyze missing path": Case(
+        names("analyze", "{tmp}/nothing"), 2, names("{tmp}/nothing", "no such")
+    ),
+    "analyze unknown kind": Case(
+        with_file("t.jsonl", readout(READOUT_LINE), "analyze", "--kind", "zz", "{tmp}/t.jsonl"),
+        2,
+        names("--kind zz", "unknown run kind"),
+    ),
+    "readout empty": Case(
+        with_file("t.jsonl", "", "analyze", "{tmp}/t.jsonl"), 2, names("{tmp}/t.jsonl", "empty")
+    ),
+    "readout blank lines only": Case(
+        with_file("t.jsonl", "\n \n\t\n", "analyze", "{tmp}/t.jsonl"),
+        2,
+        names("{tmp}/t.jsonl"),
+    ),
+    "readout not json": Case(
+        with_file("t.jsonl", readout(READOUT_LINE, "{oops"), "analyze", "{tmp}/t.jsonl"),
+        2,
+        names("{tmp}/t.jsonl:2:", "JSON"),
+    ),
+    "readout missing field": Case(
+        with_file(
+            "t.jsonl",
+            readout({k: v for k, v in READOUT_LINE.items() if k != "top1_id"}),
+            "analyze",
+            "{tmp}/t.jsonl",
+        ),
+        2,
+        names("{tmp}/t.jsonl:1:", "top1_id"),
+    ),
+    "readout wrong type": Case(
+        with_file("t.jsonl", readout({**READOUT_LINE, "step": "zero"}), "analyze", "{tmp}/t.jsonl"),
+        2,
+        names("{tmp}/t.jsonl:1:", "step"),
+    ),
+    "readout binary": Case(
+        with_file("t.jsonl", b"\x00\x01\x02\xff\n", "analyze", "{tmp}/t.jsonl"),
+        2,
+        names("{tmp}/t.jsonl:1:"),
+    ),
+    "nothing to judge": Case(
+        with_file("d/notes.txt", "hello", "analyze", "{tmp}/d"),
+        2,
+        names("{tmp}/d", "not something tracedeck can judge"),
+    ),
+    "threshold not k=v": Case(
+        names("analyze", "--kind", "equivalence", "--threshold", "oops", "{tmp}"),
+        2,
+        names("--threshold 'oops'", "KEY=VALUE"),
+    ),
+    "threshold unknown": Case(
+        names("analyze", "--kind", "equivalence", "--threshold", "nope=1", "{tmp}"),
+        2,
+        names("nope"),
+    ),
+    "seeds not numbers": Case(
+        names("analyze", "--kind", "equivalence", "--seeds", "a,b", "{tmp}"),
+        2,
+        names("--seeds"),
+    ),
+    "dsa trace garbage": Case(
+        with_file("trace/block0/trace_steps_0_1.jsonl", "{not json\n", "analyze", "{tmp}/trace"),
+        1,  # a DSA trace is what is judged: a broken one is TRACE_INVALID, located
+        names("{tmp}/trace/block0/trace_steps_0_1.jsonl:1:", "not valid JSON", "TRACE_INVALID"),
+    ),
+    "kv log garbage": Case(
+        with_file(
+            "test-kvcache-invariance.log",
+            "random words\n",
+            "analyze",
+            "--kind",
+            "kv_invariance",
+            "{tmp}/test-kvcache-invariance.log",
+        ),
+        3,  # the test's log shows no backend ran: the engine's failure, not a verdict
+        names("{tmp}/test-kvcache-invariance.log", "no backend ran"),
+    ),
+    # --- run records ---------------------------------------------------------------------------
+    "replay without events": Case(
+        lambda tmp: ["replay", "--headless", str(run_record(tmp, "{}"))],
+        2,
+        names("{tmp}/run/events.jsonl", "no recorded events"),
+    ),
+    "replay corrupt middle line": Case(
+        lambda tmp: _events(tmp, FIRST_EVENT + "{bad\n" + FIRST_EVENT),
+        2,
+        names("{tmp}/run/events.jsonl:2:"),
+    ),
+    "replay unknown event": Case(
+        lambda tmp: _events(tmp, '{"type": "nope"}\n'),
+        2,
+        names("{tmp}/run/events.jsonl:1:", "unknown event type"),
+    ),
+    "attach not a run": Case(names("attach", "{tmp}"), 2, names("{tmp}", "not a run")),
+    "attach corrupt run.json": Case(
+        lambda tmp: ["attach", str(run_record(tmp, "{oops"))],
+        2,
+        names("{tmp}/run/run.json"),
+    ),
+    "cancel run.json missing keys": Case(
+        lambda tmp: ["cancel", str(run_record(tmp, {"run_id": "x"}))],
+        2,
+        names("{tmp}/run/run.json"),
+    ),
+    "trust port out of range": Case(names("trust", "127.0.0.1:99999"), 2, names("127.0.0.1:99999")),
+    "trust port not a number": Case(names("trust", "127.0.0.1:ssh"), 2, names("127.0.0.1:ssh")),
+    "watch missing dir": Case(names("watch", "{tmp}/nowhere"), 2, names("{tmp}/nowhere")),
+}
+
+
+def _host_config(tmp: Path, text: str) -> list[str]:
+    config = tmp / "home" / ".config" / "tracedeck" / "config.toml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(text)
+    return []
+
+
+def _events(tmp: Path, text: str) -> list[str]:
+    run = run_record(tmp, "{}")
+    (run / "events.jsonl").write_text(text)
+    return ["replay", "--headless", str(run)]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_bad_input_is_refused_naming_what_is_wrong(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    case = CASES[name]
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("TRACEDECK_HOME", str(home / "td"))
+    argv = case.build(tmp_path)
+    try:
+        code = main(argv)  # any other exception escaping here is a traceback the operator sees
+    except SystemExit as exc:  # argparse's own refusal of a malformed option
+        code = exc.code
+    said = capsys.readouterr()
+    text = said.err + said.out  # a verdict's first fail is part of the result, on stdout
+    assert code == case.code, f"{argv} exited {code}: {text}"
+    assert "Traceback" not in text
+    for word in case.words(tmp_path):
+        assert word in text, f"{word!r} not in: {text}"
