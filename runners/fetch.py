@@ -9,7 +9,8 @@ from pathlib import Path
 from runners.cells import cell_name
 from runners.events import ArtifactFailed, ArtifactFetched, Error, Event
 from runners.plan import PlannedCell, RunPlan
-from runners.targets.base import ConnectionLost, Target, TargetError
+from runners.record import RecordError
+from runners.targets.base import ConnectionLost, LocalWriteError, Target, TargetError
 
 
 async def fetch_cell(
@@ -36,6 +37,13 @@ async def fetch_cell(
             await target.download(remote, local)
         except ConnectionLost:
             raise
+        except LocalWriteError as exc:
+            # This machine's failure, not the engine's: stop recording, never judge a cell on it.
+            raise RecordError(
+                exc.errno,
+                f"cannot write {exc.path}: {exc.strerror}; the run goes on on its target: free "
+                f"the space, then `tracedeck attach {local_dir}` fetches it",
+            ) from exc
         except (TargetError, OSError) as exc:
             missing = await target.read_from(remote, 0, 0) is None
             why = "the engine did not write it" if missing else str(exc)

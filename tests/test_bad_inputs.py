@@ -91,6 +91,7 @@ def run_record(tmp: Path, record: dict | str) -> Path:
 
 
 P = "{tmp}/p.toml"
+SMOKE = Path(__file__).resolve().parents[1] / "presets" / "b3_67_smoke.toml"
 FIRST_EVENT = (
     (Path(__file__).parent / "data" / "hello_command_run" / "events.jsonl")
     .read_text()
@@ -177,6 +178,21 @@ CASES: dict[str, Case] = {
         2,
         names(P, "artifacts.dir", "{word}"),
     ),
+    "artifacts dir per run": Case(
+        preset(GOOD + "[artifacts]\ndir = 'runs/{run_id}'\n"),
+        2,
+        names(P, "artifacts.dir", "{run_id}"),
+    ),
+    "thresholds NaN in a preset": Case(
+        lambda tmp: ["run", str(SMOKE), "--set", "thresholds.p99_abs_diff_max=nan"],
+        2,
+        names(str(SMOKE), "thresholds.p99_abs_diff_max", "finite"),
+    ),
+    "thresholds negative in a preset": Case(
+        lambda tmp: ["run", str(SMOKE), "--set", "thresholds.top1_agreement_min=-0.5"],
+        2,
+        names(str(SMOKE), "thresholds.top1_agreement_min"),
+    ),
     "--set without a value": Case(preset(GOOD, "--set", "matrix"), 2, names("key.path=VALUE")),
     "--set unknown key": Case(
         preset(GOOD, "--set", "target.nope=1"), 2, names("target.nope", "unknown key")
@@ -190,6 +206,11 @@ CASES: dict[str, Case] = {
         lambda tmp: [*preset(GOOD)(tmp)[:2], "--out", str(tmp / "p.toml" / "sub")],
         2,
         names("--out {tmp}/p.toml/sub"),
+    ),
+    "--out under /proc": Case(
+        lambda tmp: [*preset(GOOD)(tmp)[:2], "--out", "/proc/tracedeck-runs"],
+        2,
+        names("--out /proc/tracedeck-runs", "cannot write"),
     ),
     "--target closed port": Case(
         preset(
@@ -263,6 +284,16 @@ CASES: dict[str, Case] = {
         2,
         names("--threshold 'oops'", "KEY=VALUE"),
     ),
+    "threshold NaN": Case(
+        names("analyze", "--kind", "equivalence", "--threshold", "p99_abs_diff_max=nan", "{tmp}"),
+        2,
+        names("p99_abs_diff_max", "finite"),
+    ),
+    "threshold infinite": Case(
+        names("analyze", "--kind", "equivalence", "--threshold", "max_abs_diff_max=inf", "{tmp}"),
+        2,
+        names("max_abs_diff_max", "finite"),
+    ),
     "threshold unknown": Case(
         names("analyze", "--kind", "equivalence", "--threshold", "nope=1", "{tmp}"),
         2,
@@ -312,6 +343,11 @@ CASES: dict[str, Case] = {
         2,
         names("{tmp}/run/run.json"),
     ),
+    "attach run.json holds a list": Case(
+        lambda tmp: ["attach", str(run_record(tmp, "[1, 2]"))],
+        2,
+        names("{tmp}/run/run.json"),
+    ),
     "cancel run.json missing keys": Case(
         lambda tmp: ["cancel", str(run_record(tmp, {"run_id": "x"}))],
         2,
@@ -319,6 +355,14 @@ CASES: dict[str, Case] = {
     ),
     "trust port out of range": Case(names("trust", "127.0.0.1:99999"), 2, names("127.0.0.1:99999")),
     "trust port not a number": Case(names("trust", "127.0.0.1:ssh"), 2, names("127.0.0.1:ssh")),
+    "trust unresolvable host": Case(
+        names("trust", "nosuchhost.invalid"),
+        3,
+        names("nosuchhost.invalid:22", "fetch the host key"),
+    ),
+    "trust nothing listening": Case(
+        names("trust", "127.0.0.1:1"), 3, names("127.0.0.1:1", "fetch the host key")
+    ),
     "watch missing dir": Case(names("watch", "{tmp}/nowhere"), 2, names("{tmp}/nowhere")),
 }
 

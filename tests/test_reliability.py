@@ -299,6 +299,45 @@ def test_a_cancel_from_another_terminal_is_a_cancel(where: Where, tmp_path: Path
     assert_run_gone(local)
 
 
+# -- 12. what the operator is told -------------------------------------------------------------
+
+
+def test_a_trace_that_never_appears_is_named(where: Where, tmp_path: Path) -> None:
+    preset = readout_preset(tmp_path, "echo no trace written")
+    done = tracedeck(
+        "run",
+        str(preset),
+        "--target",
+        where.spec,
+        "--out",
+        str(tmp_path / "o"),
+        env=cli_env(where.home),
+    )
+    assert done.returncode == 1, done.stdout + done.stderr  # no readout: never OK
+    remote = record_of(run_dirs(tmp_path / "o")[0])["remote_dir"]
+    assert f"trace file {where.spec}:{remote}/artifacts/trace.jsonl never appeared" in done.stdout
+
+
+def test_a_cancel_that_records_the_end_numbers_cells_as_the_run_did(tmp_path: Path) -> None:
+    """Issue 10.12: cancel printed [1/0] for the cells it recorded."""
+    preset = write_lines_preset(tmp_path, lines=400, pause=0.05)
+    env = cli_env(tmp_path)
+    out = tmp_path / "out"
+    first = spawn("run", str(preset), "--out", str(out), env=env)
+    try:
+        local = wait_for(lambda: run_dirs(out), what="run dir")[0]
+        wait_for(lambda: any(e["type"] == "output" for e in events(local)), what="output")
+    finally:
+        first.kill()  # the console dies; the run goes on with nobody recording it
+        first.wait()
+    cancel = tracedeck("cancel", str(local), "--grace", "1", env=env)
+    assert cancel.returncode == 0, cancel.stdout + cancel.stderr
+    assert "/0]" not in cancel.stdout
+    assert re.search(r"^\[[123]/3\] cancelled", cancel.stdout, re.M), cancel.stdout
+    assert "ended CANCELLED" in cancel.stdout
+    assert_run_gone(local)
+
+
 # -- 10. a console killed during the launch -----------------------------------------------------
 
 STUCK_LAUNCH = """
@@ -391,6 +430,47 @@ def test_a_full_disk_stops_recording_with_a_located_error_and_attach_resumes(
         assert "RESULT: PASS (exit 0)" in attach.stdout
         output = [line for e in events(local) if e["type"] == "output" for line in e["lines"]]
         assert len(output) == 3 * 8000 and len(set(output)) == len(output)
+        assert_run_gone(local)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_a_full_disk_during_a_fetch_is_infra_not_a_verdict_and_attach_fetches_it(
+    where: Where, tmp_path: Path
+) -> None:
+    """Issue 10.9: a fetch that filled the disk read as the engine's failure."""
+    preset = tmp_path / "big.toml"
+    preset.write_text(f"""
+[preset]
+name = "big_artifact"
+kind = "command"
+[target]
+runs = "{tmp_path}/remote"
+lock = "{tmp_path}/lock"
+[engine]
+command = "mkdir -p {{out}} && head -c 3000000 /dev/zero > {{out}}/big{{n}}.bin"
+[matrix]
+n = [1]
+[artifacts]
+fetch = ["big{{n}}.bin"]
+""")
+    env = cli_env(where.home)
+    with small_disk(tmp_path / "small", "1m") as disk:
+        out = disk / "out"
+        done = tracedeck("run", str(preset), "--target", where.spec, "--out", str(out), env=env)
+        text = done.stdout + done.stderr
+        assert done.returncode == 3, text
+        local = run_dirs(out)[0]
+        assert "No space left on device" in text and str(local / "big1.bin") in text
+        assert "tracedeck attach" in text and "Traceback" not in text
+        assert not (local / "big1.bin").exists()
+        assert not list(local.glob("*.part"))  # no half-written file left behind
+        grow_disk(disk, "64m")
+        attach = tracedeck("attach", str(local), env=env)
+        assert attach.returncode == 0, attach.stdout + attach.stderr
+        assert "RESULT: PASS (exit 0)" in attach.stdout
+        assert (local / "big1.bin").stat().st_size == 3_000_000
+        fetched = [e for e in events(local) if e["type"] == "artifact"]
+        assert [e["path"] for e in fetched] == ["big1.bin"]
         assert_run_gone(local)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -13,6 +14,27 @@ class TargetError(Exception):
 
 class ConnectionLost(TargetError):
     """The link to the target failed or dropped; the caller may reconnect and resume."""
+
+
+class LocalWriteError(TargetError):
+    """This machine could not write a downloaded file (disk full, quota, read-only)."""
+
+    def __init__(self, path: Path, exc: OSError) -> None:
+        self.path = path
+        self.errno = exc.errno
+        self.strerror = exc.strerror or str(exc)
+        super().__init__(f"cannot write {path}: {self.strerror}")
+
+
+# What only the writing side of a download can fail with.
+_LOCAL_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
+
+
+def local_write_error(exc: BaseException, path: Path) -> LocalWriteError | None:
+    """The download's failure as a LocalWriteError when it was this machine that could not write."""
+    if isinstance(exc, OSError) and exc.errno in _LOCAL_WRITE_ERRNOS:
+        return LocalWriteError(path, exc)
+    return None
 
 
 class HostKeyUnknown(TargetError):

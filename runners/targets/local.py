@@ -10,7 +10,7 @@ import signal
 from pathlib import Path
 
 from runners.atomic import write_atomic
-from runners.targets.base import CommandResult, TargetError
+from runners.targets.base import CommandResult, TargetError, local_write_error
 
 
 class LocalTarget:
@@ -103,4 +103,6 @@ def _copy_atomic(src: Path, local: Path) -> None:
         os.replace(part, local)
     except OSError as exc:
         part.unlink(missing_ok=True)
-        raise TargetError(f"cannot download {src} to {local}: {exc}") from exc
+        raise local_write_error(exc, local) or TargetError(
+            f"cannot download {src} to {local}: {exc}"
+        ) from exc

@@ -17,6 +17,7 @@ from runners.targets.base import (
     HostKeyMismatch,
     HostKeyUnknown,
     TargetError,
+    local_write_error,
 )
 from runners.trust import (
     ResolvedHost,
@@ -304,6 +305,9 @@ class SshTarget:
             os.replace(part, local)
         except BaseException as exc:
             part.unlink(missing_ok=True)
+            local_failure = local_write_error(exc, local)
+            if local_failure is not None:
+                raise local_failure from exc
             if isinstance(exc, OSError | asyncssh.Error):
                 raise self._failure(exc, f"download {path} to {local}") from exc
             raise
