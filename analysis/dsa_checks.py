@@ -12,7 +12,6 @@ and the Weibull and Hazen definitions. A float passes at the precision it was wr
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -23,16 +22,18 @@ from analysis.dsa_record import MAX_SEQ, SHA1, Batch, Fail
 Q50, Q95 = 0.5, 0.95
 
 
+_P10 = 10.0 ** np.arange(7)
+
+
 def tolerance(v: np.ndarray) -> np.ndarray:
     """Half a unit in the last decimal a value was written with (1e-9 relative at full)."""
     v = np.asarray(v, dtype=np.float64)
-    tol = np.full(v.shape, np.nan)
     finite = np.isfinite(v)
-    for d in range(7):
-        hit = np.isnan(tol) & finite & (np.round(v, d) == v)
-        tol[hit] = 0.5 * 10.0**-d
-    tol[np.isnan(tol)] = 0.0
-    return tol + 1e-9 * np.maximum(1.0, np.abs(np.where(finite, v, 0.0)))
+    w = np.where(finite, v, 0.0)
+    m = w[:, None] * _P10  # np.round(v, d) is rint(v * 10**d) / 10**d: all d at once
+    hit = (np.rint(m) / _P10 == w[:, None]) & finite[:, None]
+    tol = np.where(hit.any(axis=1), 0.5 * 10.0 ** -hit.argmax(axis=1).astype(np.float64), 0.0)
+    return tol + 1e-9 * np.maximum(1.0, np.abs(w))
 
 
 def rank_bounds(n: np.ndarray, q: float) -> tuple[np.ndarray, np.ndarray]:
@@ -52,30 +53,62 @@ def _segsum(mask: np.ndarray, starts: np.ndarray) -> np.ndarray:
     )
 
 
+# Block sizes whose occupancy packs into one machine word per block (numpy >= 2 counts bits).
+_WORD = (
+    {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}
+    if hasattr(np, "bitwise_count")
+    else {}
+)
+
+
 @dataclass
 class Derived:
-    """What the checks computed that the aggregators reuse (valid rows only are aggregated)."""
+    """What the checks computed that the aggregators reuse (valid rows only are aggregated).
 
-    occ: np.ndarray  # position occupancy: rows' spans (total_blocks x block_size) concatenated
+    occ is every row's position occupancy over its span (total_blocks x block_size bins, rows
+    back to back, one bool per position); counts[b] is the number of positions in block b
+    (rows' blocks back to back, row r's from block_base[r]); ccum their running sum, so that
+    count_below() answers "how many positions of row r are < t" without a pass over positions.
+    """
+
+    occ: np.ndarray
     base: np.ndarray  # where each row's span starts in occ
+    span: np.ndarray
     lens: np.ndarray
-    counts: np.ndarray  # tokens per (row, block), rows' total_blocks concatenated
+    counts: np.ndarray
+    ccum: np.ndarray  # ccum[b] = counts[:b].sum()
+    words: np.ndarray | None  # occ packed, one word per block (block sizes 8, 16, 32, 64)
+    block_size: int
     total_blocks: np.ndarray
+    block_base: np.ndarray
     inter_lens: np.ndarray
     seq: np.ndarray
     code: np.ndarray  # 0 valid, else 1 + index of the first broken check
     explain: list[Callable[[int], Fail]] = field(default_factory=list)
-    cum: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # cumsum of occ
-    before: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    span: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    block_base: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     def count_below(self, rows: np.ndarray, t: np.ndarray) -> np.ndarray:
-        """How many positions of each row in `rows` are < t."""
-        t = np.clip(t, 0, self.span[rows])
-        before = self.before[rows]
-        idx = np.minimum(self.base[rows] + t - 1, len(self.cum) - 1)
-        return np.where(t > 0, self.cum[np.maximum(idx, 0)], before) - before
+        """How many positions of each row in `rows` are < t (t: one value per row, or a
+        rows x k matrix of them)."""
+        t = np.asarray(t)
+        span = self.span[rows]
+        bb = self.block_base[rows]
+        if t.ndim == 2:
+            span, bb = span[:, None], bb[:, None]
+        t = np.clip(t, 0, span)
+        bs = self.block_size
+        q, r = np.divmod(t, bs)
+        blk = bb + q
+        full = self.ccum[blk] - self.ccum[bb]
+        part = np.minimum(blk, len(self.counts) - 1)
+        if self.words is not None:
+            word = self.words.dtype.type
+            mask = ((np.ones_like(r, dtype=np.uint64) << r.astype(np.uint64)) - 1).astype(word)
+            partial = np.bitwise_count(self.words[part] & mask)
+        else:
+            grid = self.occ.reshape(-1, bs)[part.ravel()]
+            cut = np.arange(bs) < r.reshape(-1, 1)
+            partial = (grid & cut).sum(axis=1).reshape(r.shape)
+        return full + np.where(r > 0, partial, 0)
 
 
 @dataclass
@@ -87,10 +120,21 @@ class Context:
     bytes_per_token: int | None = None
 
 
-def _flat(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    lens = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
-    flat = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=int(lens.sum()))
-    return flat, lens
+def occupancy(
+    pos: np.ndarray, lens: np.ndarray, base: np.ndarray, size: int, bs: int
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """One bool per position bin of every row's span, the bins packed one word per block
+    (when the block size is a word), and the number of positions in each block."""
+    occ = np.zeros(size, dtype=bool)
+    if len(lens) and (lens == lens[0]).all():  # the usual batch: no repeat of row bases
+        occ[(pos.reshape(len(lens), -1) + base[:, None]).ravel()] = True
+    else:
+        occ[pos + np.repeat(base, lens)] = True
+    word = _WORD.get(bs)
+    if word is not None:
+        words = np.packbits(occ, bitorder="little").view(word)
+        return occ, words, np.bitwise_count(words).astype(np.int64)
+    return occ, None, occ.reshape(-1, bs).sum(axis=1, dtype=np.int64)
 
 
 def check_batch(b: Batch, ctx: Context) -> Derived:
@@ -100,57 +144,65 @@ def check_batch(b: Batch, ctx: Context) -> Derived:
     seq = c["seq"]
     seq_ok = (seq >= 1) & (seq <= MAX_SEQ)
     seq_c = np.where(seq_ok, seq, 1)
-    lens = np.fromiter(map(len, b.pos), dtype=np.int64, count=n)
-    starts = _starts(lens)
-    pos = np.concatenate(b.pos) if n else np.zeros(0, np.int64)
+    lens, starts, pos = b.pos.lens, b.pos.starts, b.pos.flat
     has = lens > 0
     maxpos = _segmax(pos, starts, lens)
-    in_range = ~has | (maxpos < seq_c)
-    if len(pos) and pos.min() < 0:
-        in_range &= ~has | (_segmin(pos, starts, lens) >= 0)
+    minpos = _segmin(pos, starts, lens)
+    in_range = ~has | ((minpos >= 0) & (maxpos < seq_c))
     if not in_range.all():
         pos = np.where(np.repeat(in_range, lens), pos, 0)
         maxpos = np.where(in_range, maxpos, 0)
+        minpos = np.where(in_range, minpos, 0)
     # Occupancy of every row's positions over its span (total_blocks x block_size), at once.
     tb = -(-seq_c // bs)
     span = tb * bs
     base = _starts(span)
-    occ = np.bincount(np.repeat(base, lens) + pos, minlength=int(span.sum()))
-    distinct = (
-        np.ones(n, dtype=bool) if not len(occ) or occ.max() <= 1 else _segsum(occ > 1, base) == 0
+    block_base = base // bs
+    occ, words, counts = occupancy(pos, lens, base, int(span.sum()), bs)
+    ccum = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=ccum[1:])
+    distinct = ccum[block_base + tb] - ccum[block_base] == lens  # repeats share a bin
+    d = Derived(
+        occ=occ,
+        base=base,
+        span=span,
+        lens=lens,
+        counts=counts,
+        ccum=ccum,
+        words=words,
+        block_size=bs,
+        total_blocks=tb,
+        block_base=block_base,
+        inter_lens=np.zeros(n, np.int64),
+        seq=seq_c,
+        code=np.zeros(n, np.int64),
     )
-    cum = np.cumsum(occ)
-    before = np.where(base > 0, cum[np.maximum(base - 1, 0)], 0)
-
-    def below(t: np.ndarray) -> np.ndarray:
-        """How many of each row's positions are < t (t per row)."""
-        t = np.clip(t, 0, span)
-        return np.where(t > 0, cum[np.minimum(base + t - 1, len(cum) - 1)], before) - before
-
-    minpos = np.where(has, np.searchsorted(cum, before + 1) - base, 0) if len(cum) else lens * 0
+    rows = np.arange(n)
     p50 = c["off_p50"]
     tol = tolerance(p50)
     with np.errstate(invalid="ignore"):
-        le = lens - below(np.ceil(np.nan_to_num(seq_c - 1 - (p50 + tol), nan=0.0)).astype(np.int64))
-        lt = lens - below(
-            np.floor(np.nan_to_num(seq_c - 1 - (p50 - tol), nan=0.0)).astype(np.int64) + 1
-        )
+        hi_t = np.clip(np.nan_to_num(seq_c - 1 - (p50 + tol), nan=0.0), 0, span)
+        lo_t = np.clip(np.nan_to_num(seq_c - 1 - (p50 - tol), nan=0.0), -1, span)
+    below = d.count_below(
+        rows,
+        np.stack([np.ceil(hi_t).astype(np.int64), np.floor(lo_t).astype(np.int64) + 1], axis=1),
+    )
+    le, lt = lens - below[:, 0], lens - below[:, 1]
     lo, hi = rank_bounds(lens, Q50)
     off_p50_ok = np.isfinite(p50) & has & (le >= lo + 1) & (lt <= hi)
 
-    counts = occ.reshape(-1, bs).sum(axis=1) if len(occ) else np.zeros(0, np.int64)
-    block_base = base // bs
     touched = counts > 0
-    n_touched = _segsum(touched, block_base)
-    blocks, blens = _flat(b.blocks)
+    n_touched = np.add.reduceat(touched, block_base, dtype=np.int64)
+    blocks, blens = b.blocks.flat, b.blocks.lens
     listed_ok = _same_set(blocks, blens, tb, block_base, touched)
-    inter, ilens = _flat(b.inter)
+    inter, ilens = b.inter.flat, b.inter.lens
+    d.inter_lens = ilens
     local = np.arange(len(counts)) - np.repeat(block_base, tb)
     inter_ok = _same_set(inter, ilens, tb, block_base, touched & (local < np.repeat(c["pcb"], tb)))
     ub = c["ublocks"]
     safe_ub = np.maximum(ub, 1)
-    tpb_p50_ok = _rank_ok(counts, block_base, tb, c["tpb_p50"], Q50)
-    tpb_p95_ok = _rank_ok(counts, block_base, tb, c["tpb_p95"], Q95)
+    tpb_p50_ok = _rank_ok(counts, touched, n_touched, block_base, tb, c["tpb_p50"], Q50)
+    tpb_p95_ok = _rank_ok(counts, touched, n_touched, block_base, tb, c["tpb_p95"], Q95)
     total = c["total_blocks"]
     tbr = c["tbr"]
     ratio_exp = ub / np.maximum(tb, 1)
@@ -164,13 +216,17 @@ def check_batch(b: Batch, ctx: Context) -> Derived:
             ok = _near(sc.min(), s_min[row]) and _near(sc.max(), s_max[row])
             ok = ok and abs(sc.mean() - s_mean[row]) <= 1e-6 * max(1.0, abs(sc.mean()))
         scores_ok[row] = ok
-    key_ok = np.array([len(k) == 40 and bool(SHA1.fullmatch(k)) for _, _, k in b.names], dtype=bool)
+    keys = {k: SHA1.fullmatch(k) is not None for _, _, k in b.names}
+    key_ok = np.array([keys[k] for _, _, k in b.names], dtype=bool)
     lat = c["latency"]
     stats_ok = np.isfinite(s_min) & np.isfinite(s_mean) & np.isfinite(s_max)
     stats_ok &= (s_min <= s_mean + _eps(s_mean)) & (s_mean <= s_max + _eps(s_max))
 
     def offsets(r: int) -> np.ndarray:
-        return np.sort(seq_c[r] - 1 - b.pos[r])
+        return np.sort(seq_c[r] - 1 - b.positions(r))
+
+    def counts_of(r: int) -> np.ndarray:
+        return _row_counts(counts, block_base, tb, r)
 
     topk = ctx.topk
     want = np.minimum(topk, seq_c)
@@ -184,19 +240,19 @@ def check_batch(b: Batch, ctx: Context) -> Derived:
         (c["bs"] == bs, lambda r: Fail("block_size_tokens", f"{bs} (the trace's block size)", str(c["bs"][r]))),
         (c["count"] == lens, lambda r: Fail("unique_token_pos_count", f"{lens[r]} (positions listed)", str(c["count"][r]))),
         (lens == want, lambda r: Fail("selected_token_pos", f"min(topk {topk}, seq_len_current {seq[r]}) = {want[r]} positions", str(lens[r]))),
-        (in_range, lambda r: Fail("selected_token_pos", f"positions in [0, {seq[r]})", _first_out(b.pos[r], seq[r]))),
-        (distinct, lambda r: Fail("selected_token_pos", "distinct positions", f"{len(b.pos[r]) - len(np.unique(b.pos[r]))} repeated")),
+        (in_range, lambda r: Fail("selected_token_pos", f"positions in [0, {seq[r]})", _first_out(b.positions(r), seq[r]))),
+        (distinct, lambda r: Fail("selected_token_pos", "distinct positions", f"{lens[r] - len(np.unique(b.positions(r)))} repeated")),
         (c["off_min"] == seq_c - 1 - maxpos, lambda r: Fail("offset_min", f"(seq_len_current - 1) - max(pos) = {seq_c[r] - 1 - maxpos[r]}", str(c["off_min"][r]))),
         (c["off_max"] == seq_c - 1 - minpos, lambda r: Fail("offset_max", f"(seq_len_current - 1) - min(pos) = {seq_c[r] - 1 - minpos[r]}", str(c["off_max"][r]))),
         (off_p50_ok, lambda r: Fail("offset_p50", _between(offsets(r), Q50), _fmt(p50[r]))),
-        ((total < 0) | (total == tb), lambda r: Fail("total_blocks_in_use", f"ceil({seq[r]} / {bs}) = {tb[r]}", str(total[r]))),
-        (listed_ok, lambda r: Fail("selected_block_ids", f"the blocks pos // {bs}: {_blocks_of(b.pos[r], bs)}", _short(b.blocks[r]))),
+        (~c["has_total"] | (total == tb), lambda r: Fail("total_blocks_in_use", f"ceil({seq[r]} / {bs}) = {tb[r]}", str(total[r]))),
+        (listed_ok, lambda r: Fail("selected_block_ids", f"the blocks pos // {bs}: {_blocks_of(b.positions(r), bs)}", _short(b.blocks[r]))),
         (ub == blens, lambda r: Fail("unique_blocks", f"{blens[r]} (block ids listed)", str(ub[r]))),
         (ub == n_touched, lambda r: Fail("unique_blocks", f"{n_touched[r]} touched blocks", str(ub[r]))),
         (np.isnan(tbr) | _close(tbr, ratio_exp), lambda r: Fail("touched_block_ratio", f"unique_blocks / total_blocks_in_use = {ratio_exp[r]!r}", _fmt(tbr[r]))),
         (_close(c["tpb_mean"], lens / safe_ub), lambda r: Fail("tokens_per_touched_block.mean", f"{lens[r]} / {ub[r]} = {lens[r] / max(ub[r], 1)!r}", _fmt(c["tpb_mean"][r]))),
-        (tpb_p50_ok, lambda r: Fail("tokens_per_touched_block.p50", _between(_row_counts(counts, block_base, tb, r), Q50), _fmt(c["tpb_p50"][r]))),
-        (tpb_p95_ok, lambda r: Fail("tokens_per_touched_block.p95", _between(_row_counts(counts, block_base, tb, r), Q95), _fmt(c["tpb_p95"][r]))),
+        (tpb_p50_ok, lambda r: Fail("tokens_per_touched_block.p50", _between(counts_of(r), Q50), _fmt(c["tpb_p50"][r]))),
+        (tpb_p95_ok, lambda r: Fail("tokens_per_touched_block.p95", _between(counts_of(r), Q95), _fmt(c["tpb_p95"][r]))),
         (c["hits_eq"], lambda r: Fail("kv_fetch.hbm.hit_blocks", "equal to selected_block_ids (HBM-only)", "a different list")),
         (c["hbm_batch"] == ub, lambda r: Fail("kv_fetch.hbm.batch_size", f"unique_blocks = {ub[r]}", str(c["hbm_batch"][r]))),
         (bytes_ok, lambda r: Fail("kv_fetch.hbm.bytes_read", f"unique_blocks x block_size x {bpt} bytes/token = {ub[r] * bs * (bpt or 0)}", str(c["bytes"][r]))),
@@ -209,24 +265,11 @@ def check_batch(b: Batch, ctx: Context) -> Derived:
         (stats_ok, lambda r: Fail("scores_stats", "finite, min <= mean <= max", f"{s_min[r]!r} / {s_mean[r]!r} / {s_max[r]!r}")),
         (scores_ok, lambda r: Fail("scores_topk", "one finite score per position, matching scores_stats", f"{len(b.scores.get(r, []))} scores")),
     ]  # fmt: skip
-    code = np.zeros(n, dtype=np.int64)
-    for i, (ok, _) in enumerate(checks, start=1):
-        code[(code == 0) & ~np.asarray(ok, dtype=bool)] = i
-    return Derived(
-        occ=occ,
-        base=base,
-        lens=lens,
-        counts=counts,
-        total_blocks=tb,
-        inter_lens=ilens,
-        seq=seq_c,
-        code=code,
-        explain=[e for _, e in checks],
-        cum=cum,
-        before=before,
-        span=span,
-        block_base=block_base,
-    )
+    if n:
+        broken = ~np.vstack([np.asarray(ok, dtype=bool) for ok, _ in checks])
+        d.code = np.where(broken.any(axis=0), broken.argmax(axis=0) + 1, 0)
+    d.explain = [e for _, e in checks]
+    return d
 
 
 def explain(d: Derived, row: int) -> Fail:
@@ -236,42 +279,40 @@ def explain(d: Derived, row: int) -> Fail:
 # -- helpers -----------------------------------------------------------------------------------
 
 
-def _popcount(x: np.ndarray) -> np.ndarray:
-    if hasattr(np, "bitwise_count"):
-        return np.bitwise_count(x).astype(np.int64)
-    table = np.array([bin(i).count("1") for i in range(256)], dtype=np.int64)  # numpy < 2
-    return table[x.view(np.uint8)].reshape(-1, 8).sum(axis=1)
-
-
 def _segmax(v: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    if len(v) == 0:
-        return np.zeros(len(starts), dtype=np.int64)
-    out = np.maximum.reduceat(v, np.minimum(starts, len(v) - 1))
-    return np.where(lens > 0, out, 0)
+    return _segreduce(np.maximum, v, starts, lens)
 
 
 def _segmin(v: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    return _segreduce(np.minimum, v, starts, lens)
+
+
+def _segreduce(op: np.ufunc, v: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """op over each row's values (0 for a row with none)."""
     if len(v) == 0:
         return np.zeros(len(starts), dtype=np.int64)
-    out = np.minimum.reduceat(v, np.minimum(starts, len(v) - 1))
+    if lens[0] > 0 and (lens == lens[0]).all():
+        return op.reduce(v.reshape(len(lens), -1), axis=1)
+    out = op.reduceat(v, np.minimum(starts, len(v) - 1))
     return np.where(lens > 0, out, 0)
 
 
 def _rank_ok(
-    values: np.ndarray,
-    starts: np.ndarray,
-    lens: np.ndarray,
+    counts: np.ndarray,
+    touched: np.ndarray,
+    n: np.ndarray,
+    block_base: np.ndarray,
+    tb: np.ndarray,
     reported: np.ndarray,
     q: float,
 ) -> np.ndarray:
-    """Does each row's reported q-quantile lie between its bracketing order statistics?"""
+    """Does each row's reported q-quantile of its touched blocks' counts lie between the order
+    statistics that bracket it (n: each row's touched blocks)?"""
     tol = tolerance(reported)
-    hi_v = np.repeat(reported + tol, lens)
-    lo_v = np.repeat(reported - tol, lens)
-    member = values > 0
-    n = _segsum(member, starts)
-    le = _segsum(member & (values <= hi_v), starts)
-    lt = _segsum(member & (values < lo_v), starts)
+    hi_v = np.repeat(reported + tol, tb)
+    lo_v = np.repeat(reported - tol, tb)
+    le = np.add.reduceat(touched & (counts <= hi_v), block_base, dtype=np.int64)
+    lt = np.add.reduceat(touched & (counts < lo_v), block_base, dtype=np.int64)
     lo, hi = rank_bounds(n, q)
     return np.isfinite(reported) & (n > 0) & (le >= lo + 1) & (lt <= hi)
 
@@ -279,11 +320,18 @@ def _rank_ok(
 def _same_set(
     listed: np.ndarray, lens: np.ndarray, tb: np.ndarray, base: np.ndarray, expect: np.ndarray
 ) -> np.ndarray:
-    """Rows whose listed ids are exactly the expected bins (no repeats, none out of range)."""
+    """Rows whose listed ids are exactly the expected bins (no repeats, none out of range).
+
+    base: each row's first bin (every row has at least one: total_blocks >= 1)."""
     inside = (listed >= 0) & (listed < np.repeat(tb, lens))
-    key = np.repeat(base, lens) + np.where(inside, listed, 0)
-    got = np.bincount(key[inside], minlength=len(expect))
-    return (_segsum(got != expect, base) == 0) & (_segsum(~inside, _starts(lens)) == 0)
+    everywhere = bool(inside.all())
+    key = np.repeat(base, lens) + (listed if everywhere else np.where(inside, listed, 0))
+    got = np.bincount(key if everywhere else key[inside], minlength=len(expect))
+    ok = np.add.reduceat(got != expect, base, dtype=np.int64) == 0
+    if not everywhere:
+        outside = np.repeat(np.arange(len(lens)), lens)[~inside]
+        ok[outside] = False
+    return ok
 
 
 def _starts(lens: np.ndarray) -> np.ndarray:

@@ -1,17 +1,22 @@
-"""Seed 004 section 5.2 dsa_topk records, parsed a batch at a time and judged column by column.
+"""Seed 004 section 5.2 dsa_topk records, read a batch at a time into columns.
 
-Parsing: pysimdjson when installed (its arrays come out as int64 buffers, no Python int per
-position), else orjson; both feed the same columns. Keys and types are checked as each record
-is read; everything else is checked on whole columns with numpy (CHECKS, in order: a record's
-verdict is its first failing check), so a batch of 2048-position records costs a handful of
-vector passes, not a Python loop per position.
+A line is cut where its selected_token_pos array sits (~90% of a 2048-position record's bytes):
+the arrays of a whole batch go to pysimdjson in one call and come out as one int64 buffer (no
+Python int per position); the rest of each line, with the array replaced by 0, goes to a typed
+msgspec decoder, which checks every key and type of the record at once (the 0 proves the key is
+at the top level). A line the cut does not fit, or whose parts do not decode, is read again by
+orjson and checked key by key (schema_fail), so its failure is named exactly: the fast path
+only ever accepts what the exact path accepts. The values are then judged on whole columns
+(analysis.dsa_checks).
 """
 
 from __future__ import annotations
 
 import math
 import re
+import threading
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 import msgspec
@@ -158,7 +163,7 @@ def _expect(kind: str) -> str:
 # -- reading a batch ---------------------------------------------------------------------------
 
 
-class _Pool(msgspec.Struct):
+class _Pool(msgspec.Struct, gc=False):
     hit_blocks: list[int]
     bytes_read: int
     read_ops: int
@@ -166,34 +171,48 @@ class _Pool(msgspec.Struct):
     batch_size: int
 
 
-class _KV(msgspec.Struct):
-    hbm: _Pool
+class _Hbm(msgspec.Struct, gc=False):
+    hit_blocks: msgspec.Raw  # compared with selected_block_ids as bytes, parsed when different
+    bytes_read: int
+    read_ops: int
+    latency_us: float | None
+    batch_size: int
+
+
+class _KV(msgspec.Struct, gc=False):
+    hbm: _Hbm
     local_pool: _Pool
     remote_pool: _Pool
 
 
-class _TPB(msgspec.Struct):
+class _TPB(msgspec.Struct, gc=False):
     mean: float
     p50: float
     p95: float
 
 
-class _Prefix(msgspec.Struct):
+class _Prefix(msgspec.Struct, gc=False):
     prefix_cache_hit: bool
     prefix_cached_blocks: int
     prefix_key: str
     intersection_ratio: float
-    intersection_blocks: list[int]
+    intersection_blocks: msgspec.Raw  # parsed with the batch's other id lists
 
 
-class _Scores(msgspec.Struct):
+class _Scores(msgspec.Struct, gc=False):
     min: float
     mean: float
     max: float
 
 
-class _Rest(msgspec.Struct):
-    """A record without selected_token_pos (parsed apart, straight into int64)."""
+_NAN = float("nan")
+
+
+class _Rest(msgspec.Struct, gc=False):
+    """A record whose selected_token_pos array was cut out (and replaced by the number 0).
+
+    The id lists are kept raw (valid JSON, not yet typed): a batch's lists are parsed into one
+    int64 buffer by pysimdjson, which refuses anything but integers."""
 
     event: str
     run_name: str
@@ -209,163 +228,403 @@ class _Rest(msgspec.Struct):
     offset_p50: float
     offset_max: int
     block_size_tokens: int
-    selected_block_ids: list[int]
+    selected_block_ids: msgspec.Raw
     unique_blocks: int
     tokens_per_touched_block: _TPB
     kv_fetch: _KV
     prefix: _Prefix
+    selected_token_pos: int  # the 0 put where the array was: the key is at the top level
     scores_stats: _Scores
     total_blocks_in_use: int | msgspec.UnsetType = msgspec.UNSET
-    touched_block_ratio: float | msgspec.UnsetType = msgspec.UNSET
+    touched_block_ratio: float = _NAN  # JSON has no NaN: NaN is "absent"
     scores_topk: list[float] | msgspec.UnsetType = msgspec.UNSET
 
 
 _REST = msgspec.json.Decoder(_Rest)
-_INTS = msgspec.json.Decoder(list[int])
+_local = threading.local()
 KEY = b'"selected_token_pos"'
 _WS = b" \t\r\n"
 
-# Scalar columns, in the order _row() returns them.
-COLS = (
-    "request", "layer", "step", "seq", "count", "off_min", "off_p50", "off_max", "bs",
-    "ublocks", "total_blocks", "tbr", "tpb_mean", "tpb_p50", "tpb_p95", "bytes", "latency",
-    "hbm_batch", "pcb", "hit", "ratio", "s_min", "s_mean", "s_max", "rank", "world", "pools_ok",
-    "hits_eq", "event_ok",
-)  # fmt: skip
-_NAN = float("nan")
+# Integer and float columns, read with one C-level getter per record each.
+INT_COLS = {
+    "request": "request_id",
+    "layer": "layer_id",
+    "step": "step_idx",
+    "seq": "seq_len_current",
+    "count": "unique_token_pos_count",
+    "off_min": "offset_min",
+    "off_max": "offset_max",
+    "bs": "block_size_tokens",
+    "ublocks": "unique_blocks",
+    "bytes": "kv_fetch.hbm.bytes_read",
+    "hbm_batch": "kv_fetch.hbm.batch_size",
+    "pcb": "prefix.prefix_cached_blocks",
+    "hit": "prefix.prefix_cache_hit",
+    "rank": "rank",
+    "world": "world_size",
+}
+FLOAT_COLS = {
+    "off_p50": "offset_p50",
+    "tbr": "touched_block_ratio",
+    "tpb_mean": "tokens_per_touched_block.mean",
+    "tpb_p50": "tokens_per_touched_block.p50",
+    "tpb_p95": "tokens_per_touched_block.p95",
+    "latency": "kv_fetch.hbm.latency_us",
+    "ratio": "prefix.intersection_ratio",
+    "s_min": "scores_stats.min",
+    "s_mean": "scores_stats.mean",
+    "s_max": "scores_stats.max",
+}
+_INTS_OF = attrgetter(*INT_COLS.values())
+_FLOATS_OF = attrgetter(*FLOAT_COLS.values())
+_NAMES_OF = attrgetter("run_name", "dataset", "prefix.prefix_key")
+_BLOCKS_OF = attrgetter("selected_block_ids")
+_INTER_OF = attrgetter("prefix.intersection_blocks")
+_I64_MAX = (1 << 63) - 1
+_EMPTY = np.zeros(0, np.int64)
+
+
+class Ragged:
+    """Rows of integers back to back: row r is flat[starts[r] : starts[r] + lens[r]]."""
+
+    def __init__(self, flat: np.ndarray, lens: np.ndarray) -> None:
+        self.flat = flat
+        self.lens = lens
+        self.starts = _starts(lens)
+
+    @classmethod
+    def of(cls, rows: list[np.ndarray]) -> Ragged:
+        lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+        return cls(np.concatenate(rows) if rows else _EMPTY, lens)
+
+    def __len__(self) -> int:
+        return len(self.lens)
+
+    def __getitem__(self, r: int) -> np.ndarray:
+        s = int(self.starts[r])
+        return self.flat[s : s + int(self.lens[r])]
+
+    def rows(self) -> list[np.ndarray]:
+        return [self[r] for r in range(len(self))]
+
+    def sub(self, r0: int, r1: int) -> Ragged:
+        p0 = int(self.starts[r0]) if r0 < len(self) else len(self.flat)
+        p1 = int(self.starts[r1]) if r1 < len(self) else len(self.flat)
+        return Ragged(self.flat[p0:p1], self.lens[r0:r1])
 
 
 @dataclass
 class Batch:
-    """The records of a batch that parsed with the right keys and types, as columns."""
+    """The records of a batch that parsed with the right keys and types, as columns.
+
+    pos, blocks and inter hold every row's selected_token_pos, selected_block_ids and
+    prefix.intersection_blocks, back to back (Ragged)."""
 
     lines: list[int] = field(default_factory=list)
-    rows: list[tuple[Any, ...]] = field(default_factory=list)
     names: list[tuple[str, str, str]] = field(default_factory=list)  # run_name, dataset, key
-    pos: list[np.ndarray] = field(default_factory=list)
-    blocks: list[list[int]] = field(default_factory=list)
-    inter: list[list[int]] = field(default_factory=list)
+    pos: Ragged = field(default_factory=lambda: Ragged(_EMPTY, _EMPTY))
+    blocks: Ragged = field(default_factory=lambda: Ragged(_EMPTY, _EMPTY))
+    inter: Ragged = field(default_factory=lambda: Ragged(_EMPTY, _EMPTY))
     scores: dict[int, np.ndarray] = field(default_factory=dict)  # row -> scores_topk
     bad: list[tuple[int, Fail, tuple[int, int, int] | None]] = field(default_factory=list)
     col: dict[str, np.ndarray] = field(default_factory=dict)
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.lines)
 
-    def columns(self) -> None:
-        if self.rows:
-            for name, values in zip(COLS, zip(*self.rows, strict=True), strict=True):
-                self.col[name] = np.array(values)
+    def positions(self, r: int) -> np.ndarray:
+        return self.pos[r]
 
     def sub(self, r0: int, r1: int) -> Batch:
-        """Rows r0..r1-1 as a batch of their own (columns sliced, no copy of positions)."""
-        out = Batch(
+        """Rows r0..r1-1 as a batch of their own (views, no copy of the positions)."""
+        return Batch(
             lines=self.lines[r0:r1],
-            rows=self.rows[r0:r1],
             names=self.names[r0:r1],
-            pos=self.pos[r0:r1],
-            blocks=self.blocks[r0:r1],
-            inter=self.inter[r0:r1],
+            pos=self.pos.sub(r0, r1),
+            blocks=self.blocks.sub(r0, r1),
+            inter=self.inter.sub(r0, r1),
             scores={r - r0: v for r, v in self.scores.items() if r0 <= r < r1},
+            col={k: v[r0:r1] for k, v in self.col.items()},
         )
-        out.col = {k: v[r0:r1] for k, v in self.col.items()}
-        return out
+
+
+def cut_positions(raw: bytes) -> tuple[int, int] | None:
+    """(j, k): raw[j:k+1] is the selected_token_pos array, a flat '[...]' after the record's
+    only '"selected_token_pos"' key; None when the line is not simply cut (the exact path reads
+    it). Whether the key is really at the top level is proved by decoding the rest."""
+    i = raw.find(KEY)
+    if i <= 0:
+        return None
+    try:
+        h = i - 1
+        while raw[h] in _WS and h > 0:
+            h -= 1
+        if raw[h] != 44 and raw[h] != 123:  # the key follows "," or "{"
+            return None
+        j = i + len(KEY)
+        while raw[j] in _WS:
+            j += 1
+        if raw[j] != 58:  # ":"
+            return None
+        j += 1
+        while raw[j] in _WS:
+            j += 1
+        if raw[j] != 91:  # "["
+            return None
+    except IndexError:
+        return None
+    k = raw.find(b"]", j)
+    if k < 0 or raw.find(b"[", j + 1, k) >= 0 or raw.find(KEY, k) >= 0:
+        return None  # unclosed, nested, or a second key
+    return j, k
 
 
 def split_positions(raw: bytes) -> tuple[bytes, bytes] | None:
-    """(the selected_token_pos array, the record without it), or None when not simply cut."""
-    i = raw.find(KEY)
-    if i < 0:
+    """(the selected_token_pos array, the record with 0 in its place), or None (see cut)."""
+    cut = cut_positions(raw)
+    if cut is None:
         return None
-    j = i + len(KEY)
-    while j < len(raw) and raw[j] in _WS:
-        j += 1
-    if j >= len(raw) or raw[j] != 58:  # ":"
-        return None
-    j += 1
-    while j < len(raw) and raw[j] in _WS:
-        j += 1
-    k = raw.find(b"]", j)
-    if j >= len(raw) or raw[j] != 91 or k < 0:  # "["
-        return None
-    h = i - 1
-    while h >= 0 and raw[h] in _WS:
-        h -= 1
-    if h >= 0 and raw[h] == 44:  # "," before the key
-        rest = raw[:h] + raw[k + 1 :]
-        return (raw[j : k + 1], rest) if rest.find(KEY) < 0 else None
-    if h >= 0 and raw[h] == 123:  # "{": the first key; drop the comma after the array
-        t = k + 1
-        while t < len(raw) and raw[t] in _WS:
-            t += 1
-        rest = raw[:i] + raw[t + 1 :] if t < len(raw) and raw[t] == 44 else raw[:i] + raw[k + 1 :]
-        return (raw[j : k + 1], rest) if rest.find(KEY) < 0 else None
-    return None
+    j, k = cut
+    return raw[j : k + 1], raw[:j] + b"0" + raw[k + 1 :]
 
 
-def _positions(data: bytes, parser: Any) -> np.ndarray:
-    if parser is None:
-        return np.array(_INTS.decode(data), dtype=np.int64)
-    doc = parser.parse(data)
+def _parse_arrays(texts: list[Any], flat: bool = False) -> Ragged | None:
+    """JSON arrays of integers as one int64 buffer, in one pysimdjson call; None when any of
+    them is not a flat array of integers that fit 64 bits. flat: each text is known to be one
+    '[' ... ']' with no bracket inside (cut_positions); else the brackets are counted.
+    """
+    if simdjson is None:  # pragma: no cover - depends on the install
+        return None
+    if not texts:
+        return Ragged(_EMPTY, _EMPTY)
+    parser = getattr(_local, "parser", None)
+    if parser is None:  # one per thread, kept: a new one allocates its buffers afresh
+        parser = _local.parser = simdjson.Parser()
     try:
-        if type(doc) is not simdjson.Array:
-            raise TypeError
-        out = np.frombuffer(doc.as_buffer(of_type="i"), dtype=np.int64)
-        if len(out) != len(doc) or (len(doc) and type(doc[0]) is not int):
-            raise TypeError  # nested arrays flatten in as_buffer: refuse them
-        return out
+        if len(texts) > 1:  # one join (a copy of ~1 MB per 100 records), brackets included
+            whole = b",".join([b"[" + bytes(texts[0]), *texts[1:-1], bytes(texts[-1]) + b"]"])
+        else:
+            whole = b"[" + bytes(texts[0]) + b"]"
+        if not flat and whole.count(b"[") != len(texts) + 1:
+            return None  # a nested array (as_buffer would flatten it into its row)
+        doc = parser.parse(whole)
+        lens = [len(a) for a in doc]  # a row that is no array has no len: TypeError
+        flat = np.frombuffer(doc.as_buffer(of_type="i"), dtype=np.int64)
+    except (TypeError, ValueError, RuntimeError):
+        return None
     finally:
-        del doc
+        doc = None  # the parser's documents must be gone before it parses again
+    # Every element is one row's array with no array inside, and as_buffer accepted only
+    # integers, so the lengths add up exactly.
+    if len(lens) != len(texts) or sum(lens) != len(flat):
+        return None
+    return Ragged(flat, np.array(lens, dtype=np.int64))
 
 
-def _row(r: _Rest) -> tuple[Any, ...]:
-    tpb, hbm, pre, ss = r.tokens_per_touched_block, r.kv_fetch.hbm, r.prefix, r.scores_stats
-    loc, rem = r.kv_fetch.local_pool, r.kv_fetch.remote_pool
-    total, tbr = r.total_blocks_in_use, r.touched_block_ratio
-    return (
-        r.request_id, r.layer_id, r.step_idx, r.seq_len_current, r.unique_token_pos_count,
-        r.offset_min, r.offset_p50, r.offset_max, r.block_size_tokens, r.unique_blocks,
-        -1 if total is msgspec.UNSET else total, _NAN if tbr is msgspec.UNSET else tbr,
-        tpb.mean, tpb.p50, tpb.p95, hbm.bytes_read,
-        _NAN if hbm.latency_us is None else hbm.latency_us, hbm.batch_size,
-        pre.prefix_cached_blocks, pre.prefix_cache_hit, pre.intersection_ratio, ss.min, ss.mean,
-        ss.max, r.rank, r.world_size,
-        loc.batch_size == len(loc.hit_blocks) and rem.batch_size == len(rem.hit_blocks),
-        hbm.hit_blocks == r.selected_block_ids, r.event == "dsa_topk",
-    )  # fmt: skip
+def _one_array(text: Any) -> np.ndarray | None:
+    parsed = _parse_arrays([text])
+    if parsed is not None:
+        return parsed.flat
+    if simdjson is not None:
+        return None
+    try:  # pragma: no cover - without pysimdjson
+        values = msgspec.json.decode(bytes(text), type=list[int])
+        return np.array(values, dtype=np.int64)
+    except (msgspec.DecodeError, OverflowError, ValueError):
+        return None
+
+
+def _arrays(texts: list[Any], flat: bool = False) -> Ragged | list[np.ndarray | None]:
+    """The rows' arrays: one buffer when all parse at once, else per row (None: not a flat
+    array of 64-bit integers)."""
+    whole = _parse_arrays(texts, flat)
+    if whole is not None:
+        return whole
+    return [_one_array(t) for t in texts]
 
 
 def read_batch(lines: list[bytes], first_line: int) -> Batch:
     """Parse lines (numbered from first_line) into a Batch; bad ones go to Batch.bad."""
     batch = Batch()
-    parser = simdjson.Parser() if simdjson is not None else None
+    rests: list[_Rest] = []
+    texts: list[Any] = []  # memoryviews of the position arrays
+    raws: list[bytes] = []
+    nums: list[int] = []
+    slow: dict[int, np.ndarray] = {}  # rows the exact path read: their positions
+    decode = _REST.decode
     for n, raw in enumerate(lines, start=first_line):
         if len(raw) > MAX_RECORD_BYTES:
             fail = Fail("record", f"at most {MAX_RECORD_BYTES} bytes", f"{len(raw)} bytes")
             batch.bad.append((n, fail, None))
             continue
-        parts = split_positions(raw)
-        try:
-            if parts is None:
-                raise ValueError
-            rest = _REST.decode(parts[1])
-            pos = _positions(parts[0], parser)
-        except (TypeError, ValueError, msgspec.DecodeError):
-            slow = _slow(n, raw)
-            if isinstance(slow, tuple):
-                batch.bad.append(slow)
+        cut = cut_positions(raw)
+        if cut is not None:
+            j, k = cut
+            try:
+                rest = decode(raw[:j] + b"0" + raw[k + 1 :])
+            except msgspec.DecodeError:  # ValidationError included
+                pass
+            else:
+                rests.append(rest)
+                texts.append(memoryview(raw)[j : k + 1])
+                raws.append(raw)
+                nums.append(n)
                 continue
-            rest, pos = slow
-        if rest.scores_topk is not msgspec.UNSET:
-            batch.scores[len(batch.rows)] = np.asarray(rest.scores_topk, dtype=np.float64)
-        batch.lines.append(n)
-        batch.rows.append(_row(rest))
-        batch.names.append((rest.run_name, rest.dataset, rest.prefix.prefix_key))
-        batch.pos.append(pos)
-        batch.blocks.append(rest.selected_block_ids)
-        batch.inter.append(rest.prefix.intersection_blocks)
-    batch.columns()
+        got = _slow(n, raw)
+        if len(got) == 3:
+            batch.bad.append(got)  # type: ignore[arg-type]
+            continue
+        slow[len(rests)] = got[1]  # type: ignore[misc]
+        rests.append(got[0])  # type: ignore[arg-type]
+        texts.append(b"[]")
+        raws.append(raw)
+        nums.append(n)
+    rejected: dict[int, tuple[int, Fail, tuple[int, int, int] | None]] = {}
+
+    def reject(r: int, fail: Fail | None = None) -> None:
+        """Row r is no record after all: the exact path says why (or `fail` does)."""
+        if r in rejected:
+            return
+        got = _slow(nums[r], raws[r])
+        if len(got) != 3:
+            rest = rests[r]
+            ident = (rest.request_id, rest.layer_id, rest.step_idx)
+            got = (nums[r], fail or Fail("record", "a dsa_topk record", "unreadable"), ident)
+        rejected[r] = got  # type: ignore[assignment]
+
+    pos = _arrays(texts, flat=True)
+    if slow or isinstance(pos, list):
+        rows = pos.rows() if isinstance(pos, Ragged) else pos
+        for r, a in slow.items():
+            rows[r] = a
+        for r, a in enumerate(rows):
+            if a is None:
+                why = Fail("selected_token_pos", "an array of integers that fit 64 bits", _text(texts[r]))  # fmt: skip
+                reject(r, why)
+        pos = rows
+    blocks = _arrays(list(map(_BLOCKS_OF, rests)))
+    inter = _arrays(list(map(_INTER_OF, rests)))
+    for name, got, of in (
+        ("selected_block_ids", blocks, _BLOCKS_OF),
+        ("prefix.intersection_blocks", inter, _INTER_OF),
+    ):
+        if isinstance(got, list):
+            for r, a in enumerate(got):
+                if a is None:
+                    why = Fail(name, "an array of integers that fit 64 bits", _text(of(rests[r])))
+                    reject(r, why)
+    hits_eq = _hits_equal(rests, blocks, reject)
+    imat, totals = _int_matrix(rests, nums, rejected)
+    keep = [r for r in range(len(rests)) if r not in rejected]
+    if rejected:
+        batch.bad += rejected.values()
+        rests = [rests[r] for r in keep]
+        imat, totals, hits_eq = imat[keep], totals[keep], hits_eq[keep]
+    batch.lines = [nums[r] for r in keep]
+    batch.pos, batch.blocks, batch.inter = (
+        _ragged(a, keep, rejected) for a in (pos, blocks, inter)
+    )
+    batch.bad.sort(key=lambda b: b[0])
+    _columns(batch, rests, imat, totals, hits_eq)
     return batch
+
+
+def _text(value: Any, limit: int = 60) -> str:
+    """A raw JSON value as written, shortened."""
+    text = bytes(value).decode("utf-8", "replace")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _ragged(
+    got: Ragged | list[np.ndarray | None], keep: list[int], rejected: dict[int, Any]
+) -> Ragged:
+    if isinstance(got, Ragged) and not rejected:
+        return got
+    rows = got.rows() if isinstance(got, Ragged) else got
+    return Ragged.of([rows[r] for r in keep])  # type: ignore[misc]
+
+
+def _hits_equal(
+    rests: list[_Rest], blocks: Ragged | list[np.ndarray | None], reject: Any
+) -> np.ndarray:
+    """kv_fetch.hbm.hit_blocks == selected_block_ids, per row: as written (the usual case),
+    else as lists of integers (a hit list that is none makes the row a bad record)."""
+    out = np.ones(len(rests), dtype=bool)
+    for r, rest in enumerate(rests):
+        hits = rest.kv_fetch.hbm.hit_blocks
+        if hits == rest.selected_block_ids:
+            continue
+        mine = _one_array(hits)
+        if mine is None:
+            reject(r, Fail("kv_fetch.hbm.hit_blocks", "an array of integers", _text(hits)))
+            continue
+        listed = blocks[r]
+        out[r] = listed is not None and np.array_equal(mine, listed)
+    return out
+
+
+def _int_matrix(
+    rests: list[_Rest], nums: list[int], rejected: dict[int, Any]
+) -> tuple[np.ndarray, np.ndarray]:
+    """The rows' integer fields (rows x INT_COLS) and total_blocks_in_use (-1 where absent:
+    has_total tells); a row with a value beyond int64 is a bad record (added to rejected)."""
+    ints = [_INTS_OF(r) for r in rests]
+    totals = [r.total_blocks_in_use for r in rests]
+    unset = msgspec.UNSET
+    try:
+        imat = np.array(ints, dtype=np.int64).reshape(len(rests), len(INT_COLS))
+        tot = np.array([-1 if t is unset else t for t in totals], dtype=np.int64)
+        return imat, tot
+    except OverflowError:  # msgspec reads integers up to 2**64 - 1
+        pass
+    names = [*INT_COLS.values(), "total_blocks_in_use"]
+    for r, rest in enumerate(rests):
+        values = (*ints[r], -1 if totals[r] is unset else totals[r])
+        big = [(k, v) for k, v in zip(names, values, strict=True) if v > _I64_MAX]
+        if big and r not in rejected:
+            fail = Fail(big[0][0], "an integer that fits 64 bits", str(big[0][1]))
+            rejected[r] = (nums[r], fail, (rest.request_id, rest.layer_id, rest.step_idx))
+        if big:
+            ints[r] = (0,) * len(INT_COLS)
+            totals[r] = unset
+    imat = np.array(ints, dtype=np.int64).reshape(len(rests), len(INT_COLS))
+    return imat, np.array([-1 if t is unset else t for t in totals], dtype=np.int64)
+
+
+def _columns(
+    batch: Batch, rests: list[_Rest], imat: np.ndarray, totals: np.ndarray, hits_eq: np.ndarray
+) -> None:
+    c = batch.col
+    imat = imat.T.copy()
+    for i, name in enumerate(INT_COLS):
+        c[name] = imat[i]
+    c["total_blocks"] = totals
+    c["has_total"] = np.array([r.total_blocks_in_use is not msgspec.UNSET for r in rests], bool)
+    floats = [_FLOATS_OF(r) for r in rests]  # latency_us null: NaN (never a pass)
+    fmat = np.array(floats, dtype=np.float64).reshape(len(rests), len(FLOAT_COLS)).T.copy()
+    for i, name in enumerate(FLOAT_COLS):
+        c[name] = fmat[i]
+    pools_ok, event_ok = [], []
+    for row, r in enumerate(rests):
+        kv = r.kv_fetch
+        loc, rem = kv.local_pool, kv.remote_pool
+        pools_ok.append(
+            loc.batch_size == len(loc.hit_blocks) and rem.batch_size == len(rem.hit_blocks)
+        )
+        event_ok.append(r.event == "dsa_topk")
+        if r.scores_topk is not msgspec.UNSET:
+            batch.scores[row] = np.asarray(r.scores_topk, dtype=np.float64)
+    batch.names = list(map(_NAMES_OF, rests))
+    c["pools_ok"] = np.array(pools_ok, dtype=bool)
+    c["hits_eq"] = hits_eq
+    c["event_ok"] = np.array(event_ok, dtype=bool)
+
+
+def _starts(lens: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(lens), dtype=np.int64)
+    if len(lens) > 1:
+        np.cumsum(lens[:-1], out=out[1:])
+    return out
 
 
 def _slow(
@@ -381,9 +640,13 @@ def _slow(
     fail = schema_fail(obj)
     if fail is None:
         try:
-            pos = np.array(obj.pop("selected_token_pos"), dtype=np.int64)
-            return msgspec.convert(obj, _Rest), pos
-        except (msgspec.ValidationError, OverflowError, ValueError) as exc:
+            pos = np.array(obj["selected_token_pos"], dtype=np.int64)
+            rest = _REST.decode(orjson.dumps({**obj, "selected_token_pos": 0}))
+            return rest, pos
+        except OverflowError:
+            big = next(v for v in obj["selected_token_pos"] if not -_I64_MAX - 1 <= v <= _I64_MAX)
+            fail = Fail("selected_token_pos", "integers that fit 64 bits", str(big))
+        except (msgspec.ValidationError, ValueError) as exc:
             fail = Fail("record", "values that fit 64-bit integers and floats", str(exc))
     ident = None
     if isinstance(obj, dict):

@@ -29,6 +29,19 @@ def hdr_bucket(v: np.ndarray) -> np.ndarray:
     return np.where(big, EXACT + (e - 6) * SUB + sub, v)
 
 
+_HDR_STARTS = np.zeros(0, dtype=np.int64)
+
+
+def hdr_starts(n: int) -> np.ndarray:
+    """The first value of every bucket that starts below n (buckets are consecutive ranges from
+    0, so np.add.reduceat(hist, hdr_starts(len(hist))) sums a histogram into its buckets)."""
+    global _HDR_STARTS
+    top = int(hdr_bucket(np.array([max(n - 1, 0)]))[0]) + 1
+    if len(_HDR_STARTS) < top:
+        _HDR_STARTS = np.array([hdr_range(b)[0] for b in range(max(top, 2 * len(_HDR_STARTS)))])
+    return _HDR_STARTS[:top]
+
+
 def hdr_range(bucket: int) -> tuple[int, int]:
     """The values [lo, hi] a bucket holds."""
     if bucket < EXACT:
@@ -71,20 +84,23 @@ def stats_of(items: list[tuple[float, int]], total: float) -> dict[str, Any]:
 
 
 class SummaryAgg:
-    """The four statistics of summary.json 5.3 and prefix_hot_blocks, from valid records."""
+    """The four statistics of summary.json 5.3 and prefix_hot_blocks, from valid records.
+
+    The counts live in dense arrays indexed by value (unique_blocks, tokens per block, offset
+    bucket, layer x prefix block), so folding an increment is a few vector adds."""
 
     def __init__(self, exact: bool = False) -> None:
         self.records = 0
-        self.ub: Counter[int] = Counter()
-        self.tpb: Counter[int] = Counter()
-        self.off_hdr: Counter[int] = Counter()
+        self.ub = np.zeros(0, dtype=np.int64)  # ub[v]: records with unique_blocks v
+        self.tpb = np.zeros(0, dtype=np.int64)  # tpb[v]: touched blocks holding v positions
+        self.off_hdr = np.zeros(0, dtype=np.int64)  # per hdr_bucket of the offsets
         self.off_n = 0
         self.off_sum = 0
         self.off_min: int | None = None
         self.off_max: int | None = None
         self.off_exact: np.ndarray | None = np.zeros(0, dtype=np.int64) if exact else None
-        self.ratios: Counter[tuple[int, int]] = Counter()
-        self.hot: dict[int, Counter[int]] = {}
+        self.ratios: Counter[tuple[int, int]] = Counter()  # (|selected ∩ prefix|, |selected|)
+        self.hot = np.zeros((0, 0), dtype=np.int64)  # hot[layer, block]: intersection touches
 
     # -- from a checked batch ----------------------------------------------------------------
 
@@ -102,18 +118,20 @@ class SummaryAgg:
 
         off_hist[o] is how many selected positions had offset o in these rows.
         """
-        inc: dict[str, Any] = {"records": len(ub)}
-        inc["ub"] = _pairs(*np.unique(ub, return_counts=True))
+        parts: dict[str, np.ndarray] = {}
+        parts["ub"] = np.column_stack(np.unique(ub, return_counts=True))
         tpb = np.bincount(counts[counts > 0]) if len(counts) else np.zeros(0, np.int64)
         nz = np.flatnonzero(tpb)
-        inc["tpb"] = _pairs(nz, tpb[nz])
+        parts["tpb"] = np.column_stack((nz, tpb[nz]))
+        inc: dict[str, Any] = {"records": len(ub)}
         nz = np.flatnonzero(off_hist)
         if len(nz):
-            per = np.bincount(hdr_bucket(nz), weights=off_hist[nz]).astype(np.int64)
+            per = np.add.reduceat(off_hist, hdr_starts(len(off_hist)))  # buckets are ranges
             keep = np.flatnonzero(per)
-            inc["off"] = _pairs(keep, per[keep])
+            parts["off"] = np.column_stack((keep, per[keep]))
             total = int(off_hist.sum())
-            inc["off_stats"] = [total, int((nz * off_hist[nz]).sum()), int(nz[0]), int(nz[-1])]
+            weighted = int(np.dot(nz, off_hist[nz]))
+            inc["off_stats"] = [total, weighted, int(nz[0]), int(nz[-1])]
             if self.off_exact is not None:
                 if len(off_hist) > len(self.off_exact):
                     self.off_exact = np.pad(
@@ -122,26 +140,29 @@ class SummaryAgg:
                 self.off_exact[: len(off_hist)] += off_hist
         pair_key = inter_lens.astype(np.int64) * (1 << 32) + ub.astype(np.int64)
         keys, n = np.unique(pair_key, return_counts=True)
-        inc["ratio"] = [
-            [int(k >> 32), int(k & 0xFFFFFFFF), int(c)] for k, c in zip(keys, n, strict=True)
-        ]
+        inc["ratio"] = np.column_stack((keys >> 32, keys & 0xFFFFFFFF, n)).tolist()
         hot_key = inter_layers.astype(np.int64) * (1 << 32) + inter_blocks.astype(np.int64)
         keys, n = np.unique(hot_key, return_counts=True)
-        inc["hot"] = [
-            [int(k >> 32), int(k & 0xFFFFFFFF), int(c)] for k, c in zip(keys, n, strict=True)
-        ]
-        self.apply(inc)
+        parts["hot"] = np.column_stack((keys >> 32, keys & 0xFFFFFFFF, n))
+        for name, rows in parts.items():
+            inc[name] = rows.astype(np.int64).tolist()
+        self.apply(inc, parts)
         return inc
 
-    def apply(self, inc: dict[str, Any]) -> None:
-        """Fold a recorded increment (the one batch_increment returned)."""
+    def apply(self, inc: dict[str, Any], parts: dict[str, np.ndarray] | None = None) -> None:
+        """Fold a recorded increment (the one batch_increment returned; parts: its lists of
+        numbers as arrays already)."""
+
+        def rows(name: str, width: int) -> np.ndarray | None:
+            if parts is not None and name in parts:
+                return parts[name].reshape(-1, width)
+            got = inc.get(name)
+            return np.asarray(got, dtype=np.int64).reshape(-1, width) if got else None
+
         self.records += inc.get("records", 0)
-        for v, c in inc.get("ub", []):
-            self.ub[v] += c
-        for v, c in inc.get("tpb", []):
-            self.tpb[v] += c
-        for v, c in inc.get("off", []):
-            self.off_hdr[v] += c
+        self.ub = _add(self.ub, rows("ub", 2))
+        self.tpb = _add(self.tpb, rows("tpb", 2))
+        self.off_hdr = _add(self.off_hdr, rows("off", 2))
         if "off_stats" in inc:
             n, total, lo, hi = inc["off_stats"]
             self.off_n += n
@@ -150,31 +171,56 @@ class SummaryAgg:
             self.off_max = hi if self.off_max is None else max(self.off_max, hi)
         for a, b, c in inc.get("ratio", []):
             self.ratios[(a, b)] += c
-        for layer, block, c in inc.get("hot", []):
-            self.hot.setdefault(layer, Counter())[block] += c
+        t = rows("hot", 3)
+        if t is not None and len(t):
+            shape = (
+                max(self.hot.shape[0], int(t[:, 0].max()) + 1),
+                max(self.hot.shape[1], int(t[:, 1].max()) + 1),
+            )
+            if shape != self.hot.shape:
+                grown = np.zeros(shape, dtype=np.int64)
+                grown[: self.hot.shape[0], : self.hot.shape[1]] = self.hot
+                self.hot = grown
+            np.add.at(self.hot, (t[:, 0], t[:, 1]), t[:, 2])
+
+    def increment(self) -> dict[str, Any]:
+        """Everything folded so far as one increment (several batches' digests merged)."""
+        out: dict[str, Any] = {"records": self.records}
+        for name, hist in (("ub", self.ub), ("tpb", self.tpb), ("off", self.off_hdr)):
+            nz = np.flatnonzero(hist)
+            out[name] = _pairs(nz, hist[nz])
+        if self.off_n:
+            out["off_stats"] = [self.off_n, self.off_sum, self.off_min, self.off_max]
+        out["ratio"] = sorted([a, b, c] for (a, b), c in self.ratios.items())
+        layers, blocks = np.nonzero(self.hot)
+        out["hot"] = np.column_stack((layers, blocks, self.hot[layers, blocks])).tolist()
+        return out
 
     # -- summary.json, recomputed ---------------------------------------------------------------
 
     def summary(self) -> dict[str, Any]:
-        ub = sorted(self.ub.items())
-        tpb = sorted(self.tpb.items())
+        ub = _items(self.ub)
+        tpb = _items(self.tpb)
         ratios: Counter[float] = Counter()
         ratio_sum = 0.0
         for (a, b), n in sorted(self.ratios.items()):
             ratios[a / b] += n
             ratio_sum += n * (a / b)
+        hot: dict[str, Any] = {}
+        for layer in np.flatnonzero(self.hot.any(axis=1)).tolist() if self.hot.size else []:
+            row = self.hot[layer]
+            order = np.lexsort((np.arange(len(row)), -row))[:HOT_BLOCKS]
+            hot[str(layer)] = [
+                {"block_id": b, "touch_count": n}
+                for b, n in zip(order.tolist(), row[order].tolist(), strict=True)
+                if n
+            ]
         out: dict[str, Any] = {
             "unique_blocks": stats_of(ub, sum(v * c for v, c in ub)),
             "tokens_per_touched_block": stats_of(tpb, sum(v * c for v, c in tpb)),
             "offsets": self.offset_stats(),
             "prefix_intersection_ratio": stats_of(sorted(ratios.items()), ratio_sum),
-            "prefix_hot_blocks": {
-                str(layer): [
-                    {"block_id": b, "touch_count": n}
-                    for b, n in sorted(c.items(), key=lambda t: (-t[1], t[0]))[:HOT_BLOCKS]
-                ]
-                for layer, c in sorted(self.hot.items())
-            },
+            "prefix_hot_blocks": hot,
         }
         return out
 
@@ -186,7 +232,7 @@ class SummaryAgg:
             )
         if not self.off_n:
             return stats_of([], 0)
-        items = sorted(self.off_hdr.items())
+        items = _items(self.off_hdr)
         lo50, hi50 = _hdr_percentile(items, 0.5)
         lo95, hi95 = _hdr_percentile(items, 0.95)
         return {
@@ -197,6 +243,22 @@ class SummaryAgg:
             "max": self.off_max,
             "mean": self.off_sum / self.off_n,
         }
+
+
+def _add(hist: np.ndarray, t: np.ndarray | None) -> np.ndarray:
+    """hist with [value, count] rows added (grown to the largest value)."""
+    if t is None or not len(t):
+        return hist
+    top = int(t[:, 0].max()) + 1
+    if top > len(hist):
+        hist = np.pad(hist, (0, top - len(hist)))
+    np.add.at(hist, t[:, 0], t[:, 1])
+    return hist
+
+
+def _items(hist: np.ndarray) -> list[tuple[int, int]]:
+    nz = np.flatnonzero(hist)
+    return list(zip(nz.tolist(), hist[nz].tolist(), strict=True))
 
 
 def _hdr_percentile(items: list[tuple[int, int]], q: float) -> tuple[int, int]:
@@ -217,7 +279,7 @@ def _hdr_percentile(items: list[tuple[int, int]], q: float) -> tuple[int, int]:
 
 
 def _pairs(values: np.ndarray, counts: np.ndarray) -> list[list[int]]:
-    return [[int(v), int(c)] for v, c in zip(values, counts, strict=True)]
+    return np.column_stack((values, counts)).astype(np.int64).tolist()
 
 
 def compare_summary(engine: dict[str, Any], recomputed: dict[str, Any]) -> list[str]:

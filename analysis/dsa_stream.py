@@ -15,7 +15,6 @@ batch (counts, aggregates, the state it changed) and `apply` rebuilds the same s
 
 from __future__ import annotations
 
-import itertools
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,7 +66,7 @@ class Request:
     file: str
     step: int
     next_layer: int
-    latency: float
+    latency: float | None  # None: not known yet (the step began with an unreadable record)
     key: str
     hit: bool
     pcb: int
@@ -127,18 +126,25 @@ class TraceStream:
         valid = np.concatenate([d.code == 0 for _, _, d in derived]) if n else np.ones(0, bool)
         shard = shard_range(file)
         first: dict[str, Any] | None = None
-        for line, fail, ident in batch.bad:
-            if first is None:
-                first = problem(file, line, ident, fail)
-            if ident is not None:
-                self._cross(file, shard, line, ident, None)
         touched: dict[int, None] = {}
         c = batch.col
         requests, layers, steps = (
             (c["request"].tolist(), c["layer"].tolist(), c["step"].tolist()) if n else ([], [], [])
         )
-        for r in range(n):
-            line = batch.lines[r]
+        bad_rows = iter(batch.bad)  # in line order, interleaved with the rows (the cross checks
+        unread = next(bad_rows, None)  # see every record in the order it was written)
+        for r in range(n + 1):
+            line = batch.lines[r] if r < n else None
+            while unread is not None and (line is None or unread[0] < line):
+                bad_line, fail, ident = unread
+                if first is None or bad_line < first["line"]:
+                    first = problem(file, bad_line, ident, fail)
+                if ident is not None:
+                    touched[ident[0]] = None
+                    self._cross(file, shard, bad_line, ident, None)
+                unread = next(bad_rows, None)
+            if line is None:
+                break
             ident = (requests[r], layers[r], steps[r])
             touched[ident[0]] = None
             fail = self._cross(file, shard, line, ident, (c, batch.names, r))
@@ -191,20 +197,20 @@ class TraceStream:
                 continue
             seq, span = int(d.seq[i]), int(d.total_blocks[i]) * bs
             block = d.occ[d.base[i] : d.base[i] + (j - i) * span].reshape(j - i, span)
-            summed = block.sum(axis=0) if keep.all() else block[keep].sum(axis=0)
+            if not keep.all():
+                block = block[keep]
+            wide = np.uint16 if len(block) < 1 << 16 else np.int64  # bools summed as bytes
+            summed = block.view(np.uint8).sum(axis=0, dtype=wide)
             hist[:seq] += summed[:seq][::-1]  # position p is offset seq - 1 - p
-        inter = [batch.inter[r] for r in rows]
-        inter_lens = np.fromiter(map(len, inter), dtype=np.int64, count=len(inter))
+        inter = batch.inter
         return self.summary.batch_increment(
             c["ublocks"][rows],
             d.counts[np.repeat(valid, d.total_blocks)],
             hist,
             d.inter_lens[rows],
             c["layer"][rows],
-            np.fromiter(
-                itertools.chain.from_iterable(inter), dtype=np.int64, count=int(inter_lens.sum())
-            ),
-            np.repeat(c["layer"][rows], inter_lens),
+            inter.flat[np.repeat(valid, inter.lens)],
+            np.repeat(c["layer"][rows], inter.lens[rows]),
         )
 
     # -- across records --------------------------------------------------------------------------
@@ -264,6 +270,8 @@ class TraceStream:
                     f"{st.next_layer} (each layer once per step, in order)",
                     f"{layer} ({what})",
                 )
+            elif cols is not None and st.latency is None:
+                st.latency = latency  # the step's first record was unreadable
             elif cols is not None and latency != st.latency:
                 fail = Fail(
                     "kv_fetch.hbm.latency_us",
@@ -273,8 +281,7 @@ class TraceStream:
         elif step > st.step:
             fail = self._close_group(req, st)
             st.step = step
-            if cols is not None:
-                st.latency = latency
+            st.latency = latency if cols is not None else None
             if fail is None and layer != 0:
                 fail = Fail("layer_id", f"0 (the first layer of step {step})", str(layer))
         else:
@@ -488,15 +495,7 @@ def _merge(incs: list[dict[str, Any]]) -> dict[str, Any]:
     agg = SummaryAgg()
     for inc in incs:
         agg.apply(inc)
-    out: dict[str, Any] = {"records": agg.records}
-    out["ub"] = sorted([v, c] for v, c in agg.ub.items())
-    out["tpb"] = sorted([v, c] for v, c in agg.tpb.items())
-    out["off"] = sorted([v, c] for v, c in agg.off_hdr.items())
-    if agg.off_n:
-        out["off_stats"] = [agg.off_n, agg.off_sum, agg.off_min, agg.off_max]
-    out["ratio"] = sorted([a, b, c] for (a, b), c in agg.ratios.items())
-    out["hot"] = sorted([layer, blk, c] for layer, cs in agg.hot.items() for blk, c in cs.items())
-    return out
+    return agg.increment()
 
 
 def _num(v: float) -> str:

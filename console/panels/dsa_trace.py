@@ -18,7 +18,7 @@ from textual.containers import Horizontal, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 
-from analysis.dsa_live import WIDTH, LiveAgg
+from analysis.dsa_live import LiveAgg
 from console.panel import KindPanel
 from console.widgets.dsa_charts import ColumnHistogram, HeatMap, LayerBars
 from console.widgets.text import clean, plain
@@ -72,14 +72,7 @@ class DsaView:
 def _merged(lives: list[LiveAgg]) -> LiveAgg:
     out = LiveAgg()
     for live in lives:
-        out.all += live.all
-        for k, v in live.layers.items():
-            out.layers[k] = out.layers.get(k, np.zeros(WIDTH + 2)) + v
-        out.requests.update(live.requests)
-    if lives:
-        last = lives[-1]
-        out.heat, out.heat_width, out.heat_prefix = last.heat, last.heat_width, last.heat_prefix
-        out.heat_request = last.heat_request
+        out.merge(live)
     return out
 
 
