@@ -9,6 +9,7 @@ import hashlib
 import json
 import random
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -319,3 +320,17 @@ def test_a_real_size_batch_is_checked_and_digested_compactly() -> None:
     assert stream.invalid == 0, stream.first
     assert len(orjson.dumps(digest)) < 20_000  # ~12 KB for 122 records of ~11 KB each
     assert stream.summary.records == 122 and int(stream.live.all[-2]) == 122
+
+
+def test_digests_recorded_before_the_dense_aggregates_still_apply() -> None:
+    """tests/data/dsa_digests_before_dense.json: digests the first DSA judge recorded (summary
+    lists, live bins as zlib(uint32) of every column) with what that judge computed from them."""
+    data = json.loads(
+        (Path(__file__).parent / "data" / "dsa_digests_before_dense.json").read_text()
+    )
+    stream = TraceStream(topk=32)
+    for digest in data["digests"]:
+        stream.apply(data["file"], digest)
+    assert stream.records == data["records"]
+    assert stream.summary.summary() == data["summary"]
+    assert stream.live.all.tolist() == data["all"] and stream.live.heat.tolist() == data["heat"]
