@@ -1,10 +1,18 @@
-"""Host keys: fetch a server's key, look it up in known_hosts, and trust it on explicit request."""
+"""Host keys, looked up as OpenSSH does: fetch a server's key, match it in known_hosts by the
+name and port the operator asked for (HostKeyAlias, CheckHostIP), trust it on explicit request.
+
+asyncssh's own lookup differs from OpenSSH's in ways that matter here: it accepts a key listed
+for the resolved IP address only, falls back from `[host]:port` to `host`, and accepts any key
+when `UserKnownHostsFile none`. tracedeck never lets it decide: it hands asyncssh the keys it
+matched itself, and no known_hosts file means no host is known.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import os
+import shutil
 from pathlib import Path
 
 import asyncssh
@@ -12,6 +20,9 @@ import asyncssh
 from runners.targets.base import ConnectionLost, HostKeyMismatch, TargetError
 
 DEFAULT_KNOWN_HOSTS = Path("~", ".ssh", "known_hosts")
+# OpenSSH's defaults when ~/.ssh/config names no UserKnownHostsFile / GlobalKnownHostsFile.
+DEFAULT_USER_FILES = ("~/.ssh/known_hosts", "~/.ssh/known_hosts2")
+DEFAULT_GLOBAL_FILES = ("/etc/ssh/ssh_known_hosts", "/etc/ssh/ssh_known_hosts2")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -22,8 +33,28 @@ class ResolvedHost:
     port: int
     username: str
     key_name: str  # the name known_hosts entries use: HostKeyAlias, else host
-    known_hosts: tuple[Path, ...]
+    user_files: tuple[Path, ...]  # UserKnownHostsFile: where `tracedeck trust` writes
+    global_files: tuple[Path, ...]  # GlobalKnownHostsFile: read only
+    check_ip: bool  # CheckHostIP: the key listed for the address must agree too
     options: asyncssh.SSHClientConnectionOptions
+
+    @property
+    def known_hosts(self) -> tuple[Path, ...]:
+        return self.user_files + self.global_files
+
+    def entry_name(self, name: str | None = None) -> str:
+        """`name`, or `[name]:port` off port 22: the only form OpenSSH matches for this host."""
+        name = name or self.key_name
+        return name if self.port == 22 else f"[{name}]:{self.port}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KnownKeys:
+    """What the known_hosts files say of one name: its keys (with their files), CAs, revoked."""
+
+    keys: list[tuple[Path, asyncssh.SSHKey]]
+    ca_keys: list[asyncssh.SSHKey]
+    revoked: list[asyncssh.SSHKey]
 
 
 async def resolve_host(
@@ -54,38 +85,94 @@ async def resolve_host(
             f"cannot prepare an SSH connection to {host}: {exc}. "
             "Check ~/.ssh/config (IdentityFile, Host entries) and the key files it names."
         ) from exc
-    files: tuple[Path, ...]
-    if options.known_hosts is None:
-        files = ()
-    elif isinstance(options.known_hosts, list | tuple) and options.known_hosts:
-        files = tuple(Path(str(f)).expanduser() for f in options.known_hosts)
-    else:
-        files = (DEFAULT_KNOWN_HOSTS.expanduser(),)
+    port_used = options.port or 22
     return ResolvedHost(
         host=options.host,
-        port=options.port or 22,
+        port=port_used,
         username=options.username,
         key_name=options.host_key_alias or options.host,
-        known_hosts=files,
+        user_files=_files(options.config.get("UserKnownHostsFile", ()), DEFAULT_USER_FILES),
+        global_files=_files(options.config.get("GlobalKnownHostsFile", ()), DEFAULT_GLOBAL_FILES),
+        check_ip=await _check_host_ip(host, port_used, username),
         options=options,
     )
 
 
-def known_keys(resolved: ResolvedHost) -> list[tuple[Path, asyncssh.SSHKey]]:
-    """The host keys that the known_hosts files list for this host (file, key), in file order."""
-    port = None if resolved.port == 22 else resolved.port
-    found: list[tuple[Path, asyncssh.SSHKey]] = []
+def _files(configured: object, default: tuple[str, ...]) -> tuple[Path, ...]:
+    # asyncssh reads "none" as [] and an absent option as ().
+    names = default if configured == () else configured
+    return tuple(Path(str(f)).expanduser() for f in names)  # type: ignore[union-attr]
+
+
+async def _check_host_ip(host: str, port: int, username: str | None) -> bool:
+    """CheckHostIP for this host, as OpenSSH's own `ssh -G` reads ~/.ssh/config (asyncssh does
+    not know the option); OpenSSH's default, no, when no ssh client is installed."""
+    ssh = shutil.which("ssh")
+    if ssh is None:
+        return False
+    config = Path("~", ".ssh", "config").expanduser()
+    argv = [ssh, "-G", "-F", str(config) if config.is_file() else "none", "-p", str(port)]
+    argv += ["-l", username] if username else []
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            "--",
+            host,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+    except OSError as exc:
+        raise TargetError(f"cannot run `ssh -G` to read the ssh config of {host}: {exc}") from exc
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout=10)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise TargetError(
+            f"`ssh -G {host}` gave no answer within 10 s: check ~/.ssh/config (a Match exec?)"
+        ) from None
+    if proc.returncode != 0:
+        return False  # ssh rejects a config asyncssh accepted: asyncssh's reading stands
+    return any(line.strip().lower() == "checkhostip yes" for line in out.decode().splitlines())
+
+
+def read_known_hosts(resolved: ResolvedHost) -> list[tuple[Path, asyncssh.SSHKnownHosts]]:
+    """The known_hosts files that exist, parsed; an unreadable one is named."""
+    parsed = []
     for path in resolved.known_hosts:
         if not path.is_file():
             continue
         try:
-            entries = asyncssh.read_known_hosts(str(path))
+            parsed.append((path, asyncssh.read_known_hosts(str(path))))
         except (OSError, ValueError) as exc:
             raise TargetError(f"cannot read known_hosts file {path}: {exc}") from exc
-        for key in entries.match(resolved.key_name, resolved.host, port)[0]:
-            if all(key.public_data != k.public_data for _, k in found):
-                found.append((path, key))
-    return found
+    return parsed
+
+
+def lookup(
+    files: list[tuple[Path, asyncssh.SSHKnownHosts]], resolved: ResolvedHost, name: str
+) -> KnownKeys:
+    """The entries for exactly `name` at the host's port: `[name]:port` off port 22, with no
+    fallback to the bare name and no match by address (OpenSSH's rules)."""
+    port = None if resolved.port == 22 else resolved.port
+    keys: list[tuple[Path, asyncssh.SSHKey]] = []
+    ca_keys: list[asyncssh.SSHKey] = []
+    revoked: list[asyncssh.SSHKey] = []
+    for path, entries in files:
+        # _match is the exact lookup; the public match() adds the fallbacks OpenSSH does not make.
+        host_keys, cas, bad, *_ = entries._match(name, "", port)
+        keys += [
+            (path, k) for k in host_keys if all(k.public_data != o.public_data for _, o in keys)
+        ]
+        ca_keys += cas
+        revoked += bad
+    return KnownKeys(keys, ca_keys, revoked)
+
+
+def known_keys(resolved: ResolvedHost) -> list[tuple[Path, asyncssh.SSHKey]]:
+    """The host keys that the known_hosts files list for this host (file, key), in file order."""
+    return lookup(read_known_hosts(resolved), resolved, resolved.key_name).keys
 
 
 async def server_key(
@@ -117,7 +204,7 @@ async def server_key(
 
 def known_hosts_line(resolved: ResolvedHost, key: asyncssh.SSHKey) -> str:
     """The OpenSSH known_hosts line for key at this host: `[host]:port` when port != 22."""
-    name = resolved.key_name if resolved.port == 22 else f"[{resolved.key_name}]:{resolved.port}"
+    name = resolved.entry_name()
     key_type, key_data = key.export_public_key("openssh").decode().split()[:2]
     return f"{name} {key_type} {key_data}"
 
@@ -126,7 +213,7 @@ def describe_mismatch(
     resolved: ResolvedHost, known: list[tuple[Path, asyncssh.SSHKey]], key: asyncssh.SSHKey
 ) -> str:
     """A message for a changed host key that says what was expected and how to recover."""
-    name = resolved.key_name if resolved.port == 22 else f"[{resolved.key_name}]:{resolved.port}"
+    name = resolved.entry_name()
     expected = "; ".join(
         f"{k.get_algorithm()} {k.get_fingerprint('sha256')} in {path}" for path, k in known
     )
@@ -164,9 +251,11 @@ async def trust_host(
     """
     resolved = await resolve_host(host, port, load_keys=False)
     if known_hosts is None:
-        known_hosts = resolved.known_hosts[0] if resolved.known_hosts else DEFAULT_KNOWN_HOSTS
+        if not resolved.user_files:
+            raise TargetError(no_user_file(host))
+        known_hosts = resolved.user_files[0]
     path = known_hosts.expanduser()
-    check = dataclasses.replace(resolved, known_hosts=(path,))
+    check = dataclasses.replace(resolved, user_files=(path,), global_files=())
     known = known_keys(check)
     algorithms = sorted({k.get_algorithm() for _, k in known}) or None
     try:
@@ -188,6 +277,14 @@ async def trust_host(
         raise HostKeyMismatch(describe_mismatch(check, known, key))
     _append_line(path, known_hosts_line(resolved, key))
     return fingerprint
+
+
+def no_user_file(host: str) -> str:
+    return (
+        f"~/.ssh/config sets UserKnownHostsFile none for {host}: no key can be trusted for it, "
+        "and tracedeck never connects to a host whose key is not known. Name a known_hosts "
+        "file there (or remove the line), then run: tracedeck trust " + host
+    )
 
 
 def _append_line(path: Path, line: str) -> None:

@@ -13,6 +13,7 @@ from sshd import (
     SshHome,
     SshServer,
     make_ssh_home,
+    start_impostor,
     start_sshd,
 )
 
@@ -23,6 +24,16 @@ def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshServer]:
     if not SSHD.exists():
         pytest.skip(f"{SSHD} is missing: install openssh-server to run the SSH tests")
     server = start_sshd(tmp_path_factory.mktemp("sshd"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def impostor(sshd: SshServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshServer]:
+    """A second real sshd with an unknown host key that accepts the test client's key."""
+    server = start_impostor(tmp_path_factory.mktemp("impostor"), sshd)
     try:
         yield server
     finally:

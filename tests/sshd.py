@@ -164,6 +164,17 @@ def start_sshd(d: Path, *, attempts: int = 3) -> SshServer:
     raise RuntimeError(f"sshd did not start after {attempts} attempts; its log:\n{last_error}")
 
 
+def start_impostor(d: Path, trusted: SshServer) -> SshServer:
+    """A second sshd with a host key of its own that lets in the trusted server's client: only
+    the host-key check stands between a console and it (a host taken over, a spoofed name)."""
+    d.mkdir(parents=True, exist_ok=True)
+    keygen(d / "ssh_host_ed25519_key", "impostor-host")
+    for suffix in ("", ".pub"):
+        (d / f"id_ed25519{suffix}").write_bytes(Path(f"{trusted.client_key}{suffix}").read_bytes())
+    (d / "id_ed25519").chmod(0o600)
+    return start_sshd(d)
+
+
 def _die_with_parent() -> None:
     """In the child: ask Linux to TERM sshd if the test process dies without stopping it."""
     with contextlib.suppress(OSError, AttributeError):

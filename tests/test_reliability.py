@@ -29,7 +29,7 @@ from runhelp import (
     wait_for,
     write_lines_preset,
 )
-from sshd import PROXY_ALIAS, CuttableProxy, SshHome
+from sshd import PROXY_ALIAS, CuttableProxy, SshHome, SshServer
 
 SAMPLE = ROOT / "presets" / "samples" / "b3_12_mi300x.jsonl"
 
@@ -297,6 +297,36 @@ def test_a_cancel_from_another_terminal_is_a_cancel(where: Where, tmp_path: Path
     final = [e for e in events(local) if e["type"] == "run_finished"]
     assert len(final) == 1 and final[0]["verdict"] == "CANCELLED"
     assert_run_gone(local)
+
+
+# -- 3. host keys: a host that is not the one trusted -------------------------------------------
+
+
+def test_a_run_on_an_impostor_host_is_refused_before_anything_runs(
+    impostor: SshServer, ssh_home: SshHome, tmp_path: Path
+) -> None:
+    with ssh_home.config.open("a") as f:
+        f.write(
+            f"\nHost gpu\n  HostName 127.0.0.1\n  Port {impostor.port}\n  User {impostor.user}\n"
+            f"  IdentityFile {ssh_home.identity}\n  HostKeyAlias gpu\n"
+        )
+    trusted = ssh_home.server.known_hosts_line().split()[1:]
+    ssh_home.known_hosts.write_text(" ".join([f"[gpu]:{impostor.port}", *trusted]) + "\n")
+    preset = write_lines_preset(tmp_path, lines=3, pause=0.01)
+    done = tracedeck(
+        "run",
+        str(preset),
+        "--target",
+        "gpu",
+        "--out",
+        str(tmp_path / "o"),
+        env=cli_env(ssh_home.path),
+    )
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "HOST KEY CHANGED" in done.stderr and impostor.fingerprint in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "remote-runs").exists()  # nothing was written on the impostor
+    assert lock_free(str(tmp_path / "gpu.lock"))
 
 
 # -- 12. what the operator is told -------------------------------------------------------------

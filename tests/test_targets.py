@@ -363,6 +363,124 @@ async def test_trust_writes_where_ssh_config_says_known_hosts_are(
     await t.close()
 
 
+# -- host keys are matched as OpenSSH matches them (issue 10.3) -------------------------------
+
+
+def key_entry(name: str, pub: Path) -> str:
+    key_type, b64 = pub.read_text().split()[:2]
+    return f"{name} {key_type} {b64}\n"
+
+
+def add_host(home: SshHome, name: str, *lines: str) -> None:
+    with home.config.open("a") as f:
+        f.write(f"\nHost {name}\n" + "".join(f"  {line}\n" for line in lines))
+
+
+async def test_user_known_hosts_none_knows_no_host(sshd: SshServer, ssh_home: SshHome) -> None:
+    """asyncssh takes `UserKnownHostsFile none` as "accept any key"; OpenSSH as "none known"."""
+    add_host(ssh_home, "*", "UserKnownHostsFile none")
+    with pytest.raises(TargetError, match="UserKnownHostsFile none") as info:
+        await guard(parse_target("testbox").connect())
+    assert "tracedeck trust testbox" in str(info.value)
+    with pytest.raises(TargetError, match="UserKnownHostsFile none"):
+        await guard(trust_host("testbox"))
+
+
+async def test_a_key_listed_without_the_port_does_not_vouch_for_another_port(
+    sshd: SshServer, ssh_home: SshHome
+) -> None:
+    ssh_home.known_hosts.write_text(key_entry("127.0.0.1", sshd.host_key_pub))  # port 22's entry
+    with pytest.raises(HostKeyUnknown):
+        await guard(parse_target(sshd.spec).connect())
+
+
+async def test_a_key_listed_for_the_address_only_does_not_vouch_for_a_name(
+    sshd: SshServer, ssh_home: SshHome
+) -> None:
+    add_host(
+        ssh_home,
+        "byname",
+        "HostName localhost",
+        f"Port {sshd.port}",
+        f"User {sshd.user}",
+        f"IdentityFile {ssh_home.identity}",
+    )
+    assert "[127.0.0.1]" in ssh_home.known_hosts.read_text()  # the address's entry, not the name's
+    with pytest.raises(HostKeyUnknown) as info:
+        await guard(parse_target("byname").connect())
+    assert info.value.trust_command == f"tracedeck trust byname:{sshd.port}"
+
+
+async def test_host_key_alias_is_the_only_name_looked_up(
+    sshd: SshServer, ssh_home: SshHome
+) -> None:
+    add_host(
+        ssh_home,
+        "aliased",
+        "HostName 127.0.0.1",
+        f"Port {sshd.port}",
+        f"User {sshd.user}",
+        f"IdentityFile {ssh_home.identity}",
+        "HostKeyAlias gpubox",
+    )
+    with pytest.raises(HostKeyUnknown):  # the [127.0.0.1]:port entry is not the alias's
+        await guard(parse_target("aliased").connect())
+    assert await guard(trust_host("aliased")) == sshd.fingerprint
+    assert key_entry(f"[gpubox]:{sshd.port}", sshd.host_key_pub) in ssh_home.known_hosts.read_text()
+    t = parse_target("aliased")
+    await guard(t.connect())
+    await t.close()
+
+
+@pytest.mark.parametrize("check", ["yes", "no"])
+async def test_check_host_ip_refuses_a_name_whose_address_lists_another_key(
+    sshd: SshServer, ssh_home: SshHome, tmp_path: Path, check: str
+) -> None:
+    other = tmp_path / "other_host_key"
+    keygen(other, "other")
+    ssh_home.known_hosts.write_text(
+        key_entry(f"[localhost]:{sshd.port}", sshd.host_key_pub)
+        + key_entry(f"[127.0.0.1]:{sshd.port}", other.with_suffix(".pub"))
+    )
+    add_host(
+        ssh_home,
+        "checked",
+        "HostName localhost",
+        f"Port {sshd.port}",
+        f"User {sshd.user}",
+        f"IdentityFile {ssh_home.identity}",
+        f"CheckHostIP {check}",
+    )
+    t = parse_target("checked")
+    if check == "no":  # OpenSSH's default: the name's key alone decides
+        await guard(t.connect())
+        await t.close()
+        return
+    with pytest.raises(HostKeyMismatch) as info:
+        await guard(t.connect())
+    message = str(info.value)
+    assert "CheckHostIP" in message and f"[127.0.0.1]:{sshd.port}" in message
+
+
+async def test_an_impostor_on_a_trusted_name_is_refused_as_changed(
+    sshd: SshServer, impostor: SshServer, ssh_home: SshHome
+) -> None:
+    """The impostor lets our client in: only the host-key check keeps the console away."""
+    add_host(
+        ssh_home,
+        "gpu",
+        "HostName 127.0.0.1",
+        f"Port {impostor.port}",
+        f"User {sshd.user}",
+        f"IdentityFile {ssh_home.identity}",
+        "HostKeyAlias gpu",
+    )
+    ssh_home.known_hosts.write_text(key_entry(f"[gpu]:{impostor.port}", sshd.host_key_pub))
+    with pytest.raises(HostKeyMismatch, match="CHANGED") as info:
+        await guard(parse_target("gpu").connect())
+    assert impostor.fingerprint in str(info.value)
+
+
 # -- parsing ----------------------------------------------------------------------------------
 
 

@@ -22,7 +22,9 @@ from runners.targets.base import (
 from runners.trust import (
     ResolvedHost,
     describe_mismatch,
-    known_keys,
+    lookup,
+    no_user_file,
+    read_known_hosts,
     resolve_host,
     server_key,
 )
@@ -111,22 +113,17 @@ class SshTarget:
             self._lost = None
             self._generation += 1
             generation = self._generation
-            extra: dict[str, object] = {}
-            if resolved.known_hosts:
-                # asyncssh fails on a configured known_hosts file that does not exist yet;
-                # for us that file simply vouches for nobody.
-                present = [str(p) for p in resolved.known_hosts if p.is_file()]
-                extra["known_hosts"] = present or asyncssh.import_known_hosts("")
+            trusted = _TrustedKeys(resolved, read_known_hosts(resolved))
             try:
                 conn = await asyncssh.connect(
                     self.host,
                     self.port if self.port is not None else (),
                     options=resolved.options,
                     client_factory=lambda: _Client(self, generation),
-                    **extra,
+                    known_hosts=trusted,  # always: never asyncssh's own lookup, never "accept all"
                 )
             except asyncssh.HostKeyNotVerifiable as exc:
-                raise await self._host_key_error(resolved, exc) from exc
+                raise await self._host_key_error(resolved, trusted, exc) from exc
             except asyncssh.PermissionDenied as exc:
                 raise TargetError(self._auth_message(resolved)) from exc
             except TimeoutError as exc:
@@ -178,8 +175,10 @@ class SshTarget:
             except (TimeoutError, OSError, asyncssh.Error):
                 conn.abort()
 
-    async def _host_key_error(self, resolved: ResolvedHost, exc: Exception) -> TargetError:
-        known = known_keys(resolved)
+    async def _host_key_error(
+        self, resolved: ResolvedHost, trusted: _TrustedKeys, exc: Exception
+    ) -> TargetError:
+        known = trusted.by_name.keys
         algorithms = sorted({k.get_algorithm() for _, k in known}) or None
         try:
             key = await server_key(resolved, algorithms)
@@ -187,12 +186,24 @@ class SshTarget:
             if not algorithms:
                 raise
             key = await server_key(resolved)  # the server no longer offers the known key type
+        if not known and not resolved.user_files:
+            return TargetError(f"{self._where}: {no_user_file(self.host)}")
         if not known:
             # Name the host as the operator wrote it, so `tracedeck trust` resolves it the same way.
             return HostKeyUnknown(
                 self.host, resolved.port, key.get_fingerprint("sha256"), key.get_algorithm()
             )
         if any(k.public_data == key.public_data for _, k in known):
+            if trusted.ip_keys and all(k.public_data != key.public_data for k in trusted.ip_keys):
+                ip = resolved.entry_name(trusted.addr)
+                return HostKeyMismatch(
+                    f"{self._where}: the host key {key.get_algorithm()} "
+                    f"{key.get_fingerprint('sha256')} is the one known for "
+                    f"{resolved.entry_name()}, but known_hosts lists another key for its address "
+                    f"{ip} (CheckHostIP yes): possible DNS spoofing, or the address moved to "
+                    f"another host. Refusing to connect. Check the host, then remove the stale "
+                    f"entry (ssh-keygen -R '{ip}')."
+                )
             return TargetError(
                 f"{self._where}: host key refused ({exc}); check for a revoked entry or a host "
                 f"certificate problem in {', '.join(str(p) for p in resolved.known_hosts)}"
@@ -318,6 +329,33 @@ class SshTarget:
         if gone or isinstance(exc, _LINK_ERRORS):
             return self._lost_error(exc)
         return TargetError(f"cannot {what} on {self._where}: {_reason(exc)}")
+
+
+class _TrustedKeys:
+    """asyncssh's known_hosts hook: the keys OpenSSH would accept for this host, matched by
+    tracedeck (trust.lookup) from files read before connecting."""
+
+    def __init__(
+        self, resolved: ResolvedHost, files: list[tuple[Path, asyncssh.SSHKnownHosts]]
+    ) -> None:
+        self.resolved = resolved
+        self.files = files
+        self.by_name = lookup(files, resolved, resolved.key_name)
+        self.addr = ""
+        self.ip_keys: list[asyncssh.SSHKey] = []
+
+    def __call__(
+        self, host: str, addr: str, port: int | None
+    ) -> tuple[list[asyncssh.SSHKey], list[asyncssh.SSHKey], list[asyncssh.SSHKey]]:
+        keys = [k for _, k in self.by_name.keys]
+        self.addr = addr
+        if self.resolved.check_ip and addr:
+            # OpenSSH: a key listed for the address must be the host's too (else refuse).
+            self.ip_keys = [k for _, k in lookup(self.files, self.resolved, addr).keys]
+            if self.ip_keys:
+                agreed = {k.public_data for k in self.ip_keys}
+                keys = [k for k in keys if k.public_data in agreed]
+        return keys, self.by_name.ca_keys, self.by_name.revoked
 
 
 def _key_label(keypair: asyncssh.SSHKeyPair) -> str:
