@@ -9,6 +9,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+from faults import assert_run_gone
 from runhelp import (
     cli_env,
     events,
@@ -174,6 +175,7 @@ def test_console_killed_then_attach_shows_every_line_once(where: Where, tmp_path
     assert "RESULT: PASS (exit 0)" in attach.stdout
     again = tracedeck("attach", str(local_dir), env=env)  # a finished run: replay, same result
     assert again.returncode == 0 and again.stdout == attach.stdout
+    assert_run_gone(local_dir)
 
 
 def test_cancel_kills_the_whole_group_and_records_cells(where: Where, tmp_path: Path) -> None:
@@ -196,6 +198,7 @@ def test_cancel_kills_the_whole_group_and_records_cells(where: Where, tmp_path: 
         assert states == ["cancelled"] * 3
         final = [e for e in events(local_dir) if e["type"] == "run_finished"]
         assert final[-1]["verdict"] == "CANCELLED" and final[-1]["exit_code"] == 130
+        assert_run_gone(local_dir)
     finally:
         if console.poll() is None:
             console.kill()
@@ -216,6 +219,7 @@ def test_ctrl_c_cancels_the_run_and_exits_130(tmp_path: Path) -> None:
         assert console.returncode == 130, stdout + stderr
         assert "RESULT: CANCELLED (exit 130)" in stdout
         assert not group_alive(pgid)
+        assert_run_gone(local_dir)
     finally:
         kill_group(pgid)
 
@@ -235,6 +239,7 @@ def test_dropped_link_is_resumed_without_loss_or_repeat(
     assert console.returncode == 0, stdout + stderr
     assert "connection lost" in stdout and "connection restored" in stdout
     assert output_lines(events(local_dir)) == expected_lines(30)
+    assert_run_gone(local_dir)
 
 
 @pytest.mark.ssh
@@ -260,6 +265,7 @@ def test_link_down_for_good_exits_3_then_attach_completes(
     assert output_lines(events(local_dir)) == expected_lines(20)
     shown = [line.split("| ", 1)[1] for line in attach.stdout.splitlines() if "] | " in line]
     assert shown == expected_lines(20)
+    assert_run_gone(local_dir)
 
 
 @pytest.mark.ssh
