@@ -86,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="stop once the writer's summary is there and nothing came for this many seconds",
     )
+    watch.add_argument(
+        "--headless",
+        action="store_true",
+        help="print lines, not the console (the default when not on a terminal)",
+    )
     for kind in _kinds().values():
         if getattr(kind, "watch_dirs", False):
             kind.add_watch_args(watch)
@@ -468,12 +473,26 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
-    """Handed to the run kind that watches directories (kinds declare it: watch_dirs)."""
+    """Handed to the run kind that watches directories (kinds declare it: watch_dirs). On a
+    terminal, the kind's panel module shows it when it has a console view (`watch(args)`)."""
     watchers = [k for k in _kinds().values() if getattr(k, "watch_dirs", False)]
     if not watchers:
         _err("no run kind can watch a directory")
         return EXIT_USAGE
-    return int(watchers[0].watch(args))
+    kind = watchers[0]
+    if not args.headless and sys.stdin.isatty() and sys.stdout.isatty():
+        console_watch = _console_watch(kind.name)
+        if console_watch is not None:
+            return int(console_watch(args))
+    return int(kind.watch(args))
+
+
+def _console_watch(kind: str):  # type: ignore[no-untyped-def]
+    """The console view of `tracedeck watch` for a kind: its panel module's watch(args)."""
+    from console.panels import all_panels
+
+    panel = all_panels().get(kind)
+    return getattr(sys.modules[panel.__module__], "watch", None) if panel is not None else None
 
 
 def cmd_presets(args: argparse.Namespace) -> int:

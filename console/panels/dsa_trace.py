@@ -7,29 +7,34 @@ the widgets only draw the numbers on the drain tick.
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
+from collections import deque
 from typing import Any
 
 import numpy as np
 from rich.text import Text
-from textual.app import ComposeResult
+from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, VerticalScroll
 from textual.screen import Screen
-from textual.widgets import Footer, Static
+from textual.widgets import Footer, Log, Static
 
 from analysis.dsa_live import LiveAgg
 from console.panel import KindPanel
 from console.widgets.dsa_charts import ColumnHistogram, HeatMap, LayerBars
 from console.widgets.text import clean, plain
 from runners.events import Event, RunFinished, RunStarted, TraceBatch
-from runners.kinds.dsa_trace import TraceBook
+from runners.kinds.dsa_trace import DsaPrinter, TraceBook
 
+RATE_S = 2.0
+# (bins, title, axis labels, cells per bin); a title and its n= fit the panel's fifth of 120
 CHARTS = (
-    ("touched", "touched_block_ratio", ("0", "1"), 1),
-    ("unique_blocks", "unique_blocks", ("1", "8K+"), 1),
-    ("offsets", "offsets (log2)", ("0", "2^18"), 1),
-    ("tokens_per_block", "tokens/touched block", ("1", "bs"), 1),
+    ("touched", "touched ratio", ("0", "1"), 1),
+    ("unique_blocks", "unique blocks", ("1", "8K+"), 1),
+    ("offsets", "offsets log2", ("0", "2^18"), 1),
+    ("tokens_per_block", "tokens/block", ("1", "bs"), 1),
     ("prefix", "prefix ∩ ratio", ("0", "1"), 1),
 )
 
@@ -94,12 +99,27 @@ def counters(book: TraceBook, rate: float) -> Text:
     return text
 
 
-def first_fail_text(book: TraceBook) -> Text:
+def first_fail_text(book: TraceBook, short: bool = False) -> Text:
+    """The first invalid record: in full (detail screen), or on one line where it was, which
+    record and the field first (panel; the message's path is shortened to the file name)."""
     first = book.first_fail()
     if first is None:
         return Text("no invalid record", style="green")
     text = Text("FIRST INVALID RECORD  ", style="bold red")
-    text.append_text(plain(first.get("message", "")))
+    if not short:
+        text.append_text(plain(first.get("message", "")))
+        return text
+    where = str(first.get("file", "")).rsplit("/", 1)[-1]
+    if first.get("line"):
+        where += f":{first['line']}"
+    text.append(clean(where), style="bold")
+    if first.get("request") is not None:
+        text.append(f"  request {first['request']} layer {first['layer']} step {first['step']}")
+    text.append(f"  {clean(str(first.get('field', '')))}: ", style="bold")
+    text.append(f"expected {clean(str(first.get('expected', '')))}, found ")
+    text.append(clean(str(first.get("found", ""))))
+    text.no_wrap = True
+    text.overflow = "ellipsis"
     return text
 
 
@@ -121,7 +141,7 @@ class DsaPanel(KindPanel):
         self.finished: RunFinished | None = None
         self.header: Any = None
         self.detail_screen: DsaDetail | None = None
-        self._rate = (time.monotonic(), 0, 0.0)  # (when, records then, rate)
+        self._seen: deque[tuple[float, int]] = deque()  # (event time, records), last RATE_S
 
     def compose(self) -> ComposeResult:
         yield Static("", id="dsa-counters", markup=False)
@@ -138,15 +158,21 @@ class DsaPanel(KindPanel):
         if isinstance(event, RunFinished):
             self.finished = event
             return True
-        return isinstance(event, TraceBatch) and self.book.apply(event)
+        if not (isinstance(event, TraceBatch) and self.book.apply(event)):
+            return False
+        seen = self._seen
+        seen.append((event.t, self.book.totals()["records"]))
+        while len(seen) > 2 and seen[1][0] <= event.t - RATE_S:
+            seen.popleft()
+        return True
 
     def rate(self) -> float:
-        when, then, rate = self._rate
-        now, records = time.monotonic(), self.book.totals()["records"]
-        if now - when >= 1.0:
-            rate = (records - then) / (now - when)
-            self._rate = (now, records, rate)
-        return rate
+        """Records per second of the trace, over the last RATE_S seconds of its events' own
+        times (so a replay shows the rate the run had)."""
+        seen = self._seen
+        if len(seen) < 2 or seen[-1][0] <= seen[0][0]:
+            return 0.0
+        return (seen[-1][1] - seen[0][1]) / (seen[-1][0] - seen[0][0])
 
     def redraw(self) -> None:
         if self.book.streams:
@@ -155,7 +181,7 @@ class DsaPanel(KindPanel):
         draw_charts(self, self.view, "dsa-h-")
         layer = self.view.filter[1] if self.view.filter[0] == "layer" else None
         self.query_one("#dsa-layers", LayerBars).show(self.view.live().layer_means(), layer)
-        self.query_one("#dsa-first", Static).update(first_fail_text(self.book))
+        self.query_one("#dsa-first", Static).update(first_fail_text(self.book, short=True))
         if self.detail_screen is not None and self.detail_screen.is_mounted:
             self.detail_screen.redraw()
 
@@ -266,3 +292,166 @@ def side_text(book: TraceBook, live: LiveAgg) -> Text:
 
 DsaPanel.detail_class = DsaDetail
 PANEL = DsaPanel
+
+
+# -- tracedeck watch DIR on a terminal ------------------------------------------------------------
+
+WATCH_BYTES = 1 << 20  # a batch of ~100 records of 2048 positions: ~10 ms to judge
+WATCH_BUDGET_S = 0.035  # per tick, digests are folded for at most this long
+
+
+class DsaWatchScreen(Screen[None]):
+    """The DSA panel over a trace directory another process writes (`tracedeck watch DIR`).
+
+    The directory is followed and judged in a worker thread (the same watch_dir as the headless
+    command); the screen drains its TraceBatch events into the panel on a 15 Hz tick."""
+
+    DEFAULT_CSS = """
+    DsaWatchScreen > #watch-title { height: 1; padding: 0 1; background: $panel; }
+    DsaWatchScreen > #watch-log { height: 1fr; border-top: solid $primary; }
+    """
+
+    BINDINGS = [
+        Binding("q", "quit_watch", "Quit"),
+        Binding("escape", "quit_watch", "Quit", show=False),
+        Binding("d", "details", "Details"),
+    ]
+
+    def __init__(
+        self,
+        spec: str,
+        idle_s: float = 0.0,
+        topk: int | None = None,
+        layers: int | None = None,
+        max_bytes: int = WATCH_BYTES,
+    ) -> None:
+        super().__init__()
+        self.spec, self.idle_s, self.dsa_topk, self.dsa_layers = spec, idle_s, topk, layers
+        self.max_bytes = max_bytes
+        self.buffer: deque[Any] = deque()
+        self.panel = DsaPanel(id="kind-panel")
+        self.outcome: tuple[str, int] | None = None  # (verdict or error, exit code) at the end
+        self.ticks: list[tuple[float, float]] = []  # (start, end) of each drain, for the bench
+        self.record_ticks = False
+        self._stop = threading.Event()
+        self._shards: set[str] = set()
+        self._first_shown = False
+
+    def compose(self) -> ComposeResult:
+        yield Static("", id="watch-title", markup=False)
+        yield self.panel
+        yield Log(id="watch-log", highlight=False)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.panel.add_class("-live")
+        self._title()
+        self.set_interval(1 / 15, self.drain)
+        self.run_worker(self._follow, thread=True, group="watch", exit_on_error=False)
+
+    def _follow(self) -> None:
+        """The worker thread: follow and judge until idle, an error, or the operator quits."""
+        from runners.exits import EXIT_FAIL, EXIT_INFRA, EXIT_PASS, EXIT_USAGE
+        from runners.kinds.dsa_trace import TRACE_OK, watch_dir
+
+        try:
+            result = asyncio.run(
+                watch_dir(
+                    self.spec,
+                    self.buffer.append,
+                    self.idle_s,
+                    topk=self.dsa_topk,
+                    layers=self.dsa_layers,
+                    max_bytes=self.max_bytes,
+                    stop=self._stop.is_set,
+                )
+            )
+        except (ValueError, FileNotFoundError) as exc:
+            self.buffer.append(("error", str(exc), EXIT_USAGE))
+            return
+        except Exception as exc:  # a connection lost, a target that fails: shown, not raised
+            self.buffer.append(("error", f"{type(exc).__name__}: {exc}", EXIT_INFRA))
+            return
+        if not self._stop.is_set():
+            code = EXIT_PASS if result["verdict"] == TRACE_OK else EXIT_FAIL
+            self.buffer.append(
+                RunFinished(verdict=result["verdict"], exit_code=code, summary=result)
+            )
+
+    def drain(self) -> None:
+        started = time.perf_counter()
+        deadline = started + WATCH_BUDGET_S
+        log = self.query_one("#watch-log", Log)
+        buffer = self.buffer
+        while buffer and time.perf_counter() < deadline:
+            item = buffer.popleft()
+            if isinstance(item, tuple):
+                _, message, code = item
+                self.outcome = (f"stopped: {message}", code)
+                log.write_line(f"tracedeck: {clean(message)}")
+                continue
+            self.panel.fold(item)
+            if isinstance(item, TraceBatch):
+                self._note(item, log)
+            elif isinstance(item, RunFinished):
+                self.outcome = (f"{item.verdict} (exit {item.exit_code})", item.exit_code)
+                for line in DsaPrinter().final(item):
+                    log.write_line(clean(line))
+                log.write_line(f"RESULT: {clean(item.verdict)}")
+        self.panel.show_changes()
+        self._title()
+        if self.record_ticks:
+            self.ticks.append((started, time.perf_counter()))
+
+    def _note(self, event: TraceBatch, log: Log) -> None:
+        name = event.file.rsplit("/", 1)[-1]
+        if event.file not in self._shards and event.file.endswith(".jsonl"):
+            self._shards.add(event.file)
+            log.write_line(f"following {clean(name)}")
+        first = self.panel.book.first_fail()
+        if first is not None and not self._first_shown:
+            self._first_shown = True
+            log.write_line(f"FIRST INVALID RECORD {clean(first.get('message', ''))}")
+
+    def _title(self) -> None:
+        text = Text("tracedeck watch ", style="bold")
+        text.append(clean(self.spec))
+        if self.outcome is None:
+            text.append("  following (q: quit, d: details)", style="cyan")
+        else:
+            word, code = self.outcome
+            text.append(f"  {clean(word)}", style="bold green" if code == 0 else "bold red")
+        self.query_one("#watch-title", Static).update(text)
+
+    def action_details(self) -> None:
+        self.app.push_screen(self.panel.detail())
+
+    def action_quit_watch(self) -> None:
+        self._stop.set()
+        code = self.outcome[1] if self.outcome is not None else 0
+        self.app.exit(code, return_code=code)
+
+
+class DsaWatchApp(App[int]):
+    """`tracedeck watch DIR` on a terminal."""
+
+    TITLE = "tracedeck watch"
+    ENABLE_COMMAND_PALETTE = False
+
+    def __init__(self, screen: DsaWatchScreen) -> None:
+        super().__init__()
+        self.watch_screen = screen
+
+    def on_mount(self) -> None:
+        self.push_screen(self.watch_screen)
+
+
+def watch(args: Any) -> int:
+    """The console view of `tracedeck watch` (console.cli opens it on a terminal): the exit
+    code is the verdict's once the watch ended (--idle), 2 or 3 after an error, else 0."""
+    screen = DsaWatchScreen(
+        args.dir, args.idle, topk=getattr(args, "dsa_topk", None), layers=args.dsa_layers
+    )
+    app = DsaWatchApp(screen)
+    app.run()
+    return app.return_code or 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -375,14 +376,18 @@ async def watch_dir(
     poll_s: float = 0.05,
     topk: int | None = None,
     layers: int | None = None,
+    max_bytes: int | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> dict[str, Any]:
     """Follow every shard (and serving.jsonl) under a trace directory as it is written; each
     batch goes to `sink` as a TraceBatch. Returns the verdict once the writer's summary.json is
-    there and nothing new came for idle_s seconds (idle_s 0: until cancelled)."""
+    there and nothing new came for idle_s seconds (idle_s 0: until cancelled, or until `stop()`
+    says so). A batch is at most about max_bytes of lines (the follower's default: 4 MiB); it
+    polls again at once while a file has more waiting, else after poll_s."""
     import asyncio
 
     from analysis.dsa_stream import BLOCK_DIR
-    from runners.follow import FileFollower
+    from runners.follow import POLL_BYTES, FileFollower
     from runners.targets.factory import parse_target
 
     target_spec, root = split_watch_spec(spec)
@@ -411,8 +416,10 @@ async def watch_dir(
                         followers.setdefault(path, FileFollower(target, path))
                     summaries += name == "summary.json"
             got_any = False
+            behind = False
             for path, follower in sorted(followers.items()):
-                got = await follower.poll()
+                got = await follower.poll(max_bytes=max_bytes or POLL_BYTES)
+                behind = behind or not follower.caught_up
                 if got is None:
                     continue
                 got_any = True
@@ -432,7 +439,9 @@ async def watch_dir(
                 quiet = now
             elif idle_s and dirs and summaries == len(dirs) and now - quiet >= idle_s:
                 break
-            await asyncio.sleep(poll_s)
+            if stop is not None and stop():
+                break
+            await asyncio.sleep(0 if behind else poll_s)
         traces = []
         for folder, stream in sorted(book.streams.items()):
             raw = await target.read_from(f"{folder}/summary.json", 0, 1 << 24)
