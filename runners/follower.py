@@ -9,7 +9,7 @@ once a cell passed, and the judge is asked to advance after each cell.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,7 +56,13 @@ class RunFollower:
         judge: Judge,
         local_dir: Path,
         emit: Callable[[Event], None],
+        *,
+        progress: list[str] | None = None,
+        advance: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
+        """progress: the files the launcher's scripts write each cell's start and end to (the
+        run's progress.jsonl unless the launcher says otherwise); advance: how the judge is
+        asked to judge (a fleet shares one judge among its hosts' followers)."""
         self.target = target
         self.plan = plan
         self.judge = judge
@@ -66,7 +72,9 @@ class RunFollower:
         if plan.setup:
             setup = PlannedCell(SETUP_CELL, {"step": SETUP}, " && ".join(plan.setup), {})
             self.cells[SETUP_CELL] = CellTrack(setup)
-        self.progress = FileFollower(target, f"{plan.run_dir}/progress.jsonl")
+        paths = progress if progress is not None else [f"{plan.run_dir}/progress.jsonl"]
+        self.progress_files = [FileFollower(target, path) for path in paths]
+        self._advance = advance or judge.advance
         self.traces: dict[str, FileFollower] = {}
         self.trace_owner: dict[str, int | None] = {}  # None: several cells write it
         self.patterns = [t for t in plan.traces if t.is_pattern]
@@ -143,9 +151,10 @@ class RunFollower:
             got = await self.traces[path].poll()
             if got is not None:
                 pending.setdefault(path, []).append(got)
-        got_progress = await self.progress.poll()
-        for raw in got_progress.lines if got_progress else []:
-            await self._on_progress(orjson.loads(raw), pending)
+        for progress in self.progress_files:
+            got_progress = await progress.poll()
+            for raw in got_progress.lines if got_progress else []:
+                await self._on_progress(orjson.loads(raw), pending)
         self._emit_shared(pending, ended=None)
         for track in self.cells.values():
             if track.started is not None and not track.finished:
@@ -155,7 +164,7 @@ class RunFollower:
     @property
     def behind(self) -> bool:
         """Did the last pass leave lines unread (a backlog read a bounded step at a time)?"""
-        followers = [*self.traces.values(), self.progress]
+        followers = [*self.traces.values(), *self.progress_files]
         followers += [f for t in self.cells.values() for f in t.outputs.values()]
         return not all(f.caught_up for f in followers)
 
@@ -295,7 +304,7 @@ class RunFollower:
                 )
             )
         await self.catch_up()
-        await self.judge.advance()
+        await self._advance()
 
     # -- outputs and traces ----------------------------------------------------------------
 
@@ -396,7 +405,7 @@ class RunFollower:
                 self.emit(event)
             track.fetched_all = True
         if owed:
-            await self.judge.advance()
+            await self._advance()
 
     async def tail(self, path: str, limit: int = 600) -> str:
         data = await self.target.read_from(path, 0, 1 << 20)

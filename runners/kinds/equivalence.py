@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import json
 import sys
+from dataclasses import field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, ClassVar
@@ -51,6 +52,7 @@ from runners.cells import CellState, cell_name
 from runners.events import (
     ArtifactFailed,
     CellFinished,
+    CellRequeued,
     Error,
     Event,
     RunFinished,
@@ -59,6 +61,7 @@ from runners.events import (
 )
 from runners.exits import EXIT_INFRA, EXIT_USAGE
 from runners.kind import ENDINGS, Ending, Judge, JudgeContext, Kind, KindPrinter, failure_text
+from runners.plan import PlannedCell
 from runners.presets import PresetError
 from runners.record import RUN_JSON, RunRecord, read_events
 
@@ -81,6 +84,8 @@ class PairVerdict(Event):
     first_fail: dict[str, Any] | None
     metrics_path: str
     precision: dict[str, Any] | None = None
+    # Which host ran each side (mode -> host) in a fleet run; {} on one host.
+    hosts: dict[str, str] = field(default_factory=dict)
 
 
 @event
@@ -105,10 +110,11 @@ def _write_json(path: Path, obj: Any) -> None:
     write_atomic(path, json.dumps(obj, indent=2, allow_nan=False, ensure_ascii=False) + "\n")
 
 
-def write_pair(root: Path, result: PairResult) -> None:
-    _write_json(
-        metrics_path(root, result.kv_aligned, result.seed), metrics_document(result, _now())
-    )
+def write_pair(root: Path, result: PairResult, hosts: dict[str, str] | None = None) -> None:
+    doc = metrics_document(result, _now())
+    if hosts:
+        doc["hosts"] = dict(hosts)  # beyond section 2.2: the fleet host that ran each side
+    _write_json(metrics_path(root, result.kv_aligned, result.seed), doc)
 
 
 def write_summary(
@@ -213,6 +219,7 @@ class EquivalenceJudge(Judge):
                 self.pairs.setdefault(key, {})[p["mode"]] = cell.index
         self.judged: dict[tuple[int, int], PairVerdict | PairUnjudged] = {}
         self.failed_artifacts: dict[int, list[ArtifactFailed]] = {}
+        self.hosts: dict[int, str] = {}  # cell -> the fleet host that ran it
 
     @property
     def thresholds(self) -> dict[str, float]:
@@ -223,6 +230,11 @@ class EquivalenceJudge(Judge):
     def on_event(self, event: Event) -> None:
         if isinstance(event, PairVerdict | PairUnjudged):
             self.judged[(event.kv_aligned, event.seed)] = event
+        elif isinstance(event, CellFinished) and event.host:
+            self.hosts[event.cell] = event.host
+        elif isinstance(event, CellRequeued):
+            self.failed_artifacts.pop(event.cell, None)
+            self.hosts.pop(event.cell, None)
         elif isinstance(event, ArtifactFailed):
             self.failed_artifacts.setdefault(event.cell, []).append(event)
 
@@ -237,8 +249,9 @@ class EquivalenceJudge(Judge):
                 continue
             if not all(self._side_home(c) for c in sides.values()):
                 continue
+            hosts = {m: self.hosts[c] for m, c in sides.items() if c in self.hosts}
             try:
-                result = await asyncio.to_thread(self._judge, kv, seed)
+                result = await asyncio.to_thread(self._judge, kv, seed, hosts)
             except ValueError as exc:
                 self.ctx.emit(Error(message=str(exc), where=f"kv_aligned_{kv}/seed_{seed}"))
                 self.ctx.emit(PairUnjudged(seed=seed, kv_aligned=kv, reason=str(exc)))
@@ -257,6 +270,7 @@ class EquivalenceJudge(Judge):
                     first_fail=result.first_fail,
                     metrics_path=f"metrics/kv_aligned_{kv}/seed_{seed}_metrics.json",
                     precision=result.precision,
+                    hosts=hosts,
                 )
             )
 
@@ -276,9 +290,9 @@ class EquivalenceJudge(Judge):
                 return ("engine" if f.missing else "infra"), f"{mode} side: {f.path}: {f.reason}"
         return None
 
-    def _judge(self, kv: int, seed: int) -> PairResult:
+    def _judge(self, kv: int, seed: int, hosts: dict[str, str]) -> PairResult:
         result = judge_pair(self.ctx.local_dir, kv, seed, self.thresholds)
-        write_pair(self.ctx.local_dir, result)
+        write_pair(self.ctx.local_dir, result, hosts)
         return result
 
     def _side_home(self, cell: int) -> bool:
@@ -393,6 +407,10 @@ class EquivalencePrinter(KindPrinter):
             f"verdict kv_aligned={event.kv_aligned} seed={event.seed}: {event.verdict}  "
             + " ".join(f"{k}={_num(m[k])}" for k in METRICS_SHOWN if k in m)
         ]
+        if event.hosts:
+            lines.append(
+                "  hosts: " + ", ".join(f"{mode} on {h}" for mode, h in sorted(event.hosts.items()))
+            )
         if event.precision:
             lines.append(f"  precision: {precision_text(event.precision)}")
         if m.get("diverged_at_token") is not None:
@@ -455,6 +473,19 @@ class EquivalenceKind(Kind):
 
     def exit_code(self, word: str) -> int:
         return VERDICT_EXIT.get(word, super().exit_code(word))
+
+    def together(self, cells: list[PlannedCell]) -> list[list[int]]:
+        """Both sides of a pair (one kv_aligned, one seed: prefill and decode) on one host: a
+        pair compared across two machines would judge the machines, not the modes."""
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        for c in cells:
+            key = (
+                tuple(c.params.get(k) for k in ("kv_aligned", "seed"))
+                if set(PAIR_KEYS) <= set(c.params)
+                else ("cell", c.index)
+            )
+            groups.setdefault(key, []).append(c.index)
+        return list(groups.values())
 
     def check(self, data: dict[str, Any], source: str, options: frozenset[str]) -> None:
         matrix = data["matrix"]
