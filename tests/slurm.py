@@ -62,22 +62,24 @@ class SlurmCluster:
             for p in sorted(self.dir.glob("*.log"))
         )
 
-    def idle(self) -> bool:
-        out = self.run("sinfo", "-h", "-N", "-o", "%T", check=False).stdout.split()
-        return out == ["idle"]
+    def node_state(self) -> str:
+        return self.run("sinfo", "-h", "-N", "-o", "%T", check=False).stdout.strip()
 
-    def wait_idle(self, timeout: float = 30.0) -> None:
+    def wait_idle(self, timeout: float = 30.0, states: tuple[str, ...] = ("idle",)) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.idle():
+            if self.node_state() in states:
                 return
             time.sleep(0.2)
-        raise RuntimeError(f"the Slurm node did not come up idle; logs:\n{self.log()}")
+        raise RuntimeError(
+            f"the Slurm node is {self.node_state()!r}, not {' or '.join(states)}; logs:\n"
+            f"{self.log()}"
+        )
 
     def resume_node(self) -> None:
-        """After a test set the node DOWN: bring it back and wait until it is idle."""
+        """After a test set the node DOWN: bring it back into service."""
         self.run("scontrol", "update", f"NodeName={self.node}", "State=RESUME", check=False)
-        self.wait_idle()
+        self.wait_idle(states=("idle", "mixed", "allocated"))
 
     def stop(self) -> None:
         with contextlib.suppress(subprocess.SubprocessError, OSError):
