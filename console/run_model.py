@@ -212,6 +212,8 @@ class RunModel:
             row.state, row.message = event.state, event.message
             if event.state != "running":
                 row.lock_held = False
+            if event.state == "lost":
+                row.connection = "unreachable"
         elif isinstance(event, LockAcquired):
             row.lock, row.lock_held = event.lock, True
         elif isinstance(event, LockBusy):
@@ -294,6 +296,7 @@ class RunModel:
         if event.node:
             row.host = event.node
         self._changes.cells[event.cell] = None
+        self._changes.hosts = True  # the job's line counts its cells by state
 
     def _job(self, event: JobSubmitted) -> None:
         self.job = Job(event.scheduler, event.job_id, event.partition)
@@ -326,10 +329,12 @@ class RunModel:
         self.artifacts += 1
 
     def _connection(self, event: Connection) -> None:
-        self.connection = event
-        self._changes.connection = True
+        if not event.host:  # a fleet host's link: its status line shows it
+            self.connection = event
+            self._changes.connection = True
         attempt = f" (attempt {event.attempt})" if event.attempt else ""
-        self._log_run(f"connection {event.state}{attempt}: {event.message}")
+        where = f"{event.host}: " if event.host else ""
+        self._log_run(f"{where}connection {event.state}{attempt}: {event.message}")
 
     def _error(self, event: Error) -> None:
         self.errors.append(event)

@@ -551,7 +551,7 @@ class FleetSession(Session):
 
     async def _start_member(self, host: Host, groups: list[list[int]]) -> Member | None:
         cells = sorted(c for g in groups for c in g)
-        if host.state in ("", IDLE):
+        if not host.state:
             self._set_state(host, CONNECTING)
         if not await self._connect(host):
             self._give_back(groups)

@@ -355,14 +355,14 @@ def test_a_busy_host_is_skipped_naming_its_holder(fleet: Fleet, tmp_path: Path) 
     assert_run_gone(local_dir, lock_free_on=lock_free_on(fleet))
 
 
-def test_busy_hosts_are_waited_for_when_the_preset_says_so(fleet: Fleet, tmp_path: Path) -> None:
-    preset = lines_preset(tmp_path, cells=2, lines=2, pause=0.01, fleet='busy = "wait"')
+def test_busy_hosts_are_waited_for_when_the_operator_says_so(fleet: Fleet, tmp_path: Path) -> None:
+    preset = lines_preset(tmp_path, cells=2, lines=2, pause=0.01)
     out = tmp_path / "out"
     with holding(fleet, "gpu-b"):
         with holding(fleet, "gpu-a"):
             console = spawn(
                 "run", str(preset), "--target", "gpu-a,gpu-b", "--out", str(out),
-                env=cli_env(fleet.home.path),
+                "--busy", "wait", env=cli_env(fleet.home.path),
             )  # fmt: skip
             local_dir = wait_for(lambda: run_dirs(out), what="run dir")[0]
             wait_for(

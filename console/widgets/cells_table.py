@@ -41,16 +41,19 @@ class CellsTable(LiveTable):
     def upsert(self, key: str, values: Sequence[Any]) -> None:
         if key in self.rows:
             for (_, column), value in zip(self.shown, values, strict=True):
-                self.update_cell(key, column, value)
+                # the host and scheduler words change length as the cell goes on
+                wide = column in (HOST_COLUMN[1], SCHED_COLUMN[1])
+                self.update_cell(key, column, value, update_width=wide)
         else:
             self.add_row(*values, key=key)
 
     def _columns_for(self, model: RunModel) -> None:
         """Add the host and scheduler columns once a cell has a value for them."""
         rows = model.cells.values()
+        sched = any(r.sched for r in rows)
         for column, wanted in (
-            (HOST_COLUMN, any(r.host for r in rows)),
-            (SCHED_COLUMN, any(r.sched for r in rows)),
+            (HOST_COLUMN, sched or any(r.host for r in rows)),  # Slurm: the node
+            (SCHED_COLUMN, sched),
         ):
             if wanted and column not in self.shown:
                 self.add_column(column[0], key=column[1], default=Text(""))

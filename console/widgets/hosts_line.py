@@ -21,6 +21,10 @@ HOST_STYLES = {
 }
 
 
+# States in which the host's lock is not known to be free (held by another run, or unseen).
+QUIET = ("waiting", "skipped", "lost", "failed")
+
+
 class HostsLine(Static):
     """Hidden for a run on one host; one line per fleet host, or the scheduler's line."""
 
@@ -30,6 +34,8 @@ class HostsLine(Static):
         max-height: 8;
         padding: 0 1;
         background: $panel;
+        text-wrap: nowrap;
+        text-overflow: ellipsis;
         display: none;
     }
     HostsLine.-shown { display: block; }
@@ -57,22 +63,20 @@ def host_line(model: RunModel, spec: str) -> Text:
     lock = (
         f"lock {row.lock} held"
         if row.lock_held
-        else (
-            f"lock {row.lock} free" if row.lock and row.state not in ("waiting", "skipped") else ""
-        )
+        else (f"lock {row.lock} free" if row.lock and row.state not in QUIET else "")
     )
     parts = [
         Text(clean(spec), style="bold"),
         Text(" "),
         Text(clean(row.state), style=style),
+        Text(f"  cells {len(row.done)}/{len(row.cells)} done"),
     ]
-    if row.message and row.state in ("waiting", "skipped", "lost", "failed"):
-        parts.append(Text(f" ({clean(row.message)})", style=style))
     conn_style = "" if row.connection == "connected" else "bold red"
     parts += [Text("  "), Text(clean(row.connection), style=conn_style)]
     if lock:
         parts += [Text("  "), Text(clean(lock), style="dim")]
-    parts.append(Text(f"  cells {len(row.done)}/{len(row.cells)} done"))
+    if row.message and row.state in ("waiting", "skipped", "lost", "failed"):
+        parts.append(Text(f"  {clean(row.message)}", style=style))
     if row.last_error:
         parts += [Text("  last error: ", style="dim"), Text(clean(row.last_error), style="red")]
     return Text.assemble(*parts)
