@@ -313,6 +313,12 @@ class FleetSession(Session):
         out_dir: Path,
         emit: Callable[[Event], None],
     ) -> FleetSession:
+        if preset.section("target")["scheduler"]:
+            raise ValueError(
+                f"{preset.source}: target.scheduler = {preset.section('target')['scheduler']!r} "
+                f"with --target {target_spec!r}: a cluster's scheduler places the cells itself; "
+                "give its login node as the target (slurm://LOGIN/PARTITION), not a fleet"
+            )
         date = dt.date.today().isoformat()
         rel = render_plain(preset.section("artifacts")["dir"], {"date": date, "name": preset.name})
         record = RunRecord(
@@ -528,6 +534,9 @@ class FleetSession(Session):
             finally:
                 host.batch = None
             if member is not None:
+                if self._stopping():
+                    # `tracedeck cancel` came while this batch started: it may not know of it
+                    await member.launcher.cancel(member.plan, CANCEL_GRACE_S)
                 await self._follow_member(host, member)
             elif host.state == WAITING:
                 await asyncio.sleep(WAIT_S)
@@ -772,8 +781,14 @@ class FleetSession(Session):
         else:
             self._set_state(host, IDLE)
         member.ended = True
-        if how == "cancelled":
-            await self._cancel_members(CANCEL_GRACE_S)
+        if how == "cancelled" and not self._cancelling:
+            # cancelled from elsewhere: every other host's batch stops too
+            try:
+                await self._cancel_members(CANCEL_GRACE_S)
+            except TargetError as exc:
+                self._host_emit(
+                    host, Error(message=str(exc), where=host.spec, affects_verdict=False)
+                )
 
     async def _reconnect_host(self, host: Host, message: str) -> bool:
         self._host_emit(host, Connection(state="lost", message=message))

@@ -82,11 +82,15 @@ class SlurmCluster:
         self.wait_idle(states=("idle", "mixed", "allocated"))
 
     def stop(self) -> None:
+        """Cancel what is left, let Slurm end it, then stop the daemons by their PIDs (and any
+        slurmstepd of this cluster that outlived its slurmd)."""
         with contextlib.suppress(subprocess.SubprocessError, OSError):
             ids = self.jobs()
             if ids:
                 self.run("scancel", *ids, check=False)
-                time.sleep(1.0)
+                deadline = time.monotonic() + 15
+                while self.jobs() and time.monotonic() < deadline:
+                    time.sleep(0.2)
         for proc in reversed(self.procs):  # slurmd, slurmctld, munged: by PID
             if proc.poll() is None:
                 os.kill(proc.pid, signal.SIGTERM)
@@ -95,6 +99,25 @@ class SlurmCluster:
                 except subprocess.TimeoutExpired:
                     os.kill(proc.pid, signal.SIGKILL)
                     proc.wait(timeout=5)
+        for pid in self.steps():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def steps(self) -> list[int]:
+        """Live slurmstepd processes of this cluster (their environment names its conf)."""
+        mark = f"SLURM_CONF={self.conf}".encode()
+        out = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                if b"slurmstepd" not in (entry / "cmdline").read_bytes():
+                    continue
+                if mark in (entry / "environ").read_bytes().split(b"\0"):
+                    out.append(int(entry.name))
+            except OSError:
+                continue
+        return out
 
 
 def slurm_conf(d: Path, node: str, cpus: int, ctld_port: int, slurmd_port: int) -> str:

@@ -458,11 +458,20 @@ class SlurmLauncher:
                 )
             )
         first = next((w for w in SCHEDULER_KILLS for k in kills if f": {w}" in k), None)
+        unknown = [
+            cell_name(e.cell, follower.cells[e.cell].plan.params, total) + f": {e.stderr_tail}"
+            for e in finished
+            if e.state == CellState.LOST and e.scheduler not in SCHEDULER_KILLS
+        ]
         if cancelled or (any(e.state == CellState.CANCELLED for e in finished) and first is None):
             ending = Ending("cancelled")
         elif first is not None:
             ending = Ending(
                 first.lower(), "Slurm ended cells before they finished: " + "; ".join(kills)
+            )
+        elif unknown:
+            ending = Ending(
+                "crashed", "cells ended with no word of their own: " + "; ".join(unknown)
             )
         else:
             ending = Ending("done")
