@@ -7,12 +7,15 @@ run   the real run screen (create_app, RunScreen, its 15 Hz drain, RunModel and 
 watch `tracedeck watch`'s console: a writer process appends records to a shard at --rate
       records/s while the console follows, judges (worker thread) and draws them; this also
       shows how many records/s one core can judge while the screen keeps drawing.
+live  a run launched from the presets screen whose engine writes --rate records/s: the run's
+      session follows and judges in the console's event loop (the lead's follower), so this
+      shows what a live run at that rate does to the run screen.
 
 Prints the gaps between drain ticks (responsive: none over 100 ms; the tick is 66.7 ms), the
 drain cost, the records folded, RSS after 1 s and at the end (flat: the aggregates are bounded),
 and the load average.
 
-    python bench/bench_dsa_console.py [--mode run|watch|both] [--rate 20000] [--seconds 10]
+    python bench/bench_dsa_console.py [--mode run|watch|live|all] [--rate 20000] [--seconds 10]
 """
 
 from __future__ import annotations
@@ -219,17 +222,83 @@ async def watch_screen(rate: float, seconds: float) -> None:
         )
 
 
+LIVE_PRESET = """
+[preset]
+name = "bench_dsa_live"
+kind = "dsa_trace"
+description = "a writer of 2048-position records at a fixed rate"
+[target]
+host = "local"
+python = "{python}"
+runs = "{tmp}/runs"
+lock = "{tmp}/lock"
+[engine]
+command = "mkdir -p {{out}}/dsa/block64 && {{python}} {tmp}/writer.py {tmp}/records.jsonl {{out}}/dsa/block64/trace_steps_0_64.jsonl {rate} {seconds}"
+[matrix]
+n = [1]
+[dsa]
+topk = 2048
+layers = 61
+[artifacts]
+fetch = ["dsa/block64/summary.json"]
+[traces]
+follow = ["dsa/block64/trace_steps_*.jsonl"]
+"""
+
+
+async def live_run(rate: float, seconds: float) -> None:
+    """A run launched from the presets screen whose engine writes `rate` records/s: the session
+    follows and judges in the console's event loop (runners/follower.py), as a live run does."""
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        (folder / "records.jsonl").write_bytes(b"\n".join(make_lines(610 * 4)) + b"\n")
+        (folder / "writer.py").write_text(WRITER)
+        preset = folder / "bench_dsa_live.toml"
+        preset.write_text(
+            LIVE_PRESET.format(python=sys.executable, tmp=tmp, rate=rate, seconds=seconds)
+        )
+        app = create_app(out_dir=folder / "out", preset_paths=[preset])
+        rss: list[float] = []
+        async with app.run_test(size=(120, 40)) as pilot:
+            await pilot.pause(0.5)
+            await pilot.press("ctrl+r")
+            while not isinstance(app.screen, RunScreen):
+                await asyncio.sleep(0.01)
+            screen = app.screen
+            screen.record_ticks = True
+            start = time.perf_counter()
+            while time.perf_counter() - start < seconds:
+                await asyncio.sleep(0.05)
+                if time.perf_counter() - start >= len(rss):
+                    rss.append(rss_mb())
+            folded = screen.panel.book.totals()["records"]  # type: ignore[attr-defined]
+            ticks = list(screen.ticks)
+            await screen.stop_following()
+        report(
+            f"live run screen, engine at {rate:,.0f} records/s for {seconds:g} s",
+            ticks,
+            folded,
+            rss,
+        )
+        print(
+            f"  judged and folded {folded:,} in {seconds:g} s ({folded / seconds:,.0f} records/s "
+            f"kept up with, judging in the screen's event loop)"
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mode", choices=["run", "watch", "both"], default="both")
+    p.add_argument("--mode", choices=["run", "watch", "live", "all"], default="all")
     p.add_argument("--rate", type=float, default=20000)
     p.add_argument("--seconds", type=float, default=10)
     args = p.parse_args()
     print(f"loadavg before: {loadavg()} ({os.cpu_count()} cores)")
-    if args.mode in ("run", "both"):
+    if args.mode in ("run", "all"):
         asyncio.run(run_screen(args.rate, args.seconds))
-    if args.mode in ("watch", "both"):
+    if args.mode in ("watch", "all"):
         asyncio.run(watch_screen(args.rate, args.seconds))
+    if args.mode in ("live", "all"):
+        asyncio.run(live_run(args.rate, args.seconds))
     print(f"loadavg after: {loadavg()}")
 
 
