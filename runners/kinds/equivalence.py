@@ -61,6 +61,7 @@ from runners.exits import EXIT_INFRA, EXIT_USAGE
 from runners.kind import ENDINGS, Ending, Judge, JudgeContext, Kind, KindPrinter, failure_text
 from runners.presets import PresetError
 from runners.record import RUN_JSON, RunRecord, read_events
+from runners.resources import judge_workers
 
 REPORT_NAME = "B3_67_EQUIVALENCE_GUARDRAIL.md"
 PAIR_KEYS = ("mode", "kv_aligned", "seed")
@@ -173,6 +174,7 @@ def analyze_tree(
     date: str | None = None,
     seeds: list[int] | None = None,
     engine_unjudged: list[Unjudged] | None = None,
+    workers: int = 1,
 ) -> tuple[dict[str, Any], list[PairResult]]:
     """Judges every pair of a tree and writes all its documents; returns (summary, results).
 
@@ -180,7 +182,7 @@ def analyze_tree(
     such instead of as missing files.
     """
     root = Path(root)
-    judged = judge_tree(root, thresholds, date, seeds)
+    judged = judge_tree(root, thresholds, date, seeds, workers)
     known = {(u.kv_aligned, u.seed): u for u in engine_unjudged or []}
     unjudged = [known.get((u.kv_aligned, u.seed), u) for u in judged.unjudged]
     for result in judged.results:
@@ -277,7 +279,9 @@ class EquivalenceJudge(Judge):
         return None
 
     def _judge(self, kv: int, seed: int) -> PairResult:
-        result = judge_pair(self.ctx.local_dir, kv, seed, self.thresholds)
+        # A pair comes home at a time: its two sides are read at once where there are cores.
+        workers = min(2, judge_workers())
+        result = judge_pair(self.ctx.local_dir, kv, seed, self.thresholds, workers)
         write_pair(self.ctx.local_dir, result)
         return result
 
@@ -505,6 +509,11 @@ class EquivalenceKind(Kind):
             metavar="KEY=VALUE",
             help="B3.67: a threshold (stricter than the seed's; looser needs --loose-thresholds)",
         )
+        parser.add_argument(
+            "--workers",
+            type=_positive_int,
+            help="B3.67: processes judging at once (default: as many as cores and memory allow)",
+        )
 
     def analyze(self, path: Path, args: argparse.Namespace) -> int:
         try:
@@ -519,7 +528,11 @@ class EquivalenceKind(Kind):
         engine = _engine_failures(path, args.seeds)
         try:
             summary, results = analyze_tree(
-                path, thresholds, seeds=args.seeds, engine_unjudged=engine
+                path,
+                thresholds,
+                seeds=args.seeds,
+                engine_unjudged=engine,
+                workers=judge_workers(getattr(args, "workers", None)),
             )
         except (InputError, ValueError, OSError) as exc:
             print(f"tracedeck: {exc}", file=sys.stderr)
@@ -577,6 +590,16 @@ def _int_list(text: str) -> list[int]:
     if not values or any(v < 0 for v in values) or len(set(values)) != len(values):
         raise argparse.ArgumentTypeError(f"{text!r}: give distinct non-negative seeds as 0,1,2")
     return values
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of processes, 1 or more")
+    return value
 
 
 def _threshold_args(items: list[str]) -> dict[str, float] | None:
