@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from faults import assert_run_gone, record_of
-from runhelp import cli_env, events, run_dirs, tracedeck
-from sshd import SshHome
+from runhelp import cli_env, events, run_dirs, tracedeck, wait_for
+from sshd import CuttableProxy, SshHome
 
 from analysis.equivalence_tree import judge_pair
 from runners.kinds.equivalence import HOST_JUDGING
@@ -169,3 +169,59 @@ def test_the_shipped_judge_needs_nothing_but_what_is_shipped(tmp_path: Path) -> 
     written = json.loads((tree / said["metrics"]).read_text())
     here = judge_pair(tree, 1, 0, written["thresholds"])
     assert written["metrics"] == here.metrics and written["first_fail"] == here.first_fail
+
+
+def judge_wrapper(tmp: Path, body: str) -> Path:
+    """A python for [judge] python that does `body` (sh) before each judging (-m) call."""
+    path = tmp / "judge-python"
+    path.write_text(
+        f'#!/bin/sh\nif [ "$1" = "-m" ]; then\n{body}\nfi\nexec {sys.executable} "$@"\n'
+    )
+    path.chmod(0o755)
+    return path
+
+
+@pytest.mark.ssh
+def test_a_judge_that_dies_on_the_host_is_an_infrastructure_failure_not_a_verdict(
+    ssh_home: SshHome, tmp_path: Path
+) -> None:
+    killed = judge_wrapper(tmp_path, "echo 'Killed (out of memory)' >&2; exit 137")
+    done, local = smoke(
+        ssh_home, tmp_path, "out", "--set", "matrix.seed=[0]", "--set", f'judge.python="{killed}"'
+    )
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "RESULT: INFRA_ERROR (exit 3)" in done.stdout
+    assert "exited 137" in done.stdout and "out of memory" in done.stdout
+    assert_run_gone(local)
+
+
+@pytest.mark.ssh
+def test_a_link_cut_while_the_host_judges_loses_no_verdict(
+    ssh_proxy: CuttableProxy, ssh_home: SshHome, tmp_path: Path
+) -> None:
+    started = tmp_path / "judging"
+    slow = judge_wrapper(tmp_path, f"touch {started}; sleep 2")
+    console = subprocess.Popen(
+        [sys.executable, "-m", "console.cli", "run", "b3_67_smoke", "--target", ssh_proxy.spec]
+        + ["--out", str(tmp_path / "out"), "--set", f'target.python="{sys.executable}"']
+        + ["--set", f'target.runs="{tmp_path}/remote"', "--set", f'target.lock="{tmp_path}/lock"']
+        + ["--set", "matrix.seed=[0]", "--set", f'judge.python="{slow}"'],
+        cwd=Path(__file__).resolve().parent.parent,
+        env=cli_env(ssh_home.path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(started.exists, timeout=120, what="the host to start judging")
+        ssh_proxy.cut()
+        out, err = console.communicate(timeout=300)
+    finally:
+        if console.poll() is None:
+            console.kill()
+    assert console.returncode == 0, out + err
+    assert "connection lost" in out and "RESULT: PASS_GUARDRAIL (exit 0)" in out
+    local = run_dirs(tmp_path / "out")[0]
+    verdicts = [e for e in events(local) if e["type"] == "pair_verdict"]
+    assert sorted((v["kv_aligned"], v["seed"]) for v in verdicts) == [(0, 0), (1, 0)]
+    assert_run_gone(local)
