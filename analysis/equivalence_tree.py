@@ -8,7 +8,9 @@ returned for the caller to write.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import re
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -73,8 +75,11 @@ def judge_pair(
     kv_aligned: int,
     seed: int,
     thresholds: dict[str, float] | None = None,
+    workers: int = 1,
 ) -> PairResult:
-    """Judges one pair from the tree; returns the result (the caller writes its metrics file)."""
+    """Judges one pair from the tree; returns the result (the caller writes its metrics file).
+
+    workers >= 2 reads the two sides in two processes at once."""
     base = pair_dir(root, kv_aligned, seed)
     logits: dict[str, Path] = {}
     meta: dict[str, dict[str, Any]] = {}
@@ -109,8 +114,17 @@ def judge_pair(
         prompt_len=meta["prefill"]["prompt_len"],
         gen_len=meta["prefill"]["gen_len"],
         thresholds=thresholds,
+        workers=workers,
     )
     _check_token_count(result.tokens["prefill"], meta, meta_path)
+    if result.first_fail is not None:
+        # Named from the tree's root: the same words wherever the tree is judged (console or
+        # host) and after it is moved.
+        root_text = str(Path(root))
+        result.first_fail["where"] = {
+            side: where.removeprefix(root_text + "/")
+            for side, where in (result.first_fail.get("where") or {}).items()
+        }
     return result
 
 
@@ -311,11 +325,14 @@ def judge_tree(
     thresholds: dict[str, float] | None = None,
     date: str | None = None,
     seeds: list[int] | None = None,
+    workers: int = 1,
 ) -> TreeJudgement:
     """Judges every pair of a B3.67 tree's matrix; a pair that cannot be judged is named.
 
     Thresholds come from the argument, else config.json's where they are stricter than the
     seed's, else the seed's. A malformed layout (stray names, no runs/) raises InputError.
+    With workers >= 2, pairs are judged that many at a time in processes of their own (one
+    pair alone: its two sides at once); the results are the same, in the same order.
     """
     root = Path(root)
     expected, matrix = expected_pairs(root, seeds)
@@ -324,16 +341,39 @@ def judge_tree(
     resolved, notes = tree_thresholds(root, thresholds, config)
     results: list[PairResult] = []
     unjudged: list[Unjudged] = []
-    for k, n in expected:
-        try:
-            results.append(judge_pair(root, k, n, resolved))
-        except InputError as exc:
-            unjudged.append(Unjudged(k, n, "input", str(exc)))
+    for (k, n), outcome in zip(
+        expected, _judge_pairs(root, expected, resolved, workers), strict=True
+    ):
+        if isinstance(outcome, InputError):
+            unjudged.append(Unjudged(k, n, "input", str(outcome)))
+        else:
+            results.append(outcome)
     if "config_matrix" not in config:
         matrix = {**_derived_matrix(results), **matrix}
     return TreeJudgement(
         results, unjudged, config, matrix, resolved, date or _run_date(root, config), notes
     )
+
+
+def _judge_pairs(
+    root: Path, pairs: list[tuple[int, int]], thresholds: dict[str, float], workers: int
+) -> list[PairResult | InputError]:
+    """Each pair's result, or the InputError that stopped it, in the order given."""
+    if workers < 2 or len(pairs) < 2:
+        return [_judge_or_error(root, k, n, thresholds, workers) for k, n in pairs]
+    context = multiprocessing.get_context("spawn")  # no lock shared with the caller's threads
+    with ProcessPoolExecutor(min(workers, len(pairs)), mp_context=context) as pool:
+        jobs = [pool.submit(_judge_or_error, root, k, n, thresholds, 1) for k, n in pairs]
+        return [job.result() for job in jobs]
+
+
+def _judge_or_error(
+    root: Path, kv_aligned: int, seed: int, thresholds: dict[str, float], workers: int
+) -> PairResult | InputError:
+    try:
+        return judge_pair(root, kv_aligned, seed, thresholds, workers)
+    except InputError as exc:
+        return exc
 
 
 def load_pair_result(root: str | Path, kv_aligned: int, seed: int) -> PairResult:

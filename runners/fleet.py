@@ -209,6 +209,7 @@ class FleetSession(Session):
         self.follower = None
         self.finished: RunFinished | None = None
         self._recorder: Recorder | None = None
+        self._changes = None  # no change notifier: each host's batch is polled
         self._cancelling = False
         self._cancelled = False
         self.stage = ""
@@ -370,7 +371,14 @@ class FleetSession(Session):
             profile=self.preset.section("determinism")["profile"],
             env=run_env(self.preset.data),
             attached=attached,
+            notes=self._notes(),
         )
+
+    def _notes(self) -> list[str]:
+        """Where the run is judged: here, for a fleet (every artifact comes home)."""
+        if self.kind.host_judging is None or self.preset.section("judge")["on"] == "console":
+            return []
+        return ["judged on this console: a fleet run brings every artifact home"]
 
     # -- attaching -----------------------------------------------------------------------------
 

@@ -1,9 +1,9 @@
 """The fault harness: what every fault scenario checks after it, and ways to cause faults.
 
 Every scenario ends with `assert_run_gone`: no process of the run alive (group or escaped,
-zombies aside) and the host lock free, checked, not assumed. The proxy to cut links lives in
-sshd.py (CuttableProxy); `small_disk` mounts a tmpfs that fills; `second_host` starts an sshd
-with its own /tmp and an unknown host key.
+zombies aside, and tracedeck's own change notifier), the host lock free: checked, not assumed.
+The proxy to cut links lives in sshd.py (CuttableProxy); `small_disk` mounts a tmpfs that fills;
+the `impostor` fixture (conftest.py) is a second sshd with a host key nobody trusted.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import orjson
-from runhelp import run_alive
+from runhelp import notifier_alive, run_alive
 
 
 def record_of(local_dir: Path) -> dict:
@@ -85,7 +85,7 @@ def assert_run_gone(
 
     def gone() -> bool:
         return (
-            not any(run_alive(m) for m in markers)
+            not any(run_alive(m) or notifier_alive(m) for m in markers)
             and all(free(h, lock) for h, lock in locks)
             and not queued()
         )
@@ -97,6 +97,7 @@ def assert_run_gone(
         time.sleep(0.1)
     raise AssertionError(
         f"run {record['run_id']}: processes alive={[m for m in markers if run_alive(m)]}, "
+        f"notifier alive={[m for m in markers if notifier_alive(m)]}, "
         f"locks free={[(h, lock, free(h, lock)) for h, lock in locks]}, queued={queued()}"
     )
 

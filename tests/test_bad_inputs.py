@@ -194,6 +194,12 @@ CASES: dict[str, Case] = {
         2,
         names(str(SMOKE), "thresholds.top1_agreement_min"),
     ),
+    "judge on nowhere": Case(
+        preset(GOOD + "[judge]\non = 'gpu'\n"), 2, names(P, "judge.on", "auto, host, console")
+    ),
+    "judge on the host for a kind that cannot": Case(
+        preset(GOOD + "[judge]\non = 'host'\n"), 2, names(P, "judge.on", "console only")
+    ),
     "--set without a value": Case(preset(GOOD, "--set", "matrix"), 2, names("key.path=VALUE")),
     "--set unknown key": Case(
         preset(GOOD, "--set", "target.nope=1"), 2, names("target.nope", "unknown key")
@@ -384,6 +390,11 @@ CASES: dict[str, Case] = {
         names("analyze", "--kind", "equivalence", "--threshold", "max_abs_diff_max=inf", "{tmp}"),
         2,
         names("max_abs_diff_max", "finite"),
+    ),
+    "workers not a number": Case(
+        names("analyze", "--kind", "equivalence", "--workers", "0", "{tmp}"),
+        2,
+        names("--workers", "1 or more"),
     ),
     "threshold unknown": Case(
         names("analyze", "--kind", "equivalence", "--threshold", "nope=1", "{tmp}"),
