@@ -143,3 +143,21 @@ def fleet_hosts(spec: str) -> list[str] | None:
     if text in fleets:
         return [str(h).strip() for h in fleets[text]["hosts"]]
     return None
+
+
+def check_target(spec: str) -> None:
+    """ValueError (naming the spec, or the config file and key) when a target spec cannot be
+    run on: one host, a Slurm login node, a list of hosts, or a fleet of the config."""
+    from runners.targets.factory import parse_target
+
+    if fleet_hosts(spec) is None:
+        parse_target(spec)
+
+
+def fleet_names() -> dict[str, list[str]]:
+    """The config's fleets (name -> hosts); {} when the config cannot be read."""
+    try:
+        fleets = load_config().get("fleets", {})
+    except ConfigError:
+        return {}
+    return {name: [str(h) for h in body["hosts"]] for name, body in fleets.items()}

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from test_console import SIZE, banner_text, cells, copy_run, wait_for_banner
+import pytest
+from sshd import Fleet
+from test_console import SIZE, banner_text, cells, copy_run, start_preset, wait_for_banner
 
 from console.app import create_app
 from console.run_model import RunModel
@@ -99,3 +101,21 @@ def test_the_model_keeps_each_host_s_status() -> None:
     assert b.last_error == "b: no route"
     assert model.cells[0].host == "a" and model.cells[1].sched == "PENDING (Resources)"
     assert model.header.fleet and model.header.lock == ""  # a host's lock is not the run's
+
+
+@pytest.mark.ssh
+async def test_a_fleet_run_from_the_presets_screen(
+    fleet: Fleet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TRACEDECK_HOME", str(tmp_path / "td"))
+    app = create_app(out_dir=tmp_path / "td" / "runs")
+    async with app.run_test(size=SIZE) as pilot:
+        overrides = [f"target.runs={tmp_path}/remote", "target.host=gpu-a,gpu-b"]
+        await start_preset(pilot, "hello_command", overrides)
+        screen = await wait_for_banner(pilot, timeout=60)
+        assert banner_text(screen).startswith("PASS")
+        hosts = {row[0]: row[5] for row in cells(screen)}
+        assert set(hosts.values()) == {"gpu-a", "gpu-b"}
+        lines = hosts_text(screen).splitlines()
+        assert [line.split()[:2] for line in lines] == [["gpu-a", "done"], ["gpu-b", "done"]]
+        assert all("connected" in line for line in lines)
