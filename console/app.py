@@ -9,6 +9,7 @@ from textual.app import App
 from textual.binding import Binding
 from textual.screen import Screen
 
+from console.heap import freeze_startup
 from console.panels import detail_screens
 from console.screens.dialogs import ConfirmDialog, HostKeyDialog
 from console.screens.help import HelpScreen
@@ -52,6 +53,7 @@ class TracedeckApp(App[int]):
         return PresetsScreen(self.out_dir, paths)
 
     def on_mount(self) -> None:
+        freeze_startup()
         if self.replay_dir is not None:
             self.push_screen(RunScreen(ReplaySource(self.replay_dir, self.speed)))
 

@@ -151,7 +151,7 @@ class RunFollower:
         got_progress = await self.progress.poll()
         for raw in got_progress.lines if got_progress else []:
             await self._on_progress(orjson.loads(raw), pending)
-        self._emit_shared(pending, ended=None)
+        await self._emit_shared(pending, ended=None)
         for track in self.cells.values():
             if track.started is not None and not track.finished:
                 await self._drain_cell(track)
@@ -205,7 +205,7 @@ class RunFollower:
             owner = self.trace_owner[path]
             cell = owner if owner is not None else NO_CELL
             while (got := await follower.poll()) is not None:
-                self._emit_trace(cell, path, got)
+                await self._emit_trace(cell, path, got)
             last = await follower.rest()
             if last is None or not last.lines[0].strip():
                 continue
@@ -222,7 +222,7 @@ class RunFollower:
                     )
                 )
                 continue
-            self._emit_trace(cell, path, last)
+            await self._emit_trace(cell, path, last)
 
     def never_appeared(self) -> list[str]:
         """Trace files (or patterns) the run was to write and never did."""
@@ -275,7 +275,7 @@ class RunFollower:
                     if got is None:
                         break
                     pending.setdefault(path, []).append(got)
-        self._emit_shared(pending, ended=track)
+        await self._emit_shared(pending, ended=track)
         await self._drain_cell(track)
         track.finished = True
         track.passed = rc == 0
@@ -340,14 +340,14 @@ class RunFollower:
             if owner == track.plan.index:
                 got = await self.traces[path].poll()
                 if got is not None:
-                    self._emit_trace(owner, path, got)
+                    await self._emit_trace(owner, path, got)
 
     async def drain_started(self) -> None:
         for track in self.cells.values():
             if track.started is not None:
                 await self._drain_cell(track)
 
-    def _emit_shared(self, pending: dict[str, list[Lines]], ended: CellTrack | None) -> None:
+    async def _emit_shared(self, pending: dict[str, list[Lines]], ended: CellTrack | None) -> None:
         """Emit pending shared-trace lines, each credited to the cell that wrote them.
 
         Cells run one after another and the lines were read before the progress entries, so
@@ -358,12 +358,12 @@ class RunFollower:
             keep: list[Lines] = []
             for got in pending.get(path, []):
                 if ended is None:
-                    self._emit_trace(self._running(), path, got)
+                    await self._emit_trace(self._running(), path, got)
                     continue
                 # A file that did not exist when the cell ended was written after it.
                 head, rest = got.split((ended.end_sizes or {}).get(path, 0))
                 if head is not None:
-                    self._emit_trace(ended.plan.index, path, head)
+                    await self._emit_trace(ended.plan.index, path, head)
                 if rest is not None:
                     keep.append(rest)
             pending[path] = keep
@@ -383,8 +383,13 @@ class RunFollower:
         running = [i for i, t in self.cells.items() if t.started is not None and not t.finished]
         return running[0] if running else NO_CELL
 
-    def _emit_trace(self, cell: int, path: str, got: Lines) -> None:
-        digest = self.judge.take_lines(cell, path, got.lines, got.first_line, got.end_offset)
+    async def _emit_trace(self, cell: int, path: str, got: Lines) -> None:
+        # A kind's digest of a batch can take tens of ms (DSA: ~400 records of 2048 positions):
+        # off the event loop, so a console drawing this run keeps its ticks. The follower awaits
+        # it, so the judge is never used from two places at once.
+        digest = await asyncio.to_thread(
+            self.judge.take_lines, cell, path, got.lines, got.first_line, got.end_offset
+        )
         self.emit(
             TraceBatch(
                 cell=cell,
