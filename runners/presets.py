@@ -286,6 +286,17 @@ def _check_run_settings(out: dict[str, Any], source: str) -> None:
             raise PresetError(
                 source, f"target.{key}", f"must be a finite number > 0, got {value!r}"
             )
+    for key in ("workdir", "runs"):
+        value = target[key]
+        if not value.strip() or "\0" in value:
+            raise PresetError(source, f"target.{key}", f"{value!r}: name a directory")
+        if value.startswith("~") and value != "~" and not value.startswith("~/"):
+            raise PresetError(
+                source,
+                f"target.{key}",
+                f"{value!r}: ~user is not expanded; write an absolute path, or one relative to "
+                "the target's home (~/x or x)",
+            )
     if target["lock"] and not target["lock"].startswith("/"):
         raise PresetError(source, "target.lock", f"{LOCK_RULE}, got {target['lock']!r}")
     if target["reconnect_attempts"] < 0:
