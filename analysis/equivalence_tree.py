@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -73,8 +74,10 @@ def judge_pair(
     kv_aligned: int,
     seed: int,
     thresholds: dict[str, float] | None = None,
+    on_token: Callable[[int, int], None] | None = None,
 ) -> PairResult:
-    """Judges one pair from the tree; returns the result (the caller writes its metrics file)."""
+    """Judges one pair from the tree; returns the result (the caller writes its metrics file).
+    on_token(tokens read, gen_len): progress through the pair's files."""
     base = pair_dir(root, kv_aligned, seed)
     logits: dict[str, Path] = {}
     meta: dict[str, dict[str, Any]] = {}
@@ -109,6 +112,7 @@ def judge_pair(
         prompt_len=meta["prefill"]["prompt_len"],
         gen_len=meta["prefill"]["gen_len"],
         thresholds=thresholds,
+        on_token=on_token,
     )
     _check_token_count(result.tokens["prefill"], meta, meta_path)
     return result
@@ -311,6 +315,7 @@ def judge_tree(
     thresholds: dict[str, float] | None = None,
     date: str | None = None,
     seeds: list[int] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> TreeJudgement:
     """Judges every pair of a B3.67 tree's matrix; a pair that cannot be judged is named.
 
@@ -324,11 +329,13 @@ def judge_tree(
     resolved, notes = tree_thresholds(root, thresholds, config)
     results: list[PairResult] = []
     unjudged: list[Unjudged] = []
-    for k, n in expected:
+    for done, (k, n) in enumerate(expected, start=1):
         try:
             results.append(judge_pair(root, k, n, resolved))
         except InputError as exc:
             unjudged.append(Unjudged(k, n, "input", str(exc)))
+        if progress is not None:
+            progress(done, len(expected))
     if "config_matrix" not in config:
         matrix = {**_derived_matrix(results), **matrix}
     return TreeJudgement(

@@ -96,7 +96,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     analyze.add_argument("path", type=Path, help="what to judge: " + _analyze_forms())
     analyze.add_argument("--kind", help="the run kind to judge it as (default: the one it fits)")
-    analyze.add_argument("--json", action="store_true", help="print the result as JSON")
+    analyze.add_argument(
+        "--json", action="store_true", help="print the result as one JSON document"
+    )
+    analyze.add_argument(
+        "--output",
+        type=Path,
+        metavar="DIR",
+        help="write the documents analyze writes (summary, metrics, report) into DIR and leave "
+        "the input untouched (default: into the tree judged; every file written is named)",
+    )
     for kind in _kinds().values():
         kind.add_analyze_args(analyze)
     add_kind_options(analyze)
@@ -526,6 +535,7 @@ def _analyze_forms() -> str:
 
 
 def cmd_analyze(args: argparse.Namespace) -> int:
+    from console.headless import ProgressShow
     from runners.record import RUN_JSON, RunRecord
 
     path: Path = args.path
@@ -533,6 +543,12 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     if not path.exists():
         _err(f"{path}: no such file or directory; pass {_analyze_forms()}")
         return EXIT_USAGE
+    if args.output is not None:
+        problem = _output_problem(path, args.output)
+        if problem:
+            _err(f"--output {args.output}: {problem}")
+            return EXIT_USAGE
+    args.progress = ProgressShow(sys.stderr).show  # long judging, drawn on stderr
     if args.kind is not None:
         if args.kind not in kinds:
             _err(f"--kind {args.kind}: unknown run kind; known: {', '.join(kinds)}")
@@ -551,6 +567,22 @@ def cmd_analyze(args: argparse.Namespace) -> int:
             return kind.analyze(path, args)
     _err(f"{path}: not something tracedeck can judge; pass {_analyze_forms()}")
     return EXIT_USAGE
+
+
+def _output_problem(path: Path, output: Path) -> str:
+    """Why analyze cannot write into `output` ('' when it can; it is made when missing)."""
+    if output.exists() and not output.is_dir():
+        return "a file is in the way; name a directory"
+    src, dst = path.resolve(), output.resolve()
+    if dst != src and path.is_dir() and dst.is_relative_to(src):
+        return f"inside the tree judged ({path}); name a directory outside it"
+    if dst == src:
+        return ""
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot make it ({exc.strerror})"
+    return ""
 
 
 def cmd_watch(args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ from runners.events import (
     LockAcquired,
     LockBusy,
     OutputLines,
+    Progress,
     RunFinished,
     RunStarted,
     TraceBatch,
@@ -79,6 +80,7 @@ class Changes:
     connection: bool = False
     errors: bool = False
     finished: bool = False
+    progress: bool = False
 
     def __bool__(self) -> bool:
         return bool(
@@ -88,6 +90,7 @@ class Changes:
             or self.connection
             or self.errors
             or self.finished
+            or self.progress
         )
 
 
@@ -106,6 +109,8 @@ class RunModel:
         self.trace_records = 0
         self.artifacts = 0
         self.last_t: float | None = None
+        # Long work under way (fetch, judge, follow), newest state of each; gone when done.
+        self.progress: dict[tuple[str, str], Progress] = {}
         self._changes = Changes()
 
     # -- reading ------------------------------------------------------------------------------
@@ -213,6 +218,17 @@ class RunModel:
     def _run_finished(self, event: RunFinished) -> None:
         self.finished = event
         self._changes.finished = True
+        if self.progress:
+            self.progress.clear()
+            self._changes.progress = True
+
+    def _progress(self, event: Progress) -> None:
+        key = (event.what, event.label)
+        if event.finished:
+            self.progress.pop(key, None)
+        else:
+            self.progress[key] = event
+        self._changes.progress = True
 
     def _log_run(self, line: str) -> None:
         self.log.append((RUN_CELL, "tracedeck", line))
@@ -232,4 +248,5 @@ _HANDLERS: dict[type[Event], Any] = {
     Connection: RunModel._connection,
     Error: RunModel._error,
     RunFinished: RunModel._run_finished,
+    Progress: RunModel._progress,
 }

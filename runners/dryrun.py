@@ -215,10 +215,10 @@ def plan_document(p: Preview) -> dict[str, Any]:
     }
 
 
-def _where(setting: str, value: str) -> str:
+def _where(key: str, setting: str) -> str:
     if home_relative(setting).startswith("/"):
-        return f"target {setting!r}, absolute"
-    return f"target {setting!r}, under the target's home"
+        return f"target.{key} = {setting!r}, absolute"
+    return f"target.{key} = {setting!r}, under the target's home"
 
 
 def plan_lines(p: Preview) -> list[str]:

@@ -9,12 +9,18 @@ from pathlib import Path
 from runners.cells import cell_name
 from runners.events import ArtifactFailed, ArtifactFetched, Error, Event
 from runners.plan import PlannedCell, RunPlan
+from runners.progress import Meter, Sink
 from runners.record import RecordError
 from runners.targets.base import ConnectionLost, LocalWriteError, Target, TargetError
 
 
 async def fetch_cell(
-    target: Target, plan: RunPlan, cell: PlannedCell, local_dir: Path, done: set[str]
+    target: Target,
+    plan: RunPlan,
+    cell: PlannedCell,
+    local_dir: Path,
+    done: set[str],
+    progress: Sink | None = None,
 ) -> list[Event]:
     """Download every artifact of the cell not in `done`; one event per file, fetched or not.
 
@@ -33,8 +39,9 @@ async def fetch_cell(
             events.append(Error(message=f"{cell_name(cell.index, cell.params)}: {why}", where=rel))
             events.append(ArtifactFailed(cell=cell.index, path=rel, reason=why, missing=False))
             continue
+        meter = Meter("fetch", rel, "bytes", progress, cell=cell.index)
         try:
-            await target.download(remote, local)
+            await target.download(remote, local, progress=meter.update)
         except ConnectionLost:
             raise
         except LocalWriteError as exc:
@@ -54,6 +61,7 @@ async def fetch_cell(
             events.append(Error(message=message, where=remote))
             events.append(ArtifactFailed(cell=cell.index, path=rel, reason=why, missing=missing))
             continue
+        meter.finish()
         digest = await asyncio.to_thread(sha256_file, local)
         events.append(
             ArtifactFetched(cell=cell.index, path=rel, size=local.stat().st_size, sha256=digest)

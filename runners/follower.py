@@ -30,6 +30,7 @@ from runners.fetch import fetch_cell
 from runners.follow import FileFollower, Lines
 from runners.kind import Judge
 from runners.plan import SETUP, PlannedCell, RunPlan
+from runners.progress import Meter, Sink
 from runners.targets.base import Target
 
 
@@ -56,12 +57,15 @@ class RunFollower:
         judge: Judge,
         local_dir: Path,
         emit: Callable[[Event], None],
+        progress: Sink | None = None,
     ) -> None:
         self.target = target
         self.plan = plan
         self.judge = judge
         self.local_dir = local_dir
         self.emit = emit
+        self.on_progress = progress  # Progress events: for live eyes only, never recorded
+        self.meters: dict[str, Meter] = {}
         self.cells: dict[int, CellTrack] = {c.index: CellTrack(c) for c in plan.cells}
         if plan.setup:
             setup = PlannedCell(SETUP_CELL, {"step": SETUP}, " && ".join(plan.setup), {})
@@ -207,6 +211,9 @@ class RunFollower:
                 )
                 continue
             self._emit_trace(cell, path, last)
+        for meter in self.meters.values():
+            meter.finish()
+        self.meters.clear()
 
     def never_appeared(self) -> list[str]:
         """Trace files (or patterns) the run was to write and never did."""
@@ -381,6 +388,12 @@ class RunFollower:
         )
         for message, where in digest.errors:
             self.emit(Error(message=message, where=where))
+        if self.on_progress is not None:
+            meter = self.meters.get(path)
+            if meter is None:
+                label = path.removeprefix(self.plan.artifacts + "/")
+                meter = self.meters[path] = Meter("follow", label, "records", self.on_progress)
+            meter.update(got.first_line + len(got.lines) - 1)
 
     # -- artifacts -------------------------------------------------------------------------
 
@@ -391,7 +404,7 @@ class RunFollower:
         ]
         for track in owed:
             for event in await fetch_cell(
-                self.target, self.plan, track.plan, self.local_dir, track.fetched
+                self.target, self.plan, track.plan, self.local_dir, track.fetched, self.on_progress
             ):
                 self.emit(event)
             track.fetched_all = True

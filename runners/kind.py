@@ -49,6 +49,8 @@ class JudgeContext:
     date: str
     emit: Callable[[Event], None]
     cells: list[PlannedCell] = field(default_factory=list)
+    # Progress events of long judging (runners.progress.Meter): shown live, never recorded.
+    progress: Callable[[Event], None] | None = None
 
 
 @dataclass(frozen=True, slots=True)

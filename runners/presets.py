@@ -17,7 +17,16 @@ from runners.determinism import PROFILES
 from runners.templates import TemplateError
 from runners.templates import template_fields as _fields
 
-SHIPPED_DIR = Path(__file__).resolve().parent.parent / "presets"
+
+def shipped_dir() -> Path:
+    """The shipped presets: runners/shipped_presets/ in an installed wheel (setup.py puts them
+    there), else presets/ at the top of the checkout this package runs from."""
+    here = Path(__file__).resolve().parent
+    packaged = here / "shipped_presets"
+    return packaged if packaged.is_dir() else here.parent / "presets"
+
+
+SHIPPED_DIR = shipped_dir()
 
 Scalar = (str, int, float, bool)
 

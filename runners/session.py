@@ -166,9 +166,12 @@ class Session:
                 date=self.record.date,
                 emit=self.emit,
                 cells=list(plan.cells),
+                progress=self._consumers,
             )
         )
-        self.follower = RunFollower(self.target, plan, self.judge, self.local_dir, self.emit)
+        self.follower = RunFollower(
+            self.target, plan, self.judge, self.local_dir, self.emit, progress=self._consumers
+        )
 
     # -- creating and launching ----------------------------------------------------------------
 
