@@ -180,7 +180,9 @@ def test_dirs_over_ssh_absolute_and_under_the_remote_home(
     work, runs = tmp_path / "remote work", tmp_path / "remote runs"
     preset.write_text(HELLO.format(workdir=work, runs=runs, lock=tmp_path / "lock"))
     out = tmp_path / "out"
-    done = tracedeck("run", str(preset), "--target", ssh_home.server.spec, "--out", str(out), env=env)
+    done = tracedeck(
+        "run", str(preset), "--target", ssh_home.server.spec, "--out", str(out), env=env
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"[1/1] | {work}\n" in done.stdout and str(runs) in done.stdout
     # Relative ones are under the SSH user's home, not this console's directory or $HOME:
