@@ -1,7 +1,9 @@
 """Bounded aggregates of dsa_topk records: summary.json's statistics, recomputed and compared.
 
 Everything here is a histogram or a counter (never a list of records), folded from batches
-and from recorded batch increments alike, so a replay rebuilds the same numbers.
+and from recorded batch increments alike, so a replay rebuilds the same numbers. An increment's
+lists are flat ([value, count, value, count, ...]; hot and ratio in threes); increments recorded
+as lists of pairs apply the same.
 
 Offsets are kept in log-linear buckets (exact below 64, then 32 buckets per power of two:
 a bucket is at most 1/32 of its value wide); `tracedeck analyze` also keeps them exact.
@@ -140,12 +142,12 @@ class SummaryAgg:
                 self.off_exact[: len(off_hist)] += off_hist
         pair_key = inter_lens.astype(np.int64) * (1 << 32) + ub.astype(np.int64)
         keys, n = np.unique(pair_key, return_counts=True)
-        inc["ratio"] = np.column_stack((keys >> 32, keys & 0xFFFFFFFF, n)).tolist()
+        parts["ratio"] = np.column_stack((keys >> 32, keys & 0xFFFFFFFF, n))
         hot_key = inter_layers.astype(np.int64) * (1 << 32) + inter_blocks.astype(np.int64)
         keys, n = np.unique(hot_key, return_counts=True)
         parts["hot"] = np.column_stack((keys >> 32, keys & 0xFFFFFFFF, n))
-        for name, rows in parts.items():
-            inc[name] = rows.astype(np.int64).tolist()
+        for name, rows in parts.items():  # flat lists: a digest holds a few containers, not
+            inc[name] = rows.astype(np.int64).ravel().tolist()  # hundreds (the GC walks them)
         self.apply(inc, parts)
         return inc
 
@@ -169,7 +171,8 @@ class SummaryAgg:
             self.off_sum += total
             self.off_min = lo if self.off_min is None else min(self.off_min, lo)
             self.off_max = hi if self.off_max is None else max(self.off_max, hi)
-        for a, b, c in inc.get("ratio", []):
+        ratio = rows("ratio", 3)
+        for a, b, c in ratio.tolist() if ratio is not None else []:
             self.ratios[(a, b)] += c
         t = rows("hot", 3)
         if t is not None and len(t):
@@ -188,12 +191,12 @@ class SummaryAgg:
         out: dict[str, Any] = {"records": self.records}
         for name, hist in (("ub", self.ub), ("tpb", self.tpb), ("off", self.off_hdr)):
             nz = np.flatnonzero(hist)
-            out[name] = _pairs(nz, hist[nz])
+            out[name] = np.column_stack((nz, hist[nz])).ravel().tolist()
         if self.off_n:
             out["off_stats"] = [self.off_n, self.off_sum, self.off_min, self.off_max]
-        out["ratio"] = sorted([a, b, c] for (a, b), c in self.ratios.items())
+        out["ratio"] = [x for (a, b), c in sorted(self.ratios.items()) for x in (a, b, c)]
         layers, blocks = np.nonzero(self.hot)
-        out["hot"] = np.column_stack((layers, blocks, self.hot[layers, blocks])).tolist()
+        out["hot"] = np.column_stack((layers, blocks, self.hot[layers, blocks])).ravel().tolist()
         return out
 
     # -- summary.json, recomputed ---------------------------------------------------------------
@@ -276,10 +279,6 @@ def _hdr_percentile(items: list[tuple[int, int]], q: float) -> tuple[int, int]:
         seen += count
     assert lo is not None and hi is not None
     return lo, hi
-
-
-def _pairs(values: np.ndarray, counts: np.ndarray) -> list[list[int]]:
-    return np.column_stack((values, counts)).astype(np.int64).tolist()
 
 
 def compare_summary(engine: dict[str, Any], recomputed: dict[str, Any]) -> list[str]:

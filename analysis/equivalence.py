@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from analysis.logits import InputError, LogitsTable, iter_logits
+from analysis.parallel import iter_logits_elsewhere
 
 THRESHOLDS: dict[str, float] = {
     "p99_abs_diff_max": 1e-3,
@@ -541,11 +542,13 @@ def compare_files(
     prompt_len: int,
     gen_len: int,
     thresholds: dict[str, float] | None = None,
+    workers: int = 1,
     on_token: Callable[[int, int], None] | None = None,
 ) -> PairResult:
     """Judges a pair straight from its two logits.jsonl.gz files, streaming both in lockstep.
 
     Memory is O(V) per side plus the float32 |Δ| of the pair (needed for the exact p99).
+    With workers >= 2 the decode side is read by a second process at the same time.
     on_token(tokens read, gen_len) is called after each token (progress of a large pair).
     """
     if kv_aligned not in (0, 1):
@@ -559,7 +562,7 @@ def compare_files(
         capacity=min(max(gen_len, 1), 1024),  # a hint: the buffer grows if T is larger
     )
     rows_a = iter_logits(prefill_path)
-    rows_b = iter_logits(decode_path)
+    rows_b = iter_logits_elsewhere(decode_path) if workers >= 2 else iter_logits(decode_path)
     try:
         while True:
             ra = next(rows_a, None)

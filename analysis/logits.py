@@ -4,6 +4,12 @@ Every defect in a file is an InputError that names the file and line; nothing is
 Logits are parsed straight into float32 rows (the seed's "normalise to float32 before
 comparing") while a worker thread inflates the gzip stream, so the pair comparison can
 stream both files in lockstep with O(V) memory per side.
+
+Speed, where the host has them (the analyzer is shipped to hosts with numpy alone): ISA-L
+inflates (isal, else zlib), and simdjson reads a line's logits straight into a buffer of
+doubles with no Python float per value (pysimdjson, else orjson, else json). A line the fast
+path does not take (a NaN, a string, a missing key) is read again by the exact path, whose
+message names what is wrong; so what is accepted and every error are the same either way.
 """
 
 from __future__ import annotations
@@ -21,7 +27,22 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import orjson
+
+try:
+    import orjson
+
+    _loads: Any = orjson.loads
+    _JSONError: Any = orjson.JSONDecodeError
+except ImportError:  # a host with numpy alone
+    _loads, _JSONError = json.loads, ValueError
+try:
+    from isal import isal_zlib as _inflate_lib
+except ImportError:
+    _inflate_lib = zlib  # type: ignore[assignment]
+try:
+    import simdjson
+except ImportError:
+    simdjson = None
 
 RERUN_HINT = "re-fetch the file, or re-run this side of the pair"
 
@@ -39,6 +60,10 @@ class InputError(ValueError):
     def __str__(self) -> str:
         where = self.file if self.line is None else f"{self.file}:{self.line}"
         return f"{where}: {self.message} — {self.hint}"
+
+    def __reduce__(self) -> tuple[type[InputError], tuple[str, int | None, str, str]]:
+        # Raised in a reading process and handed back whole, message and place intact.
+        return InputError, (self.file, self.line, self.message, self.hint)
 
 
 @dataclass
@@ -135,7 +160,7 @@ class _GzipLines:
         lineno = 0
         members = 0
         fed = False  # bytes given to the current member's decompressor
-        inflater = zlib.decompressobj(31)
+        inflater = _inflate_lib.decompressobj(31)
         with open(self.path, "rb") as fh:
             while not self._stop.is_set():
                 data = fh.read(_READ_CHUNK)
@@ -145,13 +170,13 @@ class _GzipLines:
                     fed = True
                     try:
                         out = inflater.decompress(data, _MAX_OUT)
-                    except zlib.error as exc:
+                    except (zlib.error, _inflate_lib.error) as exc:
                         raise self._corrupt(lineno, str(exc)) from None
                     data = inflater.unconsumed_tail
                     if inflater.eof:
                         members += 1
                         data = inflater.unused_data + data
-                        inflater = zlib.decompressobj(31)
+                        inflater = _inflate_lib.decompressobj(31)
                         fed = False
                     if not out:
                         continue
@@ -215,14 +240,52 @@ class _LineParser:
         self.vocab: int | None = None
         self.next_idx = 0
         self._packer: struct.Struct | None = None
+        self._simd = simdjson.Parser() if simdjson is not None else None
 
     def error(self, lineno: int, message: str, hint: str = RERUN_HINT) -> InputError:
         return InputError(self.path, lineno, message, hint)
 
     def parse(self, lineno: int, raw: bytes) -> tuple[int, int, np.ndarray]:
+        fast = self._fast(lineno, raw) if self._simd is not None else None
+        return fast if fast is not None else self._exact(lineno, raw)
+
+    def _fast(self, lineno: int, raw: bytes) -> tuple[int, int, np.ndarray] | None:
+        """The common line, read by simdjson; None sends the line to the exact path."""
+        assert self._simd is not None
+        if raw.count(b"[") != 1:
+            # as_buffer flattens nested arrays: only a flat line is taken here (an object in
+            # the array is refused by as_buffer itself)
+            return None
         try:
-            obj = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
+            doc = self._simd.parse(raw)
+            if type(doc) is not simdjson.Object or len(doc) != 3:
+                return None
+            idx, tid, values = doc.get("token_idx"), doc.get("token_id"), doc.get("logits")
+            if type(idx) is not int or type(tid) is not int or type(values) is not simdjson.Array:
+                return None
+            # Doubles, as orjson would read them, then float32: the same values either way.
+            row = np.frombuffer(values.as_buffer(of_type="d"), dtype=np.float64)
+        except (ValueError, TypeError, RuntimeError):  # not JSON, or not all numbers: look closer
+            return None
+        finally:
+            doc = values = None  # the parser may be reused only once its proxies are gone
+        n = row.shape[0]
+        if n == 0 or (self.vocab is not None and n != self.vocab) or idx != self.next_idx:
+            return None
+        if not 0 <= tid < n:
+            return None
+        with np.errstate(over="ignore"):
+            row32 = row.astype(np.float32)
+        if not np.isfinite(row32).all():
+            return None
+        self.vocab = n
+        self.next_idx += 1
+        return idx, tid, row32
+
+    def _exact(self, lineno: int, raw: bytes) -> tuple[int, int, np.ndarray]:
+        try:
+            obj = _loads(raw)
+        except _JSONError as exc:
             raise self._bad_json(lineno, raw, exc) from None
         if type(obj) is not dict:
             raise self.error(lineno, f"the line holds a JSON {_json_type(obj)}, not an object")

@@ -8,7 +8,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from runners.exits import EXIT_INFRA, EXIT_INTERRUPT, EXIT_USAGE
@@ -600,7 +600,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
     return int(kind.watch(args))
 
 
-def _console_watch(kind: str):  # type: ignore[no-untyped-def]
+def _console_watch(kind: str) -> Callable[[argparse.Namespace], int] | None:
     """The console view of `tracedeck watch` for a kind: its panel module's watch(args)."""
     from console.panels import all_panels
 

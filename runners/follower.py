@@ -156,6 +156,17 @@ class RunFollower:
                 await self._drain_cell(track)
         return self.ended
 
+    def watched(self) -> list[str]:
+        """The paths whose changes mean there is something to read now: the progress file, the
+        shared traces, the outputs and own traces of running cells, the folders of patterns."""
+        paths = [self.progress.path, *self.shared]
+        paths += sorted({t.path.rpartition("/")[0] for t in self.patterns})
+        running = {i for i, t in self.cells.items() if t.started is not None and not t.finished}
+        for index in sorted(running):
+            paths += [self.plan.cell_path(index, f"{s}.log") for s in ("stdout", "stderr")]
+        paths += [p for p, owner in self.trace_owner.items() if owner in running]
+        return paths
+
     @property
     def behind(self) -> bool:
         """Did the last pass leave lines unread (a backlog read a bounded step at a time)?"""

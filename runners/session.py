@@ -24,6 +24,7 @@ import orjson
 
 from runners import kinds
 from runners.cells import CellState
+from runners.changes import Changes
 from runners.config import host_lock
 from runners.determinism import run_env
 from runners.events import (
@@ -133,6 +134,7 @@ class Session:
         )
         self._recorder: Recorder | None = None
         self._made_local = False
+        self._changes: Changes | None = None
         self._cancelling = False
         # How far launch() got: "" (not begun), "connecting", "uploading", "starting" (the
         # launcher was asked; the run may be going), "started".
@@ -425,6 +427,8 @@ class Session:
             return self.finished
         assert self.plan is not None and self.follower is not None
         await self._connect_with_retry()
+        changes = self._changes = Changes(self.target, self.plan.python, self.plan.run_id)
+        await changes.start()
         last_alive = 0.0
         loop = asyncio.get_running_loop()
         while self.finished is None:
@@ -445,13 +449,17 @@ class Session:
             except ConnectionLost as exc:
                 if not await self._reconnect(str(exc)):
                     break
+                await changes.start()
                 continue
             except RecordError as exc:
                 self._stop_recording(exc)
                 break
-            if self.finished is None:
-                # A backlog is read step after step; otherwise wait for more to be written.
-                await asyncio.sleep(0 if self.follower.behind else POLL_S)
+            if self.finished is None and self.follower.behind:
+                await asyncio.sleep(0)  # a backlog is read step after step
+            elif self.finished is None:
+                # Wait for more to be written: woken by the target, or at the poll at the latest.
+                changes.watch(self.follower.watched())
+                await changes.wait(POLL_S)
         assert self.finished is not None
         return self.finished
 
@@ -589,6 +597,8 @@ class Session:
             self._cancelling = False
 
     async def close(self) -> None:
+        if self._changes is not None:
+            await self._changes.close()
         if self._recorder is not None:
             self._recorder.close()
             self._recorder = None

@@ -1,9 +1,9 @@
 """The fault harness: what every fault scenario checks after it, and ways to cause faults.
 
 Every scenario ends with `assert_run_gone`: no process of the run alive (group or escaped,
-zombies aside) and the host lock free, checked, not assumed. The proxy to cut links lives in
-sshd.py (CuttableProxy); `small_disk` mounts a tmpfs that fills; `second_host` starts an sshd
-with its own /tmp and an unknown host key.
+zombies aside, and tracedeck's own change notifier), the host lock free: checked, not assumed.
+The proxy to cut links lives in sshd.py (CuttableProxy); `small_disk` mounts a tmpfs that fills;
+the `impostor` fixture (conftest.py) is a second sshd with a host key nobody trusted.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
-from runhelp import run_alive
+from runhelp import notifier_alive, run_alive
 
 
 def record_of(local_dir: Path) -> dict:
@@ -44,12 +44,13 @@ def assert_run_gone(local_dir: Path, timeout: float = 15.0) -> None:
     record = record_of(local_dir)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not run_alive(record["run_id"]) and lock_free(record["lock"]):
+        run_id = record["run_id"]
+        if not run_alive(run_id) and not notifier_alive(run_id) and lock_free(record["lock"]):
             return
         time.sleep(0.1)
-    alive = run_alive(record["run_id"])
     raise AssertionError(
-        f"run {record['run_id']}: processes alive={alive}, lock {record['lock']} "
+        f"run {record['run_id']}: processes alive={run_alive(record['run_id'])}, notifier "
+        f"alive={notifier_alive(record['run_id'])}, lock {record['lock']} "
         f"free={lock_free(record['lock'])}"
     )
 

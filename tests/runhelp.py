@@ -143,6 +143,17 @@ def run_alive(run_id: str) -> bool:
     return any(marker in env for _, _, env in live_processes())
 
 
+def notifier_alive(run_id: str) -> bool:
+    """Does the change notifier of the run (runners/changes.py) still run on the target?"""
+    mark = f"tracedeck-changes={run_id}".encode()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if mark in (entry / "cmdline").read_bytes():
+                    return True
+    return False
+
+
 def kill_group(pgid: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)

@@ -387,6 +387,11 @@ CASES: dict[str, Case] = {
         2,
         names("max_abs_diff_max", "finite"),
     ),
+    "workers not a number": Case(
+        names("analyze", "--kind", "equivalence", "--workers", "0", "{tmp}"),
+        2,
+        names("--workers", "1 or more"),
+    ),
     "threshold unknown": Case(
         names("analyze", "--kind", "equivalence", "--threshold", "nope=1", "{tmp}"),
         2,

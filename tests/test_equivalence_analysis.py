@@ -143,6 +143,23 @@ def expect_error(path: Path, line: int | None, *fragments: str) -> InputError:
 GOOD = [line_of(i, 1, [0.5, -1.0, 2.0]) for i in range(4)]
 
 
+def test_the_fast_and_the_exact_line_readers_agree_value_for_value() -> None:
+    """simdjson's buffer of doubles and orjson's floats packed to float32 are the same bits,
+    over ordinary, tiny, huge, integer, negative-zero and exponent-form values."""
+    from analysis.logits import _LineParser
+
+    rng = np.random.default_rng(3)
+    values: list[Any] = [float(x) for x in rng.normal(0, 8, 5000)]
+    values += [0, -0.0, 1, -7, 16777217, 3.4e38, -3.4e38, 1e-45, 1e-50, 2.5e-39, 1.5e3]
+    raw = json.dumps({"token_idx": 0, "token_id": 2, "logits": values}).encode()
+    fast = _LineParser("f")._fast(1, raw)
+    assert fast is not None  # the common line takes the fast path
+    exact = _LineParser("e")._exact(1, raw)
+    assert fast[:2] == exact[:2]
+    assert fast[2].dtype == exact[2].dtype == np.float32
+    assert fast[2].tobytes() == exact[2].tobytes()
+
+
 def test_corrupt_gzip_names_the_file(tmp_path: Path) -> None:
     raw = bytearray(gzip.compress(("\n".join(GOOD) + "\n").encode()))
     raw[20:30] = b"\xff" * 10

@@ -467,3 +467,30 @@ def test_an_early_stop_recorded_on_both_sides_is_judged(root: Path) -> None:
     doc["eos_at_token"] = T - 2  # the sides disagree on where they stopped
     (base / "decode" / "metadata.json").write_text(json.dumps(doc))
     expect(root, base, "no early stop at token")
+
+
+# ---------------------------------------------------------------- across processes
+
+
+def test_judging_across_processes_gives_the_same_results_and_errors(root: Path) -> None:
+    """A tree's pairs in a pool, and one pair's sides in two processes, judge exactly as one
+    process does: the same metrics, first fails and located errors, in the same order."""
+    from analysis.equivalence_tree import judge_tree
+
+    write_tree(root, {1: {0: 0.0, 1: 0.5, 2: 1e-4}, 0: {0: 1e-3}})
+    decode = root / "runs" / "kv_aligned_1" / "seed_2" / "decode" / "logits.jsonl.gz"
+    lines = gzip.decompress(decode.read_bytes()).split(b"\n")
+    lines[3] = lines[3].replace(b'"token_id"', b'"token_ix"')  # a broken line on a decode side
+    decode.write_bytes(gzip.compress(b"\n".join(lines)))
+    alone = judge_tree(root, workers=1)
+    pooled = judge_tree(root, workers=2)
+    assert [r.__dict__ for r in pooled.results] == [r.__dict__ for r in alone.results]
+    assert pooled.unjudged == alone.unjudged
+    assert len(alone.results) == 3 and "decode/logits.jsonl.gz:4" in alone.unjudged[0].why
+    for kv, seed in ((1, 1), (1, 0)):
+        one = judge_pair(root, kv, seed, workers=1)
+        two = judge_pair(root, kv, seed, workers=2)  # the decode side read by a helper process
+        assert two.__dict__ == one.__dict__
+    with pytest.raises(InputError) as info:
+        judge_pair(root, 1, 2, workers=2)
+    assert str(info.value) == alone.unjudged[0].why  # raised there, told here, word for word

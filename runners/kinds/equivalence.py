@@ -63,6 +63,7 @@ from runners.kind import ENDINGS, Ending, Judge, JudgeContext, Kind, KindPrinter
 from runners.presets import PresetError
 from runners.progress import Meter
 from runners.record import RUN_JSON, RunRecord, read_events
+from runners.resources import judge_workers
 
 REPORT_NAME = "B3_67_EQUIVALENCE_GUARDRAIL.md"
 PAIR_KEYS = ("mode", "kv_aligned", "seed")
@@ -177,6 +178,7 @@ def analyze_tree(
     date: str | None = None,
     seeds: list[int] | None = None,
     engine_unjudged: list[Unjudged] | None = None,
+    workers: int = 1,
     *,
     output: str | Path | None = None,
     progress: Callable[[int, int], None] | None = None,
@@ -189,7 +191,7 @@ def analyze_tree(
     """
     root = Path(root)
     out = Path(output) if output is not None else root
-    judged = judge_tree(root, thresholds, date, seeds, progress=progress)
+    judged = judge_tree(root, thresholds, date, seeds, workers, progress=progress)
     known = {(u.kv_aligned, u.seed): u for u in engine_unjudged or []}
     unjudged = [known.get((u.kv_aligned, u.seed), u) for u in judged.unjudged]
     for result in judged.results:
@@ -315,7 +317,9 @@ class EquivalenceJudge(Judge):
     def _judge(
         self, kv: int, seed: int, on_token: Callable[[int, int], None] | None = None
     ) -> PairResult:
-        result = judge_pair(self.ctx.local_dir, kv, seed, self.thresholds, on_token)
+        # A pair comes home at a time: its two sides are read at once where there are cores.
+        workers = min(2, judge_workers())
+        result = judge_pair(self.ctx.local_dir, kv, seed, self.thresholds, workers, on_token)
         write_pair(self.ctx.local_dir, result)
         return result
 
@@ -574,6 +578,11 @@ class EquivalenceKind(Kind):
             metavar="KEY=VALUE",
             help="B3.67: a threshold (stricter than the seed's; looser needs --loose-thresholds)",
         )
+        parser.add_argument(
+            "--workers",
+            type=_positive_int,
+            help="B3.67: processes judging at once (default: as many as cores and memory allow)",
+        )
 
     def analyze(self, path: Path, args: argparse.Namespace) -> int:
         """Judge a tree; write metrics/, config.json, summary.json and the report into it, or
@@ -596,6 +605,7 @@ class EquivalenceKind(Kind):
                 thresholds,
                 seeds=args.seeds,
                 engine_unjudged=engine,
+                workers=judge_workers(getattr(args, "workers", None)),
                 output=out,
                 progress=meter.update,
             )
@@ -660,6 +670,16 @@ def _int_list(text: str) -> list[int]:
     if not values or any(v < 0 for v in values) or len(set(values)) != len(values):
         raise argparse.ArgumentTypeError(f"{text!r}: give distinct non-negative seeds as 0,1,2")
     return values
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of processes, 1 or more")
+    return value
 
 
 def _threshold_args(items: list[str]) -> dict[str, float] | None:

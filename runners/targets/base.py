@@ -65,6 +65,19 @@ class CommandResult:
     stderr: str
 
 
+class TargetStream(Protocol):
+    """A long-running command on the target, talked to over its stdin and stdout (stderr merged);
+    it ends when its stdin is closed or the link drops."""
+
+    async def readline(self) -> bytes:
+        """The next line with its newline; b"" once the command has ended."""
+        ...
+
+    def write(self, data: bytes) -> None: ...
+
+    async def close(self) -> None: ...
+
+
 class Target(Protocol):
     """Paths are POSIX strings on the target; relative ones are relative to its home (ssh) or cwd."""
 
@@ -95,4 +108,8 @@ class Target(Protocol):
     ) -> None:
         """Copy a file home: to local.part, renamed when complete. progress(done, total) is
         called on the event loop as bytes arrive (total 0 when the size is unknown)."""
+        ...
+
+    async def open_stream(self, command: str) -> TargetStream:
+        """Start a shell command (sh -c semantics) that keeps running while we talk to it."""
         ...

@@ -76,6 +76,47 @@ class LocalTarget:
 
         await asyncio.to_thread(_copy_atomic, Path(path), local, report)
 
+    async def open_stream(self, command: str) -> LocalStream:
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                "/bin/sh",
+                "-c",
+                command,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise TargetError(f"cannot start /bin/sh on this machine: {exc}") from exc
+        return LocalStream(proc)
+
+
+class LocalStream:
+    """A command on this machine, talked to over pipes."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self._proc = proc
+
+    async def readline(self) -> bytes:
+        assert self._proc.stdout is not None
+        return await self._proc.stdout.readline()
+
+    def write(self, data: bytes) -> None:
+        assert self._proc.stdin is not None
+        if not self._proc.stdin.is_closing():
+            self._proc.stdin.write(data)
+
+    async def close(self) -> None:
+        assert self._proc.stdin is not None
+        self._proc.stdin.close()  # the command's end of input: it exits by itself
+        try:
+            await asyncio.wait_for(self._proc.wait(), timeout=2.0)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            await self._proc.wait()
+
 
 def _write_atomic(path: Path, data: bytes, mode: int) -> None:
     try:

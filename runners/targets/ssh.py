@@ -30,8 +30,9 @@ from runners.trust import (
     server_key,
 )
 
-# sshd allows 10 sessions per connection (MaxSessions); SFTP holds one, leave one spare.
-MAX_COMMAND_CHANNELS = 8
+# sshd allows 10 sessions per connection (MaxSessions); SFTP holds one, a stream (the change
+# notifier) one, leave one spare.
+MAX_COMMAND_CHANNELS = 7
 
 # Errors that mean the link itself failed, whatever operation was under way. (A refused channel,
 # ChannelOpenError, means that only when the connection is gone too: see _failure.)
@@ -308,6 +309,18 @@ class SshTarget:
             raise self._failure(exc, f"list {path}") from exc
         return sorted(str(n) for n in names if n not in (".", ".."))
 
+    async def open_stream(self, command: str) -> SshStream:
+        conn, _ = self._live()
+        try:
+            proc = await conn.create_process(
+                "exec /bin/sh -c " + shlex.quote(command),
+                encoding=None,
+                stderr=asyncssh.STDOUT,
+            )
+        except (OSError, asyncssh.Error) as exc:
+            raise self._failure(exc, "start a command") from exc
+        return SshStream(proc)
+
     async def download(
         self, path: str, local: Path, progress: Callable[[int, int], None] | None = None
     ) -> None:
@@ -337,6 +350,30 @@ class SshTarget:
         if gone or isinstance(exc, _LINK_ERRORS):
             return self._lost_error(exc)
         return TargetError(f"cannot {what} on {self._where}: {_reason(exc)}")
+
+
+class SshStream:
+    """A command on the host over its own channel; it ends when the channel closes."""
+
+    def __init__(self, proc: asyncssh.SSHClientProcess) -> None:  # type: ignore[type-arg]
+        self._proc = proc
+
+    async def readline(self) -> bytes:
+        try:
+            return bytes(await self._proc.stdout.readline())
+        except (OSError, asyncssh.Error):
+            return b""  # the channel or the link went away: the stream has ended
+
+    def write(self, data: bytes) -> None:
+        with contextlib.suppress(OSError, asyncssh.Error):
+            self._proc.stdin.write(data)
+
+    async def close(self) -> None:
+        with contextlib.suppress(OSError, asyncssh.Error):
+            self._proc.stdin.write_eof()
+        self._proc.close()
+        with contextlib.suppress(OSError, asyncssh.Error, TimeoutError):
+            await asyncio.wait_for(self._proc.wait_closed(), timeout=2.0)
 
 
 class _TrustedKeys:

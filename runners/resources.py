@@ -1,0 +1,38 @@
+"""How many processes may judge at once on this machine: bounded by its cores and its memory."""
+
+from __future__ import annotations
+
+import os
+
+# What one judging process may hold at its peak: numpy, two rows and the pair's |Δ| buffer
+# (T x V float32: 66 MB for 128 tokens of a 128256 vocab), with room to spare.
+PER_WORKER_BYTES = 512 << 20
+
+
+def cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes, or None where there is no such file."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def judge_workers(wanted: int | None = None) -> int:
+    """`wanted` (the operator's --workers) or, by default, as many as the cores and the
+    available memory allow; never fewer than 1."""
+    if wanted is not None:
+        return max(1, wanted)
+    memory = available_memory()
+    by_memory = cores() if memory is None else memory // PER_WORKER_BYTES
+    return max(1, min(cores(), by_memory))
