@@ -121,6 +121,14 @@ def judge_pair(
         on_token=on_token,
     )
     _check_token_count(result.tokens["prefill"], meta, meta_path)
+    if result.first_fail is not None:
+        # Named from the tree's root: the same words wherever the tree is judged (console or
+        # host) and after it is moved.
+        root_text = str(Path(root))
+        result.first_fail["where"] = {
+            side: where.removeprefix(root_text + "/")
+            for side, where in (result.first_fail.get("where") or {}).items()
+        }
     return result
 
 

@@ -3,70 +3,96 @@ row by row, while this process reads the other side and compares (parsing holds 
 threads would not help). Memory stays O(V) per side: a row is handed over only when the
 comparison is ready for it (the pipe is the back-pressure).
 
-The helper is started with "spawn": it shares no lock with this process's threads (a console
-has many), and it imports only this package, numpy and what logits.py can use.
+The helper is a plain `python -c` child, not multiprocessing: it needs no resource tracker
+(which cannot start inside a Textual app, whose stderr has no file descriptor) and shares no
+lock with this process's threads. It imports only this package, numpy and what logits.py can
+use, so it runs the same on a host that was shipped analysis/ alone.
 """
 
 from __future__ import annotations
 
-import multiprocessing
+import os
 import pickle
 import struct
+import subprocess
+import sys
 from collections.abc import Generator
-from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
 from analysis.logits import InputError, LogitsRow, iter_logits
 
 _ROW, _ERROR, _DONE = b"R", b"E", b"D"
+_FRAME = struct.Struct("<cQ")  # tag, payload length
 _HEAD = struct.Struct("<qqq")  # line, token_idx, token_id
+# The directory that holds analysis/: the child imports it from there, wherever that is.
+_PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
+_CHILD = "import sys; from analysis.parallel import serve_side; serve_side(sys.argv[1])"
 
 
-def _read_side(path: str, out: Connection) -> None:
-    """In the helper: every row of the file, then the end, or the error that stopped it."""
+def serve_side(path: str) -> None:
+    """In the helper: every row of the file on stdout, then the end, or the error."""
+    out = sys.stdout.buffer
+
+    def send(tag: bytes, payload: bytes) -> None:
+        out.write(_FRAME.pack(tag, len(payload)))
+        out.write(payload)
+
     try:
         for row in iter_logits(path):
-            out.send_bytes(
-                _ROW + _HEAD.pack(row.line, row.token_idx, row.token_id) + row.logits.tobytes()
-            )
+            send(_ROW, _HEAD.pack(row.line, row.token_idx, row.token_id) + row.logits.tobytes())
     except InputError as exc:
-        out.send_bytes(_ERROR + pickle.dumps(exc))
+        send(_ERROR, pickle.dumps(exc))
+    except BrokenPipeError:
+        return  # the caller stopped reading (an error on the other side)
     except BaseException as exc:  # a bug in the reader must reach the caller, not hang it
-        out.send_bytes(_ERROR + pickle.dumps(RuntimeError(f"{path}: reader failed: {exc!r}")))
+        send(_ERROR, pickle.dumps(RuntimeError(f"{path}: reader failed: {exc!r}")))
     else:
-        out.send_bytes(_DONE)
-    finally:
-        out.close()
+        send(_DONE, b"")
+    out.flush()
+
+
+def _read_exact(stream: BinaryIO, n: int) -> bytes | None:
+    data = stream.read(n)
+    return data if len(data) == n else None
 
 
 def iter_logits_elsewhere(path: str | Path) -> Generator[LogitsRow, None, None]:
     """iter_logits(path), read by a helper process: the same rows, the same errors."""
-    ctx = multiprocessing.get_context("spawn")
-    inbox, outbox = ctx.Pipe(duplex=False)
-    helper = ctx.Process(target=_read_side, args=(str(path), outbox), daemon=True)
-    helper.start()
-    outbox.close()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+    helper = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, str(path)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    assert helper.stdout is not None and helper.stderr is not None
     try:
         while True:
-            try:
-                message = inbox.recv_bytes()
-            except EOFError:
+            frame = _read_exact(helper.stdout, _FRAME.size)
+            tag, size = _FRAME.unpack(frame) if frame else (b"", 0)
+            payload = _read_exact(helper.stdout, size) if frame else None
+            if payload is None:
+                helper.wait()
+                said = helper.stderr.read().decode("utf-8", "replace").strip()[-400:]
                 raise RuntimeError(
-                    f"{path}: the reading process ended without a word (exit code "
-                    f"{helper.exitcode}); out of memory?"
-                ) from None
-            tag = message[:1]
+                    f"{path}: the reading process ended without a word (exit {helper.returncode})"
+                    + (f": {said}" if said else "; out of memory?")
+                )
             if tag == _DONE:
                 return
             if tag == _ERROR:
-                raise pickle.loads(message[1:])
-            line, idx, tid = _HEAD.unpack_from(message, 1)
-            logits = np.frombuffer(message, dtype=np.float32, offset=1 + _HEAD.size)
+                raise pickle.loads(payload)
+            line, idx, tid = _HEAD.unpack_from(payload)
+            logits = np.frombuffer(payload, dtype=np.float32, offset=_HEAD.size)
             yield LogitsRow(line, idx, tid, logits)
     finally:
-        inbox.close()
-        if helper.is_alive():
-            helper.kill()  # the caller stopped early (an error on the other side)
-        helper.join()
+        if helper.poll() is None:
+            helper.kill()  # the caller stopped early
+        helper.wait()
+        helper.stdout.close()
+        helper.stderr.close()

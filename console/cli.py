@@ -78,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     cancel.add_argument("--out", type=Path)
     cancel.add_argument("--grace", type=float, default=5.0, help="seconds between TERM and KILL")
 
+    fetch = sub.add_parser(
+        "fetch", help="bring home what a run judged on its host and left there (e.g. logits)"
+    )
+    fetch.add_argument("run", help="local run directory or run id")
+    fetch.add_argument("--out", type=Path)
+
     replay = sub.add_parser("replay", help="replay a recorded run from its events.jsonl")
     replay.add_argument("dir", type=Path)
     replay.add_argument(
@@ -171,6 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "plan": cmd_plan,
         "attach": cmd_attach,
         "cancel": cmd_cancel,
+        "fetch": cmd_fetch,
         "replay": cmd_replay,
         "analyze": cmd_analyze,
         "presets": cmd_presets,
@@ -468,6 +475,41 @@ async def _cancel(local: Path, grace: float, printer) -> int:  # type: ignore[no
     finally:
         await attached.close()
     print(f"cancel: {word}; run {run_id} ended {result.verdict}")
+    return 0
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    from console.headless import Printer
+    from runners.record import RecordBusy, RecordError
+    from runners.targets.base import TargetError
+
+    try:
+        local = find_run(args.run, args.out)
+        return asyncio.run(_fetch(local, Printer()))
+    except (FileNotFoundError, ValueError, KeyError, TypeError) as exc:
+        _err(str(exc))
+        return EXIT_USAGE
+    except RecordBusy:
+        _err(
+            f"{args.run}: another console follows this run and writes its record: press f on "
+            "its run screen, or fetch once it has ended"
+        )
+        return EXIT_INFRA
+    except RecordError as exc:
+        _err(str(exc))
+        return EXIT_INFRA
+    except TargetError as exc:
+        return _infra_error(exc)
+
+
+async def _fetch(local: Path, printer) -> int:  # type: ignore[no-untyped-def]
+    from runners.session import fetch_held_into
+
+    count = await fetch_held_into(local, printer)
+    if count == 0:
+        print(f"{local}: nothing is held on the host (everything judged there is home)")
+    else:
+        print(f"fetched {count} file(s) into {local}")
     return 0
 
 

@@ -107,6 +107,7 @@ class Printer:
                 f"  local dir:   {event.local_dir}",
                 f"  remote dir:  {event.remote_dir}",
                 f"  determinism: profile {event.profile}; {env}",
+                *(f"  note:        {note}" for note in event.notes),
             ]
         if isinstance(event, LockAcquired):
             h = event.holder

@@ -11,6 +11,7 @@ from typing import Any
 from runners.cells import NO_CELL, SETUP_CELL, CellState, params_label
 from runners.events import (
     ArtifactFetched,
+    ArtifactHeld,
     CellFinished,
     CellStarted,
     Connection,
@@ -104,6 +105,7 @@ class RunModel:
         self.log_total = 0
         self.connection: Connection | None = None
         self.errors: list[Error] = []
+        self.held: set[tuple[int, str]] = set()  # artifacts left on the host, not fetched yet
         self.finished: RunFinished | None = None
         self.events = 0
         self.trace_records = 0
@@ -163,6 +165,8 @@ class RunModel:
         if h.started_t is None or not event.attached:
             h.started_t = event.t
         self._changes.header = True
+        for note in event.notes:
+            self._log_run(f"note: {note}")
         for cell in event.cells:
             index = int(cell["index"])
             if index not in self.cells:
@@ -203,6 +207,12 @@ class RunModel:
 
     def _artifact(self, event: ArtifactFetched) -> None:
         self.artifacts += 1
+        if (event.cell, event.path) in self.held:
+            self.held.discard((event.cell, event.path))
+            self._log_run(f"fetched {event.path} ({event.size} bytes)")
+
+    def _held(self, event: ArtifactHeld) -> None:
+        self.held.add((event.cell, event.path))
 
     def _connection(self, event: Connection) -> None:
         self.connection = event
@@ -245,6 +255,7 @@ _HANDLERS: dict[type[Event], Any] = {
     OutputLines: RunModel._output,
     TraceBatch: RunModel._trace,
     ArtifactFetched: RunModel._artifact,
+    ArtifactHeld: RunModel._held,
     Connection: RunModel._connection,
     Error: RunModel._error,
     RunFinished: RunModel._run_finished,

@@ -64,6 +64,9 @@ class RunStarted(Event):
     profile: str
     env: dict[str, str]
     attached: bool = False
+    # Said once at the top of the run: where it is judged and why (e.g. on the console,
+    # because the host's python lacks numpy).
+    notes: list[str] = field(default_factory=list)
 
 
 @event
@@ -133,6 +136,16 @@ class ArtifactFetched(Event):
     path: str
     size: int
     sha256: str
+
+
+@event
+class ArtifactHeld(Event):
+    """An artifact a passed cell wrote that stays on the target (it is judged there); `tracedeck
+    fetch` brings it home when the operator asks."""
+
+    type: ClassVar[str] = "artifact_held"
+    cell: int
+    path: str
 
 
 @event

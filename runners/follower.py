@@ -8,6 +8,7 @@ once a cell passed, and the judge is asked to advance after each cell.
 
 from __future__ import annotations
 
+import asyncio
 import fnmatch
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ import orjson
 from runners.cells import NO_CELL, SETUP_CELL, CellState, cell_name
 from runners.events import (
     ArtifactFetched,
+    ArtifactHeld,
     CellFinished,
     CellStarted,
     Error,
@@ -26,7 +28,7 @@ from runners.events import (
     OutputLines,
     TraceBatch,
 )
-from runners.fetch import fetch_cell
+from runners.fetch import download_into, fetch_cell, sha256_file
 from runners.follow import FileFollower, Lines
 from runners.kind import Judge
 from runners.plan import SETUP, PlannedCell, RunPlan
@@ -41,6 +43,7 @@ class CellTrack:
     finished: bool = False
     passed: bool = False
     fetched: set[str] = field(default_factory=set)
+    held: set[str] = field(default_factory=set)  # left on the target, judged there
     fetched_all: bool = False  # every artifact tried once the cell passed
     outputs: dict[str, FileFollower] = field(default_factory=dict)
     # sizes of the shared trace files when the cell ended (cells/NNN/trace_sizes)
@@ -100,6 +103,8 @@ class RunFollower:
                 follower.lines_read = event.last_line
         elif isinstance(event, ArtifactFetched) and event.cell in self.cells:
             self.cells[event.cell].fetched.add(event.path)
+        elif isinstance(event, ArtifactHeld) and event.cell in self.cells:
+            self.cells[event.cell].held.add(event.path)
 
     # -- trace files -------------------------------------------------------------------------
 
@@ -414,13 +419,39 @@ class RunFollower:
             t for t in self.cells.values() if t.passed and t.plan.index >= 0 and not t.fetched_all
         ]
         for track in owed:
+            done = track.fetched | track.held
             for event in await fetch_cell(
-                self.target, self.plan, track.plan, self.local_dir, track.fetched, self.on_progress
+                self.target,
+                self.plan,
+                track.plan,
+                self.local_dir,
+                done,
+                self.judge.holds,
+                self.on_progress,
             ):
                 self.emit(event)
             track.fetched_all = True
         if owed:
             await self.judge.advance()
+
+    def held_artifacts(self) -> list[tuple[int, str]]:
+        """(cell, path) of every artifact left on the target and not fetched since."""
+        return [
+            (index, rel)
+            for index, track in sorted(self.cells.items())
+            for rel in sorted(track.held - track.fetched)
+        ]
+
+    async def fetch_held(self) -> None:
+        """Bring home what was judged on the target (the operator asked, or the preset does)."""
+        for index, rel in self.held_artifacts():
+            local = await download_into(
+                self.target, f"{self.plan.artifacts}/{rel}", self.local_dir, rel
+            )
+            digest = await asyncio.to_thread(sha256_file, local)
+            self.emit(
+                ArtifactFetched(cell=index, path=rel, size=local.stat().st_size, sha256=digest)
+            )
 
     async def tail(self, path: str, limit: int = 600) -> str:
         data = await self.target.read_from(path, 0, 1 << 20)

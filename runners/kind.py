@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 from runners.cells import CellState, cell_name
 from runners.events import (
     ArtifactFetched,
+    ArtifactHeld,
     CellFinished,
     Error,
     Event,
@@ -49,6 +50,8 @@ class JudgeContext:
     date: str
     emit: Callable[[Event], None]
     cells: list[PlannedCell] = field(default_factory=list)
+    # The target, for a kind that judges there (runners.remote_judge.RemoteJudge); None: here.
+    host: Any = None
     # Progress events of long judging (runners.progress.Meter): shown live, never recorded.
     progress: Callable[[Event], None] | None = None
 
@@ -92,6 +95,7 @@ class Judge:
         self.ctx = ctx
         self.finished: dict[int, CellFinished] = {}
         self.fetched: dict[int, set[str]] = {}
+        self.held: dict[int, set[str]] = {}  # artifacts left on the target, judged there
         self.errors: list[Error] = []
         self.trace_applied: dict[str, int] = {}  # file -> end offset of the lines folded in
 
@@ -102,6 +106,8 @@ class Judge:
             self.finished[event.cell] = event
         elif isinstance(event, ArtifactFetched):
             self.fetched.setdefault(event.cell, set()).add(event.path)
+        elif isinstance(event, ArtifactHeld):
+            self.held.setdefault(event.cell, set()).add(event.path)
         elif isinstance(event, Error) and event.affects_verdict:
             self.errors.append(event)
         elif isinstance(event, TraceBatch) and event.end_offset > self.trace_applied.get(
@@ -115,6 +121,15 @@ class Judge:
 
     def on_event(self, event: Event) -> None:
         """A kind's own reaction to an event (its verdict events)."""
+
+    def holds(self, rel: str) -> bool:
+        """Does this artifact stay on the target (judged there, fetched only when asked)?"""
+        spec = self.kind.host_judging
+        return self.ctx.host is not None and spec is not None and spec.held(rel)
+
+    def home(self, cell: int, wanted: set[str]) -> bool:
+        """Is every artifact of the cell either fetched or held on the target for judging?"""
+        return wanted <= self.fetched.get(cell, set()) | self.held.get(cell, set())
 
     # -- trace lines -------------------------------------------------------------------------
 
@@ -203,6 +218,22 @@ class KindPrinter:
         return []
 
 
+@dataclass(frozen=True)
+class HostJudging:
+    """What a kind needs to judge on the target instead of fetching everything home.
+
+    modules: files shipped there, relative to the source tree (analysis/..., runners/hosted/...;
+    runners/atomic.py and the package files come with them); requires: what its python must
+    import besides them; held: which artifacts stay there (fetched only when asked); entry:
+    the shipped module the judge runs.
+    """
+
+    modules: tuple[str, ...]
+    requires: tuple[str, ...]
+    held: Callable[[str], bool]
+    entry: str  # the shipped module the judge runs there (python -m ENTRY ...)
+
+
 class Kind:
     """One run kind. Subclasses set the class attributes and override what they need."""
 
@@ -224,6 +255,8 @@ class Kind:
     # True when a cell's exit code is the kind's verdict; otherwise a failed cell means the
     # engine crashed, an infrastructure failure (ENGINE_ERROR, exit 3), never a verdict.
     cell_exit_is_verdict: ClassVar[bool] = False
+    # Set when the kind can judge on the target ([judge] on = "auto" | "host" | "console").
+    host_judging: ClassVar[HostJudging | None] = None
 
     def validate_definition(self) -> None:
         """Refuse a kind that cannot be used: no name, no judge, or words that contradict."""

@@ -67,7 +67,16 @@ SCHEMA: dict[str, dict[str, tuple[Any, bool, Any]]] = {
     "traces": {
         "follow": (list, False, []),
     },
+    # Where a kind that can judge on the target (runners.kind.HostJudging) judges: "auto" there
+    # when its python has what the judging needs, else here (and the run says why); "host"
+    # there or not at all; "console" here, fetching everything.
+    "judge": {
+        "on": (str, False, "auto"),
+        "python": (str, False, ""),  # "" is the run's python ([target] python)
+        "fetch_held": (bool, False, False),  # bring home what was judged there, too
+    },
 }
+JUDGE_ON = ("auto", "host", "console")
 # A kind adds its own sections (runners.kind.Kind.sections), checked for its presets only.
 REQUIRED_SECTIONS = ("preset", "engine", "matrix")
 
@@ -250,6 +259,7 @@ def validate(
             _check_placeholders(source, f"{sec}.env.{name}", str(value), known)
     _check_run_settings(out, source)
     _check_rendered_paths(out, source)
+    _check_judge(out["judge"], source, kind)
     kind.check(out, source, options)
     return out
 
@@ -277,6 +287,17 @@ def _check_rendered_paths(out: dict[str, Any], source: str) -> None:
                         f"{section}.{key}[{i}]",
                         f"{rel!r} (cell {index + 1}: {label}) {problem}",
                     )
+
+
+def _check_judge(judge: dict[str, Any], source: str, kind: Any) -> None:
+    if judge["on"] not in JUDGE_ON:
+        raise PresetError(source, "judge.on", f"must be one of {', '.join(JUDGE_ON)}")
+    if judge["on"] == "host" and kind.host_judging is None:
+        raise PresetError(
+            source,
+            "judge.on",
+            f'the {kind.name} kind judges on the console only: remove the key or set "console"',
+        )
 
 
 def _check_run_settings(out: dict[str, Any], source: str) -> None:

@@ -63,6 +63,7 @@ from runners.record import (
     iter_events,
 )
 from runners.reference import SHIPPED_WITH
+from runners.remote_judge import RemoteJudge
 from runners.targets.base import ConnectionLost, Target, TargetError
 from runners.targets.factory import parse_target
 from runners.templates import render_plain
@@ -295,8 +296,10 @@ class Session:
             await self.target.write_file(f"{run_dir}/{rel}", text.encode())
         if ship:
             await self._ship_reference(f"{run_dir}/pkg")
+        notes = await self._place_judging(plan)
+        self.record.save()
 
-        self.emit(self._run_started(plan, attached=False))
+        self.emit(self._run_started(plan, attached=False, notes=notes))
         self.stage = "starting"
         try:
             started = await self.launcher.start(plan)
@@ -318,6 +321,41 @@ class Session:
             raise
         self.stage = "started"
         self.emit(LockAcquired(lock=plan.lock, holder=started.holder))
+
+    async def _place_judging(self, plan: RunPlan) -> list[str]:
+        """Judge on the target when the kind can and its python has what that needs ([judge]
+        on); the run's header says where, and why not there."""
+        spec = self.kind.host_judging
+        cfg = self.preset.section("judge")
+        self.record.extra["judge_on"] = "console"
+        if spec is None:
+            return []
+        if cfg["on"] == "console":
+            return ["judged on this console ([judge] on = console): every artifact is fetched"]
+        if cfg["on"] == "auto" and self.target.name == "local":
+            return []  # the data is already here: nothing to save by judging "there"
+        remote = self._remote_judge(plan, cfg["python"] or plan.python)
+        await remote.ship(spec)
+        why = await remote.unusable(spec, spec.entry)
+        if why is not None:
+            if cfg["on"] == "host":
+                raise TargetError(
+                    f"[judge] on = host, but {why}. Install it there, name another python with "
+                    f"[judge] python, or set [judge] on = auto"
+                )
+            return [f"judged on this console, not on the host: {why}; every artifact is fetched"]
+        self.record.extra.update(judge_on="host", judge_python=remote.python)
+        assert self.judge is not None
+        self.judge.ctx.host = remote
+        return [
+            f"judged on {self.target.name}: what is judged there stays there (`tracedeck fetch "
+            f"{self.local_dir}` brings it home)"
+        ]
+
+    def _remote_judge(self, plan: RunPlan, python: str) -> RemoteJudge:
+        return RemoteJudge(
+            self.target, python, f"{plan.run_dir}/judge", plan.artifacts, self.local_dir
+        )
 
     async def _resolve_dir(self, path: str, key: str) -> str:
         """An absolute path on the target: absolute as written; `~`, `~/x` and relative paths
@@ -347,7 +385,9 @@ class Session:
             "started_at": self.record.started_at,
         }
 
-    def _run_started(self, plan: RunPlan, attached: bool) -> RunStarted:
+    def _run_started(
+        self, plan: RunPlan, attached: bool, notes: list[str] | None = None
+    ) -> RunStarted:
         return RunStarted(
             run_id=plan.run_id,
             preset=self.preset.name,
@@ -361,6 +401,7 @@ class Session:
             profile=self.preset.section("determinism")["profile"],
             env=run_env(self.preset.data),
             attached=attached,
+            notes=list(notes or []),
         )
 
     # -- attaching -----------------------------------------------------------------------------
@@ -394,6 +435,9 @@ class Session:
                 pythonpath=f"{record.remote_dir}/pkg" if ship else "",
             )
         )
+        if extra.get("judge_on") == "host" and session.judge is not None:
+            assert session.plan is not None
+            session.judge.ctx.host = session._remote_judge(session.plan, extra["judge_python"])
         return session
 
     @classmethod
@@ -574,6 +618,8 @@ class Session:
                 )
             )
         await self.judge.advance()
+        if self.preset.section("judge")["fetch_held"]:
+            await follower.fetch_held()
         try:
             result = await asyncio.to_thread(self.judge.finish, ending)
         except OSError as exc:
@@ -584,6 +630,13 @@ class Session:
                 summary={"error": f"cannot write the run's documents in {where}: {exc.strerror}"},
             )
         self.emit(result)
+
+    async def fetch_held(self) -> int:
+        """Bring home every artifact judged on the target and not fetched yet; how many."""
+        assert self.follower is not None
+        count = len(self.follower.held_artifacts())
+        await self.follower.fetch_held()
+        return count
 
     # -- cancelling ------------------------------------------------------------------------------
 
@@ -603,6 +656,20 @@ class Session:
             self._recorder.close()
             self._recorder = None
         await self.target.close()
+
+
+async def fetch_held_into(local_dir: Path, emit: Callable[[Event], None]) -> int:
+    """Bring home what a run left on its host, recorded in its record (as its writer: raises
+    RecordBusy while another console follows it); how many files."""
+    session = Session.attach(local_dir, emit, replay=lambda event: None)
+    try:
+        assert session.follower is not None
+        if not session.follower.held_artifacts():
+            return 0
+        await session.target.connect()
+        return await session.fetch_held()
+    finally:
+        await session.close()
 
 
 def _fresh_dir(path: Path) -> Path:

@@ -261,6 +261,8 @@ class CuttableProxy:
         self.host = "127.0.0.1"
         self.port = 0
         self.accepted = 0
+        self.bytes_up = 0  # client -> server, through every connection so far
+        self.bytes_down = 0  # server -> client
         self._paused = False
         self._conns: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
         self._loop = asyncio.new_event_loop()
@@ -296,13 +298,17 @@ class CuttableProxy:
         pair = (writer, up_writer)
         self._conns.add(pair)
         try:
-            await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer))
+            await asyncio.gather(
+                self._pump(reader, up_writer, up=True), self._pump(up_reader, writer, up=False)
+            )
         finally:
             self._conns.discard(pair)
             writer.transport.abort()
             up_writer.transport.abort()
 
-    async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+    async def _pump(
+        self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, *, up: bool
+    ) -> None:
         assert self._flowing is not None
         with contextlib.suppress(OSError):
             while True:
@@ -311,6 +317,10 @@ class CuttableProxy:
                 if not data:
                     break
                 await self._flowing.wait()  # bytes read while stalling are held, not lost
+                if up:
+                    self.bytes_up += len(data)
+                else:
+                    self.bytes_down += len(data)
                 dst.write(data)
                 await dst.drain()
         dst.transport.abort()

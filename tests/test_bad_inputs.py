@@ -201,6 +201,12 @@ CASES: dict[str, Case] = {
         2,
         names(str(SMOKE), "thresholds.top1_agreement_min"),
     ),
+    "judge on nowhere": Case(
+        preset(GOOD + "[judge]\non = 'gpu'\n"), 2, names(P, "judge.on", "auto, host, console")
+    ),
+    "judge on the host for a kind that cannot": Case(
+        preset(GOOD + "[judge]\non = 'host'\n"), 2, names(P, "judge.on", "console only")
+    ),
     "--set without a value": Case(preset(GOOD, "--set", "matrix"), 2, names("key.path=VALUE")),
     "--set unknown key": Case(
         preset(GOOD, "--set", "target.nope=1"), 2, names("target.nope", "unknown key")

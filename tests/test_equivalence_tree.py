@@ -173,7 +173,7 @@ def test_analyze_tree_writes_every_output_with_the_seed_schemas(root: Path) -> N
     assert exit_code_for(summary["global_verdict"]) == 1
     ff = summary["first_fail"]
     assert ff == results[2].first_fail and ff["seed"] == 2 and ff["kv_aligned"] == 1
-    decode = root / "runs" / "kv_aligned_1" / "seed_2" / "decode" / "logits.jsonl.gz"
+    decode = "runs/kv_aligned_1/seed_2/decode/logits.jsonl.gz"  # from the tree's root
     assert ff["where"]["decode"] == f"{decode}:{ff['token_idx'] + 1}"
     assert summary["threshold_config"] == THRESHOLDS
 

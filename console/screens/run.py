@@ -37,7 +37,7 @@ from console.widgets.run_log import RunLog
 from runners.events import Error, Event
 from runners.presets import PresetError
 from runners.record import RecordBusy, recorded_count
-from runners.session import Session
+from runners.session import Session, fetch_held_into
 from runners.targets.base import HostKeyUnknown, TargetError
 from runners.trust import trust_host
 from runners.viewer import skipping, view
@@ -59,6 +59,7 @@ class RunScreen(Screen[None]):
         Binding("d", "details", "Details"),
         Binding("f", "filter_log", "Filter log"),
         Binding("w", "wrap_log", "Wrap log"),
+        Binding("g", "fetch_held", "Fetch held files"),
     ]
 
     class HostKeyNeeded(Message):
@@ -91,6 +92,7 @@ class RunScreen(Screen[None]):
         self._stopped = False
         self._status = ""
         self._detail = False
+        self._held = False
         self.panel: KindPanel = panel_for(source.kind)
 
     # -- layout -----------------------------------------------------------------------------
@@ -248,9 +250,16 @@ class RunScreen(Screen[None]):
         if changes.cells or changes.finished or status != self._status:
             self._status = status
             self.query_one("#banner", VerdictBanner).show(model, status)
-        if changes.finished or changes.header or self.panel.has_detail() != self._detail:
-            self._detail = self.panel.has_detail()
-            self.refresh_bindings()  # cancel goes away at the end; details come with the panel
+        held = bool(model.held)
+        if (
+            changes.finished
+            or changes.header
+            or self.panel.has_detail() != self._detail
+            or held != self._held
+        ):
+            self._detail, self._held = self.panel.has_detail(), held
+            # cancel goes away at the end; details come with the panel; fetch with held files
+            self.refresh_bindings()
         if self._feed_ended and not self.buffer and model.finished is None and not self._stopped:
             self._stopped = True
             self._show_stopped()
@@ -296,6 +305,8 @@ class RunScreen(Screen[None]):
             return self.session is not None and self.model.finished is None
         if action == "details":
             return self.panel.has_detail()
+        if action == "fetch_held":
+            return bool(self.model.held) and not isinstance(self.source, ReplaySource)
         return True
 
     async def stop_following(self) -> None:
@@ -336,6 +347,26 @@ class RunScreen(Screen[None]):
         screen = self.panel.detail()
         if screen is not None:
             self.app.push_screen(screen)
+
+    def action_fetch_held(self) -> None:
+        if self.model.held:
+            self.run_worker(self._fetch_held(), group="fetch", exit_on_error=False)
+
+    async def _fetch_held(self) -> None:
+        """What the run judged on its host and left there, brought home and recorded: by the
+        session that follows it, or (once it has ended) as the record's writer."""
+        session = self.session
+        try:
+            if session is not None and self.model.finished is None:
+                count = await session.fetch_held()
+            else:
+                count = await fetch_held_into(Path(self.model.header.local_dir), self.buffer.append)
+        except (TargetError, RecordBusy, OSError) as exc:
+            self.post_message(self.Notice(f"fetch: {exc}", "error"))
+            return
+        self.post_message(
+            self.Notice(f"fetched {count} file(s) into {self.model.header.local_dir}")
+        )
 
     def action_filter_log(self) -> None:
         self.query_one("#log-filter").focus()

@@ -33,7 +33,6 @@ from analysis.equivalence import (
     Unjudged,
     describe_loosened,
     loosened,
-    metrics_document,
     resolve_thresholds,
     summarize,
 )
@@ -51,6 +50,8 @@ from runners.atomic import write_atomic
 from runners.cells import CellState, cell_name
 from runners.events import (
     ArtifactFailed,
+    ArtifactFetched,
+    ArtifactHeld,
     CellFinished,
     Error,
     Event,
@@ -59,13 +60,39 @@ from runners.events import (
     event,
 )
 from runners.exits import EXIT_INFRA, EXIT_USAGE
-from runners.kind import ENDINGS, Ending, Judge, JudgeContext, Kind, KindPrinter, failure_text
+from runners.hosted.equivalence import write_pair_metrics
+from runners.kind import (
+    ENDINGS,
+    Ending,
+    HostJudging,
+    Judge,
+    JudgeContext,
+    Kind,
+    KindPrinter,
+    failure_text,
+)
 from runners.presets import PresetError
 from runners.progress import Meter
 from runners.record import RUN_JSON, RunRecord, read_events
 from runners.resources import judge_workers
+from runners.targets.base import ConnectionLost, TargetError
 
 REPORT_NAME = "B3_67_EQUIVALENCE_GUARDRAIL.md"
+LOGITS_NAME = "logits.jsonl.gz"
+# What judging on the host needs there: the analyzer (numpy; simdjson, isal, orjson if present).
+HOST_JUDGING = HostJudging(
+    modules=(
+        "analysis/__init__.py",
+        "analysis/logits.py",
+        "analysis/parallel.py",
+        "analysis/equivalence.py",
+        "analysis/equivalence_tree.py",
+        "runners/hosted/equivalence.py",
+    ),
+    requires=("numpy",),
+    held=lambda rel: rel.endswith("/" + LOGITS_NAME),
+    entry="runners.hosted.equivalence",
+)
 PAIR_KEYS = ("mode", "kv_aligned", "seed")
 METRICS_SHOWN = ("max_abs_diff", "p99_abs_diff", "top1_agreement", "cos_sim_mean")
 LOOSE = "loose_thresholds"
@@ -109,9 +136,7 @@ def _write_json(path: Path, obj: Any) -> None:
 
 
 def write_pair(root: Path, result: PairResult) -> None:
-    _write_json(
-        metrics_path(root, result.kv_aligned, result.seed), metrics_document(result, _now())
-    )
+    write_pair_metrics(root, result)
 
 
 def write_summary(
@@ -273,10 +298,16 @@ class EquivalenceJudge(Judge):
             on_token = threadsafe(meter.update)
 
             try:
-                result = await asyncio.to_thread(self._judge, kv, seed, on_token)
-            except ValueError as exc:
+                if self.ctx.host is not None:
+                    result = await self._judge_on_host(kv, seed)
+                else:
+                    result = await asyncio.to_thread(self._judge, kv, seed, on_token)
+            except ConnectionLost:
+                raise  # judged once the link is back
+            except (ValueError, TargetError) as exc:
+                kind = "infra" if isinstance(exc, TargetError) else "output"
                 self.ctx.emit(Error(message=str(exc), where=f"kv_aligned_{kv}/seed_{seed}"))
-                self.ctx.emit(PairUnjudged(seed=seed, kv_aligned=kv, reason=str(exc)))
+                self.ctx.emit(PairUnjudged(seed=seed, kv_aligned=kv, reason=str(exc), kind=kind))
                 continue
             finally:
                 await asyncio.sleep(0)  # the last token's progress, queued from the thread
@@ -323,15 +354,22 @@ class EquivalenceJudge(Judge):
         write_pair(self.ctx.local_dir, result)
         return result
 
+    async def _judge_on_host(self, kv: int, seed: int) -> PairResult:
+        """The pair judged where its logits are; only its metrics file comes home."""
+        said = await self.ctx.host.run(
+            HOST_JUDGING.entry,
+            ["--kv", str(kv), "--seed", str(seed), "--thresholds", json.dumps(self.thresholds)],
+        )
+        if not said.get("ok"):
+            raise ValueError(f"judged on {self.ctx.host.target.name}: {said.get('error')}")
+        await self.ctx.host.fetch(said["metrics"])
+        return load_pair_result(self.ctx.local_dir, kv, seed)
+
     def _side_home(self, cell: int) -> bool:
-        """The side passed and every artifact it must bring home is here."""
+        """The side passed and every artifact it must bring home is here (or held there)."""
         done = self.finished.get(cell)
         wanted = next(set(c.artifacts) for c in self.ctx.cells if c.index == cell)
-        return (
-            done is not None
-            and done.state == CellState.PASSED
-            and wanted <= self.fetched.get(cell, set())
-        )
+        return done is not None and done.state == CellState.PASSED and self.home(cell, wanted)
 
     def verdict(self, ending: Ending) -> RunFinished:
         results: list[PairResult] = []
@@ -518,6 +556,7 @@ class EquivalenceKind(Kind):
     pass_words = frozenset({PASS_GUARDRAIL, PASS_EQUIV})
     # A loosened pass is the operator's choice, not the seed's guardrail: shown like drift.
     drift_words = frozenset({EXPECTED_DRIFT, PASS_GUARDRAIL_LOOSENED})
+    host_judging = HOST_JUDGING
     smoke = ("b3_67_smoke", ("matrix.seed=[0]",))
     options: ClassVar[dict[str, str]] = {
         LOOSE: "B3.67: allow [thresholds] looser than the seed's; every verdict then says so",
@@ -597,6 +636,15 @@ class EquivalenceKind(Kind):
             print(f"tracedeck: {exc}", file=sys.stderr)
             return EXIT_USAGE
         out = Path(getattr(args, "output", None) or path)
+        held = _held_on_host(path)
+        if held:
+            print(
+                f"tracedeck: {path}: this run was judged on {held[0]}, where {len(held) - 1} "
+                f"file(s) it needs stayed (e.g. {held[1]}); `tracedeck fetch {path}` brings "
+                "them home, then analyze again (nothing was written)",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE
         engine = _engine_failures(path, args.seeds)
         meter = Meter("judge", str(path), "pairs", getattr(args, "progress", None))
         try:
@@ -697,6 +745,21 @@ def _threshold_args(items: list[str]) -> dict[str, float] | None:
         except ValueError:
             raise ValueError(f"--threshold {item!r}: {value!r} is not a number") from None
     return out
+
+
+def _held_on_host(root: Path) -> list[str]:
+    """[host, path...] of what a run judged on its host left there; [] when all is here."""
+    if not (root / RUN_JSON).is_file() or not (root / "events.jsonl").is_file():
+        return []
+    try:
+        target = RunRecord.load(root).target
+        events = read_events(root / "events.jsonl").events
+    except (OSError, ValueError, TypeError):
+        return []
+    held = {(e.cell, e.path) for e in events if isinstance(e, ArtifactHeld)}
+    held -= {(e.cell, e.path) for e in events if isinstance(e, ArtifactFetched)}
+    missing = sorted(path for _, path in held if not (root / path).is_file())
+    return [target, *missing] if missing else []
 
 
 def _engine_failures(root: Path, seeds: list[int] | None) -> list[Unjudged]:

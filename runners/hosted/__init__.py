@@ -1,0 +1,5 @@
+"""Judging on the target: entry points shipped to the host with the analysis modules they use.
+
+Each module here imports only the standard library, numpy, analysis/ and runners/atomic.py
+(what runners.kind.HostJudging ships), and prints one JSON line saying what it wrote.
+"""

@@ -1,0 +1,227 @@
+"""Issue 14: B3.67 judged on the host, where the logits are; only metrics and context come home.
+
+Over the real sshd: the same verdicts, metrics and first fails as judging on the console; the
+logits stay on the host until `tracedeck fetch`; a host whose python cannot judge is judged
+here, and the run says why. The shipped judge runs with nothing but what is shipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from faults import assert_run_gone, record_of
+from runhelp import cli_env, events, run_dirs, tracedeck, wait_for
+from sshd import CuttableProxy, SshHome
+
+from analysis.equivalence_tree import judge_pair
+from runners.kinds.equivalence import HOST_JUDGING
+from runners.remote_judge import RemoteJudge
+from runners.targets.local import LocalTarget
+
+FAILING = ["--set", "matrix.seed=[0]", "--set", 'matrix.inject=["readout_offset"]']
+
+
+def smoke(
+    home: SshHome, tmp: Path, out: str, *extra: str
+) -> tuple[subprocess.CompletedProcess, Path]:
+    done = tracedeck(
+        "run",
+        "b3_67_smoke",
+        "--target",
+        home.server.spec,
+        "--out",
+        str(tmp / out),
+        "--set",
+        f'target.python="{sys.executable}"',
+        "--set",
+        f'target.runs="{tmp}/remote"',
+        "--set",
+        f'target.lock="{tmp}/lock"',
+        *extra,
+        env=cli_env(home.path),
+        timeout=300,
+    )
+    return done, run_dirs(tmp / out)[0]
+
+
+def without_stamps(doc: dict) -> dict:
+    return {k: v for k, v in doc.items() if k not in ("timestamp", "date")}
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.ssh
+def test_judged_on_the_host_or_here_the_verdicts_are_the_same_and_the_logits_stay_there(
+    ssh_home: SshHome, tmp_path: Path
+) -> None:
+    there, there_dir = smoke(ssh_home, tmp_path, "host", *FAILING)
+    here, here_dir = smoke(ssh_home, tmp_path, "console", *FAILING, "--set", 'judge.on="console"')
+    for done in (there, here):
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert "RESULT: FAIL_GUARDRAIL (exit 1)" in done.stdout
+    assert f"note:        judged on {ssh_home.server.spec}" in there.stdout
+    assert "judged on this console ([judge] on = console)" in here.stdout
+
+    metrics = sorted(p.relative_to(here_dir) for p in here_dir.glob("metrics/*/*.json"))
+    assert len(metrics) == 2
+    for rel in metrics:
+        a, b = (json.loads((d / rel).read_text()) for d in (there_dir, here_dir))
+        assert without_stamps(a) == without_stamps(b)  # first fail, top-5, where: all the same
+    s_there, s_here = (json.loads((d / "summary.json").read_text()) for d in (there_dir, here_dir))
+    assert without_stamps(s_there) == without_stamps(s_here)
+
+    logits = sorted(p.relative_to(here_dir) for p in here_dir.rglob("logits.jsonl.gz"))
+    assert len(logits) == 4
+    assert not list(there_dir.rglob("logits.jsonl.gz"))  # never transferred
+    held = [e["path"] for e in events(there_dir) if e["type"] == "artifact_held"]
+    assert sorted(held) == [str(p) for p in logits]
+    fetched = sum(e["size"] for e in events(there_dir) if e["type"] == "artifact")
+    remote = Path(record_of(there_dir)["remote_dir"]) / "artifacts"
+    left = sum((remote / p).stat().st_size for p in logits)
+    assert fetched < 0.05 * left  # metadata only (the full-size figure is in the closing note)
+
+    late = tracedeck("analyze", str(there_dir), env=cli_env(ssh_home.path))
+    assert late.returncode == 2 and "tracedeck fetch" in late.stderr  # says what to do
+
+    got = tracedeck("fetch", str(there_dir), env=cli_env(ssh_home.path))
+    assert got.returncode == 0, got.stdout + got.stderr
+    assert "fetched 4 file(s)" in got.stdout
+    for rel in logits:
+        assert sha256(there_dir / rel) == sha256(remote / rel)
+    again = tracedeck("fetch", str(there_dir), env=cli_env(ssh_home.path))
+    assert again.returncode == 0 and "nothing is held" in again.stdout
+    analyzed = tracedeck("analyze", str(there_dir), "--json", env=cli_env(ssh_home.path))
+    assert json.loads(analyzed.stdout)["global_verdict"] == "FAIL_GUARDRAIL"
+    assert_run_gone(there_dir)
+
+
+@pytest.mark.ssh
+def test_a_host_python_that_cannot_judge_is_judged_here_and_the_run_says_why(
+    ssh_home: SshHome, tmp_path: Path
+) -> None:
+    bare = tmp_path / "bare-python"
+    bare.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')  # no site-packages: no numpy
+    bare.chmod(0o755)
+    done, local = smoke(
+        ssh_home, tmp_path, "auto", "--set", "matrix.seed=[0]", "--set", f'judge.python="{bare}"'
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "judged on this console, not on the host" in done.stdout
+    assert "cannot import numpy" in done.stdout
+    assert len(list(local.rglob("logits.jsonl.gz"))) == 4  # fetched, as judging here needs
+
+    refused, _ = smoke(
+        ssh_home,
+        tmp_path,
+        "strict",
+        "--set",
+        "matrix.seed=[0]",
+        "--set",
+        f'judge.python="{bare}"',
+        "--set",
+        'judge.on="host"',
+    )
+    assert refused.returncode == 3, refused.stdout + refused.stderr
+    assert "[judge] on = host" in refused.stderr and "numpy" in refused.stderr
+
+
+def test_the_shipped_judge_needs_nothing_but_what_is_shipped(tmp_path: Path) -> None:
+    """Run the hosted judge with no site-packages but numpy's, from the shipped files alone:
+    it writes the same metrics as judging here, and loads no tracedeck module from elsewhere."""
+    from test_equivalence_tree import write_tree
+
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    write_tree(tree, {1: {0: 0.5}})
+    ship = tmp_path / "judge"
+    remote = RemoteJudge(LocalTarget(), sys.executable, str(ship), str(tree), tmp_path / "home")
+    asyncio.run(remote.ship(HOST_JUDGING))
+    numpy_site = str(Path(np.__file__).parent.parent)
+    code = (
+        "import runpy, sys; sys.argv = ['judge', '--kv', '1', '--seed', '0', '--thresholds', "
+        '\'{"p99_abs_diff_max": 0.001, "max_abs_diff_max": 0.005, "top1_agreement_min": '
+        "0.999}']\n"
+        "try:\n    runpy.run_module('runners.hosted.equivalence', run_name='__main__')\n"
+        "except SystemExit:\n    pass\n"
+        "mods = [m.__file__ for n, m in list(sys.modules.items()) if n.split('.')[0] in "
+        "('runners', 'analysis', 'console') and getattr(m, '__file__', None)]\n"
+        "print('MODULES', *mods)"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{ship}:{numpy_site}"}
+    done = subprocess.run(
+        [sys.executable, "-S", "-c", code], cwd=tree, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    said = json.loads(done.stdout.splitlines()[0])
+    assert said == {"ok": True, "metrics": "metrics/kv_aligned_1/seed_0_metrics.json"}
+    modules = done.stdout.splitlines()[-1].split()[1:]
+    assert modules and all(m.startswith(str(ship)) for m in modules), modules
+    written = json.loads((tree / said["metrics"]).read_text())
+    here = judge_pair(tree, 1, 0, written["thresholds"])
+    assert written["metrics"] == here.metrics and written["first_fail"] == here.first_fail
+
+
+def judge_wrapper(tmp: Path, body: str) -> Path:
+    """A python for [judge] python that does `body` (sh) before each judging (-m) call."""
+    path = tmp / "judge-python"
+    path.write_text(
+        f'#!/bin/sh\nif [ "$1" = "-m" ]; then\n{body}\nfi\nexec {sys.executable} "$@"\n'
+    )
+    path.chmod(0o755)
+    return path
+
+
+@pytest.mark.ssh
+def test_a_judge_that_dies_on_the_host_is_an_infrastructure_failure_not_a_verdict(
+    ssh_home: SshHome, tmp_path: Path
+) -> None:
+    killed = judge_wrapper(tmp_path, "echo 'Killed (out of memory)' >&2; exit 137")
+    done, local = smoke(
+        ssh_home, tmp_path, "out", "--set", "matrix.seed=[0]", "--set", f'judge.python="{killed}"'
+    )
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "RESULT: INFRA_ERROR (exit 3)" in done.stdout
+    assert "exited 137" in done.stdout and "out of memory" in done.stdout
+    assert_run_gone(local)
+
+
+@pytest.mark.ssh
+def test_a_link_cut_while_the_host_judges_loses_no_verdict(
+    ssh_proxy: CuttableProxy, ssh_home: SshHome, tmp_path: Path
+) -> None:
+    started = tmp_path / "judging"
+    slow = judge_wrapper(tmp_path, f"touch {started}; sleep 2")
+    console = subprocess.Popen(
+        [sys.executable, "-m", "console.cli", "run", "b3_67_smoke", "--target", ssh_proxy.spec]
+        + ["--out", str(tmp_path / "out"), "--set", f'target.python="{sys.executable}"']
+        + ["--set", f'target.runs="{tmp_path}/remote"', "--set", f'target.lock="{tmp_path}/lock"']
+        + ["--set", "matrix.seed=[0]", "--set", f'judge.python="{slow}"'],
+        cwd=Path(__file__).resolve().parent.parent,
+        env=cli_env(ssh_home.path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(started.exists, timeout=120, what="the host to start judging")
+        ssh_proxy.cut()
+        out, err = console.communicate(timeout=300)
+    finally:
+        if console.poll() is None:
+            console.kill()
+    assert console.returncode == 0, out + err
+    assert "connection lost" in out and "RESULT: PASS_GUARDRAIL (exit 0)" in out
+    local = run_dirs(tmp_path / "out")[0]
+    verdicts = [e for e in events(local) if e["type"] == "pair_verdict"]
+    assert sorted((v["kv_aligned"], v["seed"]) for v in verdicts) == [(0, 0), (1, 0)]
+    assert_run_gone(local)
