@@ -1,8 +1,8 @@
 """`tracedeck plan`: what a run of a preset would do, without starting it.
 
 preview() renders every cell's exact command, environment, script, remote paths and the files
-it fetches and follows, without connecting (relative target paths stay `~/...`, under the
-target's home, unless the target is this machine). check() connects and only reads: is the host
+it fetches and follows, without connecting (relative target paths show as `<home>/...`, under the
+target's login home, unless the target is this machine). check() connects and only reads: is the host
 reachable and its key known, who holds the lock, how much space the runs directory has, is the
 interpreter there with the packages the run needs; then renders the plan again with the
 target's real paths. Both are UI-free: the CLI prints plan_lines(), the console shows them.
@@ -44,6 +44,7 @@ LAUNCHER_TOOLS = ("sh", "bash", "flock", "setsid")
 MIN_FREE = 100 << 20  # less than this in the runs directory: a run cannot even keep its logs
 LOW_FREE = 1 << 30
 OK, WARN, PROBLEM = "ok", "warn", "problem"
+HOME = "<home>"  # the target's login home, until `plan --check` reads it
 
 
 @dataclass(slots=True)
@@ -90,13 +91,13 @@ class Checked:
 
 def _absolute(path: str, home: str | None) -> str:
     """target.workdir / target.runs on the target: as written when absolute, else under the
-    home (~/x while the home is not known)."""
+    home (<home>/x while the home is not known)."""
     rel = home_relative(path)
     if rel.startswith("/"):
         return posixpath.normpath(rel)
-    if home is None:
+    if home is None:  # a stand-in no shell would take for a real path
         rel = posixpath.normpath(rel)
-        return "~" if rel == "." else f"~/{rel}"
+        return HOME if rel == "." else f"{HOME}/{rel}"
     return posixpath.normpath(posixpath.join(home, rel))
 
 
@@ -150,6 +151,41 @@ def preview(
     )
 
 
+def judging(p: Preview) -> dict[str, Any] | None:
+    """Where the run is judged, as the launch decides it ([judge] on; runners.session), and
+    which artifacts then stay on the target; None for a kind that judges nothing there."""
+    from runners import kinds
+
+    spec = kinds.get(p.preset.kind).host_judging
+    if spec is None:
+        return None
+    cfg = p.preset.section("judge")
+    python = cfg["python"] or p.python
+    needs = " and ".join(spec.requires) or "nothing more"
+    if cfg["on"] == "console":
+        where, why = "console", "[judge] on = console: every artifact is fetched"
+    elif cfg["on"] == "auto" and p.target_name == "local":
+        where, why = "console", "the data is already on this machine"
+    elif cfg["on"] == "host":
+        where, why = "host", f"[judge] on = host: with {python} there (it needs {needs})"
+    else:
+        where = "host if it can"
+        why = (
+            f"[judge] on = auto: on the host when {python} there has {needs} (`plan --check` "
+            "says), else on this console, fetching everything"
+        )
+    held = sorted({rel for c in p.plan.cells for rel in c.artifacts if spec.held(rel)})
+    return {
+        "on": cfg["on"],
+        "where": where,
+        "why": why,
+        "python": python,
+        "requires": list(spec.requires),
+        "held": held if where != "console" else [],
+        "fetch_held": cfg["fetch_held"],
+    }
+
+
 def uses_python(preset: Preset) -> bool:
     engine = preset.section("engine")
     texts = [engine["command"], *engine["setup"], *(str(v) for v in engine["env"].values())]
@@ -169,6 +205,8 @@ def plan_document(p: Preview) -> dict[str, Any]:
     preset, plan = p.preset, p.plan
     tgt = preset.section("target")
     shared = [t.path for t in plan.traces if t.cell is None]
+    judge = judging(p)
+    held = set(judge["held"]) if judge else set()
     cells = []
     for c in plan.cells:
         cells.append(
@@ -182,7 +220,11 @@ def plan_document(p: Preview) -> dict[str, Any]:
                 "stderr": plan.cell_path(c.index, "stderr.log"),
                 "exit_code": plan.cell_path(c.index, "exit_code"),
                 "fetch": [
-                    {"remote": f"{plan.artifacts}/{rel}", "local": str(p.local_dir / rel)}
+                    {
+                        "remote": f"{plan.artifacts}/{rel}",
+                        "local": str(p.local_dir / rel),
+                        "held": rel in held,  # judged on the host, it stays there
+                    }
                     for rel in c.artifacts
                 ],
                 "follow": [t.path for t in plan.traces if t.cell == c.index],
@@ -192,6 +234,7 @@ def plan_document(p: Preview) -> dict[str, Any]:
         "preset": preset.name,
         "kind": preset.kind,
         "source": preset.source,
+        "judge": judge,
         "target": p.target_name,
         "resolved": p.resolved,
         "python": p.python,
@@ -243,14 +286,25 @@ def plan_lines(p: Preview) -> list[str]:
     ]
     if not p.resolved:
         lines.append(
-            "  (~ is the target's home: `tracedeck plan --check` connects, reads the real "
-            "paths and checks the target)"
+            f"  ({HOME} is the target's login home: `tracedeck plan --check` connects, reads "
+            "the real paths and checks the target)"
         )
     if engine["ship_reference"]:
         lines.append(
             f"  shipped:     the reference engine (runners/reference) to {plan.pythonpath}, "
             "put first on PYTHONPATH"
         )
+    judge = judging(p)
+    if judge is not None:
+        lines.append(f"  judged:      {judge['where']} ({judge['why']})")
+        if judge["held"]:
+            stays = (
+                "fetched after judging ([judge] fetch_held)"
+                if judge["fetch_held"]
+                else ("stay there; `tracedeck fetch DIR` brings them home")
+            )
+            lines.append(f"               judged there, the files marked (held) {stays}")
+    held = set(judge["held"]) if judge else set()
     for i, step in enumerate(plan.setup):
         lines.append(f"  setup[{i}]:    {step}")
     if plan.setup:
@@ -272,7 +326,8 @@ def plan_lines(p: Preview) -> list[str]:
         lines.append(f"  env:     {_env_text(c.env)}")
         lines.append(f"  script:  {plan.run_dir}/cells/{cell_dir_name(c.index)}/cmd.sh")
         for rel in c.artifacts:
-            lines.append(f"  fetch:   {plan.artifacts}/{rel}")
+            mark = "  (held)" if rel in held else ""
+            lines.append(f"  fetch:   {plan.artifacts}/{rel}{mark}")
             lines.append(f"        -> {p.local_dir / rel}")
         for t in plan.traces:
             if t.cell == c.index:
@@ -348,6 +403,7 @@ async def _check_connected(p: Preview, target: Target, out: Checked) -> None:
     await _check_lock(target, out, p.lock)
     if uses_python(p.preset):
         await _check_python(target, out, p)
+    await _check_judging(target, out, p)
     await _check_vars(target, out, p.preset)
     out.preview = preview(p.preset, p.target, p.local_dir.parent, home=home, run_id=p.run_id)
     out.preview = replace(out.preview, local_dir=p.local_dir, by_id=p.by_id)
@@ -482,6 +538,33 @@ async def _check_python(target: Target, out: Checked, p: Preview) -> None:
         extra = [m for m in missing if m in ENGINE_OPTIONAL]
         note = f" ({', '.join(extra)} missing: optional, only slower)" if extra else ""
         out.add(OK, "packages", f"{' and '.join(ENGINE_PACKAGES)} are there{note}")
+
+
+async def _check_judging(target: Target, out: Checked, p: Preview) -> None:
+    """Can the run be judged on the host, as [judge] on asks? (What its python must import.)"""
+    judge = judging(p)
+    if judge is None or judge["where"] == "console" or not judge["requires"]:
+        return
+    imports = ", ".join(judge["requires"])
+    code, _, err = await _sh(target, f"{_q(judge['python'])} -c {_q(f'import {imports}')}")
+    if code == 0:
+        out.add(OK, "judging", f"on the host: {judge['python']} there has {imports}")
+        return
+    said = (err.splitlines() or [f"exit {code}"])[-1]
+    if judge["on"] == "host":
+        out.add(
+            PROBLEM,
+            "judging",
+            f"[judge] on = host, but {judge['python']} cannot import {imports} ({said}); "
+            "install it there, name another python with [judge] python, or set [judge] on = auto",
+        )
+    else:
+        out.add(
+            WARN,
+            "judging",
+            f"on this console: {judge['python']} on the host cannot import {imports} ({said}); "
+            "every artifact will be fetched",
+        )
 
 
 async def _check_vars(target: Target, out: Checked, preset: Preset) -> None:

@@ -93,7 +93,7 @@ def test_plan_of_every_shipped_preset(
     if host == "local":  # this machine's home is known without connecting
         assert doc["resolved"] and doc["runs"] == f"{home}/.tracedeck/runs"
     else:
-        assert not doc["resolved"] and doc["runs"].startswith(("~/", "/"))
+        assert not doc["resolved"] and doc["runs"].startswith(("<home>/", "/"))
     # The text form names every cell's command, and starts nothing.
     assert main(["plan", name, "--out", str(home / "out")]) == 0
     text = capsys.readouterr().out
@@ -226,3 +226,28 @@ def test_plan_python_rule_is_one_function() -> None:
     assert interpreter("local", "") == sys.executable
     assert interpreter("ssh://h", "") == "python3"
     assert interpreter("local", "/opt/py") == interpreter("ssh://h", "/opt/py") == "/opt/py"
+
+
+@pytest.mark.ssh
+def test_plan_says_where_b3_67_is_judged_and_what_stays_on_the_host(
+    ssh_home: SshHome, tmp_path: Path
+) -> None:
+    env = cli_env(ssh_home.path)
+    argv = ["plan", "b3_67_smoke", "--target", ssh_home.server.spec]
+    argv += ["--set", "matrix.seed=[0]", "--set", f'target.runs="{tmp_path}/runs"']
+    doc = json.loads(tracedeck(*argv, "--json", env=env).stdout)
+    assert doc["judge"]["where"] == "host if it can" and doc["judge"]["requires"] == ["numpy"]
+    held = [f["remote"] for c in doc["cells"] for f in c["fetch"] if f["held"]]
+    assert len(held) == 4 and all(h.endswith("/logits.jsonl.gz") for h in held)
+    # A python that cannot judge, where the preset says judge there or not at all: exit 3.
+    no_numpy = tmp_path / "py-without-numpy"
+    no_numpy.write_text("#!/bin/sh\nexec python3 -S -I \"$@\"\n")  # -S: no site-packages
+    no_numpy.chmod(0o755)
+    done = tracedeck(
+        *argv, "--check", "--set", 'judge.on="host"', "--set", f'judge.python="{no_numpy}"',
+        env=env,
+    )  # fmt: skip
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "judging: [judge] on = host, but" in done.stderr and "numpy" in done.stderr
+    local = tracedeck("plan", "b3_67_smoke", "--json", env=env)  # the data is already here
+    assert json.loads(local.stdout)["judge"]["where"] == "console"
