@@ -216,9 +216,9 @@ class Session:
     async def launch(self) -> None:
         """Connect, upload the plan, take the lock and start the run detached.
 
-        A launch that fails before anything could run (no connection, an unusable directory,
-        the lock held by another run) leaves no local directory behind, and a lock refusal
-        removes the run's directory from the target too: nothing ran, there is nothing to see.
+        A launch refused by the lock leaves no directory behind, here or on the target: nothing
+        ran, there is nothing to see; nor does one that never reached the target. (A launch that
+        failed while uploading keeps its record, which says why it never started.)
         """
         try:
             await self._launch()
@@ -228,7 +228,7 @@ class Session:
         except NotStartedError:
             raise  # its record says why it never started
         except BaseException:
-            if self.stage in ("connecting", "uploading"):
+            if self.stage == "connecting":  # the target was not reached: nothing was written
                 await self._discard(remote=False)
             raise
 
