@@ -241,7 +241,7 @@ def test_plan_says_where_b3_67_is_judged_and_what_stays_on_the_host(
     assert len(held) == 4 and all(h.endswith("/logits.jsonl.gz") for h in held)
     # A python that cannot judge, where the preset says judge there or not at all: exit 3.
     no_numpy = tmp_path / "py-without-numpy"
-    no_numpy.write_text("#!/bin/sh\nexec python3 -S -I \"$@\"\n")  # -S: no site-packages
+    no_numpy.write_text('#!/bin/sh\nexec python3 -S -I "$@"\n')  # -S: no site-packages
     no_numpy.chmod(0o755)
     done = tracedeck(
         *argv, "--check", "--set", 'judge.on="host"', "--set", f'judge.python="{no_numpy}"',
