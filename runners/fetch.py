@@ -76,8 +76,8 @@ async def fetch_cell(
         meter = Meter("fetch", rel, "bytes", progress, cell=cell.index)
         try:
             await download_into(target, remote, local_dir, rel, progress=meter.update)
-        except ConnectionLost:
-            raise
+        except (ConnectionLost, RecordError):
+            raise  # the link (reconnect, resume) or this machine's disk: never the engine's
         except OutsideRun as exc:
             why = str(exc)
             events.append(Error(message=f"{cell_name(cell.index, cell.params)}: {why}", where=rel))
