@@ -7,6 +7,8 @@ run   the real run screen (create_app, RunScreen, its 15 Hz drain, RunModel and 
 watch `tracedeck watch`'s console: a writer process appends records to a shard at --rate
       records/s while the console follows, judges (worker thread) and draws them; this also
       shows how many records/s one core can judge while the screen keeps drawing.
+backlog  the same over a shard written beforehand (no writer competing for the 2 cores): the
+      judge runs flat out while the screen draws.
 live  a run launched from the presets screen whose engine writes --rate records/s: the run's
       session follows and judges in the console's event loop (the lead's follower), so this
       shows what a live run at that rate does to the run screen.
@@ -15,7 +17,8 @@ Prints the gaps between drain ticks (responsive: none over 100 ms; the tick is 6
 drain cost, the records folded, RSS after 1 s and at the end (flat: the aggregates are bounded),
 and the load average.
 
-    python bench/bench_dsa_console.py [--mode run|watch|live|all] [--rate 20000] [--seconds 10]
+    python bench/bench_dsa_console.py [--mode run|watch|backlog|live|all] [--rate 20000]
+                                      [--seconds 10]
 """
 
 from __future__ import annotations
@@ -184,7 +187,7 @@ print(n)
 """
 
 
-async def watch_screen(rate: float, seconds: float) -> None:
+async def watch_screen(rate: float, seconds: float, backlog: bool = False) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "trace" / "block64"
         folder.mkdir(parents=True)
@@ -194,8 +197,14 @@ async def watch_screen(rate: float, seconds: float) -> None:
         src.write_bytes(b"\n".join(make_lines(610 * 4)) + b"\n")
         shard = folder / "trace_steps_0_64.jsonl"
         shard.touch()
+        if backlog:  # all written before the watch starts: it judges flat out, no writer runs
+            body = src.read_bytes()
+            with open(shard, "wb") as fh:
+                for _ in range(int(rate * seconds * 1.5 / (610 * 4)) + 1):
+                    fh.write(body)
+        pace = ["0", "0"] if backlog else [str(rate), str(seconds)]
         writer = subprocess.Popen(
-            [sys.executable, "-c", WRITER, str(src), str(shard), str(rate), str(seconds)],
+            [sys.executable, "-c", WRITER, str(src), str(shard), *pace],
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -213,9 +222,8 @@ async def watch_screen(rate: float, seconds: float) -> None:
             ticks = list(screen.ticks)
             await pilot.press("q")
         written = int(writer.communicate(timeout=60)[0] or 0)
-        report(
-            f"watch console, writer at {rate:,.0f} records/s for {seconds:g} s", ticks, folded, rss
-        )
+        what = "a backlog written before" if backlog else f"writer at {rate:,.0f} records/s"
+        report(f"watch console, {what}, {seconds:g} s", ticks, folded, rss)
         print(
             f"  written {written:,}, judged and folded {folded:,} in {seconds:g} s "
             f"({folded / seconds:,.0f} records/s kept up with while drawing)"
@@ -288,7 +296,7 @@ async def live_run(rate: float, seconds: float) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mode", choices=["run", "watch", "live", "all"], default="all")
+    p.add_argument("--mode", choices=["run", "watch", "backlog", "live", "all"], default="all")
     p.add_argument("--rate", type=float, default=20000)
     p.add_argument("--seconds", type=float, default=10)
     args = p.parse_args()
@@ -297,6 +305,8 @@ def main() -> None:
         asyncio.run(run_screen(args.rate, args.seconds))
     if args.mode in ("watch", "all"):
         asyncio.run(watch_screen(args.rate, args.seconds))
+    if args.mode in ("backlog", "all"):
+        asyncio.run(watch_screen(args.rate, args.seconds, backlog=True))
     if args.mode in ("live", "all"):
         asyncio.run(live_run(args.rate, args.seconds))
     print(f"loadavg after: {loadavg()}")

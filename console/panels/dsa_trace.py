@@ -7,10 +7,8 @@ the widgets only draw the numbers on the drain tick.
 
 from __future__ import annotations
 
+import asyncio
 import gc
-import multiprocessing
-import multiprocessing.resource_tracker
-import queue
 import threading
 import time
 from collections import deque
@@ -341,7 +339,6 @@ PANEL = DsaPanel
 # -- tracedeck watch DIR on a terminal ------------------------------------------------------------
 
 WATCH_BYTES = 1 << 20  # a batch of ~100 records of 2048 positions: ~10 ms to judge
-WATCH_QUEUE = 64  # digests in flight from the judging process (~10 KB each)
 WATCH_BUDGET_S = 0.035  # per tick, digests are folded for at most this long
 
 
@@ -379,9 +376,6 @@ class DsaWatchScreen(Screen[None]):
         self.ticks: list[tuple[float, float]] = []  # (start, end) of each drain, for the bench
         self.record_ticks = False
         self._stop = threading.Event()
-        # multiprocessing's helper process is started with the real stderr, which a running
-        # Textual app has replaced: start it now, before the app runs
-        multiprocessing.resource_tracker.ensure_running()
         self._shards: set[str] = set()
         self._first_shown = False
 
@@ -398,42 +392,36 @@ class DsaWatchScreen(Screen[None]):
         self.run_worker(self._follow, thread=True, group="watch", exit_on_error=False)
 
     def _follow(self) -> None:
-        """The worker thread: relays what the judging process sends (TraceBatch events, then
-        the verdict or an error) to the screen's buffer. The judging is a process of its own
-        (runners.kinds.dsa_trace.watch_process): in a thread it would share the interpreter
-        with the screen, whose ticks then wait on it."""
-        from runners.exits import EXIT_INFRA
-        from runners.kinds.dsa_trace import watch_process
+        """The worker thread: follow and judge until idle, an error, or the operator quits.
 
-        ctx = multiprocessing.get_context("spawn")  # never fork a process that runs threads
-        events = ctx.Queue(maxsize=WATCH_QUEUE)  # bounded: a slow screen slows the judge
-        stop = ctx.Event()
-        args = (self.spec, events, stop, self.idle_s, self.dsa_topk, self.dsa_layers)
-        judge = ctx.Process(target=watch_process, args=(*args, self.max_bytes), daemon=True)
-        judge.start()
+        (A judging process of its own was tried: on 2 cores shared with the writer it kept the
+        screen no better, bench/bench_dsa_console.py --mode watch|backlog.)"""
+        from runners.exits import EXIT_FAIL, EXIT_INFRA, EXIT_PASS, EXIT_USAGE
+        from runners.kinds.dsa_trace import TRACE_OK, watch_dir
+
         try:
-            while True:
-                if self._stop.is_set():
-                    stop.set()
-                try:
-                    item = events.get(timeout=0.1)
-                except queue.Empty:
-                    if not judge.is_alive():
-                        why = f"the judging process ended (exit {judge.exitcode})"
-                        self.buffer.append(("error", why, EXIT_INFRA))
-                        return
-                    continue
-                if item is None:
-                    return
-                self.buffer.append(item)
-                if not isinstance(item, TraceBatch):
-                    return  # the verdict, or an error
-        finally:
-            stop.set()
-            judge.join(timeout=10)
-            if judge.is_alive():
-                judge.terminate()
-            events.close()
+            result = asyncio.run(
+                watch_dir(
+                    self.spec,
+                    self.buffer.append,
+                    self.idle_s,
+                    topk=self.dsa_topk,
+                    layers=self.dsa_layers,
+                    max_bytes=self.max_bytes,
+                    stop=self._stop.is_set,
+                )
+            )
+        except (ValueError, FileNotFoundError) as exc:
+            self.buffer.append(("error", str(exc), EXIT_USAGE))
+            return
+        except Exception as exc:  # a connection lost, a target that fails: shown, not raised
+            self.buffer.append(("error", f"{type(exc).__name__}: {exc}", EXIT_INFRA))
+            return
+        if not self._stop.is_set():
+            code = EXIT_PASS if result["verdict"] == TRACE_OK else EXIT_FAIL
+            self.buffer.append(
+                RunFinished(verdict=result["verdict"], exit_code=code, summary=result)
+            )
 
     def drain(self) -> None:
         started = time.perf_counter()

@@ -477,40 +477,6 @@ async def watch_dir(
         await target.close()
 
 
-def watch_process(
-    spec: str,
-    events: Any,
-    stop: Any,
-    idle_s: float,
-    topk: int | None,
-    layers: int | None,
-    max_bytes: int | None,
-) -> None:
-    """watch_dir in a process of its own, for the console's view (which only draws): puts each
-    TraceBatch on `events` (a multiprocessing queue), then the RunFinished, or ("error",
-    message, exit code), or None once `stop` (a multiprocessing event) ended it."""
-    import asyncio
-
-    try:
-        result = asyncio.run(
-            watch_dir(
-                spec, events.put, idle_s, topk=topk, layers=layers, max_bytes=max_bytes,
-                stop=stop.is_set,
-            )
-        )  # fmt: skip
-    except (ValueError, FileNotFoundError) as exc:
-        events.put(("error", str(exc), EXIT_USAGE))
-        return
-    except Exception as exc:  # a connection lost, a target that fails: reported, not raised
-        events.put(("error", f"{type(exc).__name__}: {exc}", EXIT_INFRA))
-        return
-    if stop.is_set():
-        events.put(None)
-        return
-    code = EXIT_PASS if result["verdict"] == TRACE_OK else EXIT_FAIL
-    events.put(RunFinished(verdict=result["verdict"], exit_code=code, summary=result))
-
-
 def watch_headless(args: argparse.Namespace) -> int:
     """`tracedeck watch DIR --headless`: the run's headless lines, then the verdict."""
     import asyncio
