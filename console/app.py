@@ -14,6 +14,7 @@ from console.panels import detail_screens
 from console.screens.dialogs import ConfirmDialog, HostKeyDialog
 from console.screens.help import HelpScreen
 from console.screens.history import HistoryScreen
+from console.screens.plan import PlanScreen
 from console.screens.presets import PresetsScreen
 from console.screens.run import RunScreen
 from console.screens.sources import ReplaySource
@@ -60,6 +61,7 @@ class TracedeckApp(App[int]):
     def help_screens(self) -> list[tuple[str, type]]:
         return [
             ("presets", PresetsScreen),
+            ("plan", PlanScreen),
             ("run", RunScreen),
             *((f"{kind} details", screen) for kind, screen in detail_screens()),
             ("history", HistoryScreen),

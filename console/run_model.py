@@ -20,6 +20,7 @@ from runners.events import (
     LockAcquired,
     LockBusy,
     OutputLines,
+    Progress,
     RunFinished,
     RunStarted,
     TraceBatch,
@@ -80,6 +81,7 @@ class Changes:
     connection: bool = False
     errors: bool = False
     finished: bool = False
+    progress: bool = False
 
     def __bool__(self) -> bool:
         return bool(
@@ -89,6 +91,7 @@ class Changes:
             or self.connection
             or self.errors
             or self.finished
+            or self.progress
         )
 
 
@@ -108,6 +111,8 @@ class RunModel:
         self.trace_records = 0
         self.artifacts = 0
         self.last_t: float | None = None
+        # Long work under way (fetch, judge, follow), newest state of each; gone when done.
+        self.progress: dict[tuple[str, str], Progress] = {}
         self._changes = Changes()
 
     # -- reading ------------------------------------------------------------------------------
@@ -223,6 +228,17 @@ class RunModel:
     def _run_finished(self, event: RunFinished) -> None:
         self.finished = event
         self._changes.finished = True
+        if self.progress:
+            self.progress.clear()
+            self._changes.progress = True
+
+    def _progress(self, event: Progress) -> None:
+        key = (event.what, event.label)
+        if event.finished:
+            self.progress.pop(key, None)
+        else:
+            self.progress[key] = event
+        self._changes.progress = True
 
     def _log_run(self, line: str) -> None:
         self.log.append((RUN_CELL, "tracedeck", line))
@@ -243,4 +259,5 @@ _HANDLERS: dict[type[Event], Any] = {
     Connection: RunModel._connection,
     Error: RunModel._error,
     RunFinished: RunModel._run_finished,
+    Progress: RunModel._progress,
 }

@@ -32,6 +32,7 @@ from runners.fetch import download_into, fetch_cell, sha256_file
 from runners.follow import FileFollower, Lines
 from runners.kind import Judge
 from runners.plan import SETUP, PlannedCell, RunPlan
+from runners.progress import Meter, Sink
 from runners.targets.base import Target
 
 
@@ -59,12 +60,15 @@ class RunFollower:
         judge: Judge,
         local_dir: Path,
         emit: Callable[[Event], None],
+        progress: Sink | None = None,
     ) -> None:
         self.target = target
         self.plan = plan
         self.judge = judge
         self.local_dir = local_dir
         self.emit = emit
+        self.on_progress = progress  # Progress events: for live eyes only, never recorded
+        self.meters: dict[str, Meter] = {}
         self.cells: dict[int, CellTrack] = {c.index: CellTrack(c) for c in plan.cells}
         if plan.setup:
             setup = PlannedCell(SETUP_CELL, {"step": SETUP}, " && ".join(plan.setup), {})
@@ -223,6 +227,9 @@ class RunFollower:
                 )
                 continue
             await self._emit_trace(cell, path, last)
+        for meter in self.meters.values():
+            meter.finish()
+        self.meters.clear()
 
     def never_appeared(self) -> list[str]:
         """Trace files (or patterns) the run was to write and never did."""
@@ -402,6 +409,12 @@ class RunFollower:
         )
         for message, where in digest.errors:
             self.emit(Error(message=message, where=where))
+        if self.on_progress is not None:
+            meter = self.meters.get(path)
+            if meter is None:
+                label = path.removeprefix(self.plan.artifacts + "/")
+                meter = self.meters[path] = Meter("follow", label, "records", self.on_progress)
+            meter.update(got.first_line + len(got.lines) - 1)
 
     # -- artifacts -------------------------------------------------------------------------
 
@@ -413,7 +426,13 @@ class RunFollower:
         for track in owed:
             done = track.fetched | track.held
             for event in await fetch_cell(
-                self.target, self.plan, track.plan, self.local_dir, done, self.judge.holds
+                self.target,
+                self.plan,
+                track.plan,
+                self.local_dir,
+                done,
+                self.judge.holds,
+                self.on_progress,
             ):
                 self.emit(event)
             track.fetched_all = True
