@@ -46,6 +46,16 @@ def shard_files(folder: Path) -> list[Path]:
     return ([plain] if plain.is_file() else []) + named
 
 
+def stray_shards(folder: Path, shards: list[Path]) -> list[Path]:
+    """Files that look like trace shards but are not named as one: never silently skipped."""
+    taken = set(shards)
+    return sorted(
+        p
+        for p in folder.iterdir()
+        if p.name.startswith("trace_steps") and p not in taken and not p.name.endswith(".part")
+    )
+
+
 def analyze_dir(root: Path, topk: int | None = None, layers: int | None = None) -> dict[str, Any]:
     """Judge every block directory under root; the result is JSON-ready."""
     results = [analyze_block(folder, topk, layers) for folder in block_dirs(Path(root))]
@@ -77,6 +87,20 @@ def analyze_block(folder: Path, topk: int | None, layers: int | None) -> dict[st
         exact=True,
     )
     files = shard_files(folder)
+    for path in stray_shards(folder, files):
+        problems.append(
+            problem(
+                str(path),
+                None,
+                None,
+                Fail(
+                    "shards",
+                    "trace_steps_<start>_<end>.jsonl (or trace_steps.jsonl), seed 5.1",
+                    f"{path.name}: a trace file under another name, not judged (rename it, or "
+                    "move it out of the block directory)",
+                ),
+            )
+        )
     for path in files:
         torn = feed_file(stream, path)
         if torn is not None:

@@ -8,6 +8,7 @@ agree, cos_sim_mean as the mean of the per-token cosines.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -542,11 +543,13 @@ def compare_files(
     gen_len: int,
     thresholds: dict[str, float] | None = None,
     workers: int = 1,
+    on_token: Callable[[int, int], None] | None = None,
 ) -> PairResult:
     """Judges a pair straight from its two logits.jsonl.gz files, streaming both in lockstep.
 
     Memory is O(V) per side plus the float32 |Δ| of the pair (needed for the exact p99).
     With workers >= 2 the decode side is read by a second process at the same time.
+    on_token(tokens read, gen_len) is called after each token (progress of a large pair).
     """
     if kv_aligned not in (0, 1):
         raise ValueError(f"kv_aligned must be 0 or 1, got {kv_aligned!r}")
@@ -573,6 +576,8 @@ def compare_files(
                     t_b = judge.count + (0 if rb is None else extra)
                     _check_lengths(prefill_path, t_a, decode_path, t_b)
                 break
+            if on_token is not None:
+                on_token(judge.count + judge.skipped + 1, gen_len)
             if judge.diverged_at is None:
                 judge.add(
                     ra.token_idx, ra.token_id, rb.token_id, ra.logits, rb.logits, ra.line, rb.line

@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import multiprocessing
 import re
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -76,10 +77,12 @@ def judge_pair(
     seed: int,
     thresholds: dict[str, float] | None = None,
     workers: int = 1,
+    on_token: Callable[[int, int], None] | None = None,
 ) -> PairResult:
     """Judges one pair from the tree; returns the result (the caller writes its metrics file).
 
-    workers >= 2 reads the two sides in two processes at once."""
+    workers >= 2 reads the two sides in two processes at once.
+    on_token(tokens read, gen_len): progress through the pair's files."""
     base = pair_dir(root, kv_aligned, seed)
     logits: dict[str, Path] = {}
     meta: dict[str, dict[str, Any]] = {}
@@ -115,6 +118,7 @@ def judge_pair(
         gen_len=meta["prefill"]["gen_len"],
         thresholds=thresholds,
         workers=workers,
+        on_token=on_token,
     )
     _check_token_count(result.tokens["prefill"], meta, meta_path)
     if result.first_fail is not None:
@@ -326,6 +330,7 @@ def judge_tree(
     date: str | None = None,
     seeds: list[int] | None = None,
     workers: int = 1,
+    progress: Callable[[int, int], None] | None = None,
 ) -> TreeJudgement:
     """Judges every pair of a B3.67 tree's matrix; a pair that cannot be judged is named.
 
@@ -333,6 +338,7 @@ def judge_tree(
     seed's, else the seed's. A malformed layout (stray names, no runs/) raises InputError.
     With workers >= 2, pairs are judged that many at a time in processes of their own (one
     pair alone: its two sides at once); the results are the same, in the same order.
+    progress(pairs judged, pairs in all) is called as each pair ends.
     """
     root = Path(root)
     expected, matrix = expected_pairs(root, seeds)
@@ -342,7 +348,7 @@ def judge_tree(
     results: list[PairResult] = []
     unjudged: list[Unjudged] = []
     for (k, n), outcome in zip(
-        expected, _judge_pairs(root, expected, resolved, workers), strict=True
+        expected, _judge_pairs(root, expected, resolved, workers, progress), strict=True
     ):
         if isinstance(outcome, InputError):
             unjudged.append(Unjudged(k, n, "input", str(outcome)))
@@ -356,14 +362,28 @@ def judge_tree(
 
 
 def _judge_pairs(
-    root: Path, pairs: list[tuple[int, int]], thresholds: dict[str, float], workers: int
+    root: Path,
+    pairs: list[tuple[int, int]],
+    thresholds: dict[str, float],
+    workers: int,
+    progress: Callable[[int, int], None] | None = None,
 ) -> list[PairResult | InputError]:
-    """Each pair's result, or the InputError that stopped it, in the order given."""
-    if workers < 2 or len(pairs) < 2:
-        return [_judge_or_error(root, k, n, thresholds, workers) for k, n in pairs]
+    """Each pair's result, or the InputError that stopped it, in the order given;
+    progress(pairs done, pairs) as each one ends."""
+    total = len(pairs)
+    if workers < 2 or total < 2:
+        out: list[PairResult | InputError] = []
+        for k, n in pairs:
+            out.append(_judge_or_error(root, k, n, thresholds, workers))
+            if progress is not None:
+                progress(len(out), total)
+        return out
     context = multiprocessing.get_context("spawn")  # no lock shared with the caller's threads
-    with ProcessPoolExecutor(min(workers, len(pairs)), mp_context=context) as pool:
+    with ProcessPoolExecutor(min(workers, total), mp_context=context) as pool:
         jobs = [pool.submit(_judge_or_error, root, k, n, thresholds, 1) for k, n in pairs]
+        for done, _ in enumerate(as_completed(jobs), start=1):
+            if progress is not None:
+                progress(done, total)
         return [job.result() for job in jobs]
 
 

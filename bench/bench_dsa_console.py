@@ -290,7 +290,7 @@ async def live_run(rate: float, seconds: float) -> None:
         )
         print(
             f"  judged and folded {folded:,} in {seconds:g} s ({folded / seconds:,.0f} records/s "
-            f"kept up with, judging in the screen's event loop)"
+            f"kept up with, the follower's digests judged in a thread beside the screen's loop)"
         )
 
 

@@ -9,10 +9,12 @@ from textual.app import App
 from textual.binding import Binding
 from textual.screen import Screen
 
+from console.heap import freeze_startup
 from console.panels import detail_screens
 from console.screens.dialogs import ConfirmDialog, HostKeyDialog
 from console.screens.help import HelpScreen
 from console.screens.history import HistoryScreen
+from console.screens.plan import PlanScreen
 from console.screens.presets import PresetsScreen
 from console.screens.run import RunScreen
 from console.screens.sources import ReplaySource
@@ -52,12 +54,14 @@ class TracedeckApp(App[int]):
         return PresetsScreen(self.out_dir, paths)
 
     def on_mount(self) -> None:
+        freeze_startup()
         if self.replay_dir is not None:
             self.push_screen(RunScreen(ReplaySource(self.replay_dir, self.speed)))
 
     def help_screens(self) -> list[tuple[str, type]]:
         return [
             ("presets", PresetsScreen),
+            ("plan", PlanScreen),
             ("run", RunScreen),
             *((f"{kind} details", screen) for kind, screen in detail_screens()),
             ("history", HistoryScreen),

@@ -49,6 +49,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_kind_options(run)
 
+    plan = sub.add_parser(
+        "plan",
+        help="show what a run would do (each cell's command, environment, remote paths, files "
+        "fetched and followed) without starting it; --check also checks the target, read-only",
+    )
+    plan.add_argument("preset", help="preset name (see `tracedeck presets`) or path to a .toml")
+    plan.add_argument(
+        "--target", help="local | ssh://user@host:port | ALIAS (default: the preset's)"
+    )
+    plan.add_argument("--out", type=Path, help="local run directory root, as for `run`")
+    plan.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a preset field, as for `run`",
+    )
+    plan.add_argument(
+        "--check",
+        action="store_true",
+        help="connect and check, reading only: reachable, host key known, lock holder, free "
+        "space in the runs directory, interpreter and packages (exit 3 when a run would fail)",
+    )
+    plan.add_argument("--json", action="store_true", help="print the plan as one JSON document")
+    add_kind_options(plan)
+
     attach = sub.add_parser("attach", help="reconnect to a run and follow it to the end")
     attach.add_argument("run", help="local run directory or run id")
     attach.add_argument("--out", type=Path)
@@ -83,12 +110,44 @@ def build_parser() -> argparse.ArgumentParser:
     )
     analyze.add_argument("path", type=Path, help="what to judge: " + _analyze_forms())
     analyze.add_argument("--kind", help="the run kind to judge it as (default: the one it fits)")
-    analyze.add_argument("--json", action="store_true", help="print the result as JSON")
+    analyze.add_argument(
+        "--json", action="store_true", help="print the result as one JSON document"
+    )
+    analyze.add_argument(
+        "--output",
+        type=Path,
+        metavar="DIR",
+        help="write the documents analyze writes (summary, metrics, report) into DIR and leave "
+        "the input untouched (default: into the tree judged; every file written is named)",
+    )
     for kind in _kinds().values():
         kind.add_analyze_args(analyze)
     add_kind_options(analyze)
 
     sub.add_parser("presets", help="list shipped and user presets")
+
+    prune = sub.add_parser(
+        "prune",
+        help="delete old run directories, here and on a target (a dry run unless --yes); "
+        "never a live run, nor one another console follows",
+    )
+    prune.add_argument(
+        "--older-than", metavar="AGE", help="runs started longer ago than AGE (7d, 12h, 1d12h)"
+    )
+    prune.add_argument("--keep", type=int, metavar="N", help="keep the N newest runs")
+    prune.add_argument(
+        "--out", type=Path, help="local run records root (default: ~/.local/share/tracedeck/runs)"
+    )
+    prune.add_argument(
+        "--target",
+        help="prune the run directories in this target's runs directory instead of this "
+        "machine's records (local | ssh://user@host:port | ALIAS)",
+    )
+    prune.add_argument(
+        "--runs",
+        help="with --target: its runs directory, as target.runs says it (default .tracedeck/runs)",
+    )
+    prune.add_argument("--yes", action="store_true", help="delete (without it: only say what)")
 
     watch = sub.add_parser(
         "watch", help="follow a trace directory another process writes (no preset, no lock)"
@@ -123,12 +182,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = args.command or "ui"
     handler = {
         "run": cmd_run,
+        "plan": cmd_plan,
         "attach": cmd_attach,
         "cancel": cmd_cancel,
         "fetch": cmd_fetch,
         "replay": cmd_replay,
         "analyze": cmd_analyze,
         "presets": cmd_presets,
+        "prune": cmd_prune,
         "watch": cmd_watch,
         "trust": cmd_trust,
         "ui": cmd_ui,
@@ -182,6 +243,37 @@ def cmd_run(args: argparse.Namespace) -> int:
     except OSError as exc:
         _err(f"{exc.filename or session.local_dir}: {exc.strerror or exc}")
         return EXIT_INFRA
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from runners import dryrun
+    from runners.presets import PresetError, load_preset, resolve_preset
+    from runners.session import default_out_dir
+
+    try:
+        preset = load_preset(resolve_preset(args.preset), args.overrides, chosen_options(args))
+        target = args.target or preset.section("target")["host"]
+        view = dryrun.preview(preset, target, args.out or default_out_dir())
+    except (PresetError, ValueError) as exc:
+        _err(str(exc))
+        return EXIT_USAGE
+    checked = asyncio.run(dryrun.check(view)) if args.check else None
+    shown = checked.preview if checked is not None and checked.preview is not None else view
+    if args.json:
+        doc = dryrun.plan_document(shown)
+        if checked is not None:
+            doc["checks"] = dryrun.checked_document(checked)
+        print(dryrun.to_json(doc))
+    else:
+        print("\n".join(dryrun.plan_lines(shown)))
+        if checked is not None:
+            print(f"\ncheck of {view.target_name} (read-only):")
+            print("\n".join(dryrun.check_lines(checked)))
+    if checked is not None and checked.problems:
+        for problem in checked.problems:
+            _err(f"{view.target_name}: {problem.what}: {problem.text}")
+        return EXIT_INFRA
+    return 0
 
 
 def usable_out_dir(out: Path) -> Path:
@@ -287,23 +379,21 @@ async def _follow_interruptible(session) -> int:  # type: ignore[no-untyped-def]
 
 
 def find_run(run: str, out: Path | None) -> Path:
-    """A run directory as given, or the run with that id under the out dir."""
-    from runners.record import RunRecord
+    """A run directory as given, or the run with that id under the out dir (OUT/by-id/ID)."""
+    from runners.record import find_local_run
     from runners.session import default_out_dir
 
     path = Path(run)
     if (path / "run.json").exists():
         return path
     root = out or default_out_dir()
-    for candidate in sorted(root.glob("**/run.json")):
-        try:
-            if RunRecord.load(candidate.parent).run_id == run:
-                return candidate.parent
-        except (OSError, ValueError, TypeError):
-            continue  # another tool's run.json; not one of ours
+    found = find_local_run(run, root)
+    if found is not None:
+        return found
     raise FileNotFoundError(
-        f"no run {run!r}: not a run directory, and no run with that id under {root}; "
-        f"pass the directory `tracedeck run` printed (or --out where it was written)"
+        f"no run {run!r}: not a run directory, and no run with that id under {root} "
+        f"({root}/by-id/ links each run by its id); pass the directory `tracedeck run` printed "
+        f"(or --out where it was written)"
     )
 
 
@@ -498,6 +588,7 @@ def _analyze_forms() -> str:
 
 
 def cmd_analyze(args: argparse.Namespace) -> int:
+    from console.headless import ProgressShow
     from runners.record import RUN_JSON, RunRecord
 
     path: Path = args.path
@@ -505,6 +596,12 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     if not path.exists():
         _err(f"{path}: no such file or directory; pass {_analyze_forms()}")
         return EXIT_USAGE
+    if args.output is not None:
+        problem = _output_problem(path, args.output)
+        if problem:
+            _err(f"--output {args.output}: {problem}")
+            return EXIT_USAGE
+    args.progress = ProgressShow(sys.stderr).show  # long judging, drawn on stderr
     if args.kind is not None:
         if args.kind not in kinds:
             _err(f"--kind {args.kind}: unknown run kind; known: {', '.join(kinds)}")
@@ -523,6 +620,22 @@ def cmd_analyze(args: argparse.Namespace) -> int:
             return kind.analyze(path, args)
     _err(f"{path}: not something tracedeck can judge; pass {_analyze_forms()}")
     return EXIT_USAGE
+
+
+def _output_problem(path: Path, output: Path) -> str:
+    """Why analyze cannot write into `output` ('' when it can; it is made when missing)."""
+    if output.exists() and not output.is_dir():
+        return "a file is in the way; name a directory"
+    src, dst = path.resolve(), output.resolve()
+    if dst != src and path.is_dir() and dst.is_relative_to(src):
+        return f"inside the tree judged ({path}); name a directory outside it"
+    if dst == src:
+        return ""
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot make it ({exc.strerror})"
+    return ""
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
@@ -571,6 +684,82 @@ def cmd_presets(args: argparse.Namespace) -> int:
     for name, kind, cells, desc, _ in rows:
         print(f"{name:<{widths[0]}}  {kind:<{widths[1]}}  {cells:>{widths[2]}}  {desc}")
     return EXIT_USAGE if broken else 0
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    from runners.prune import parse_duration
+    from runners.session import default_out_dir
+
+    if args.older_than is None and args.keep is None:
+        _err("prune: say which runs go: --older-than AGE and/or --keep N")
+        return EXIT_USAGE
+    if args.keep is not None and args.keep < 0:
+        _err(f"--keep {args.keep}: give a count of runs to keep, 0 or more")
+        return EXIT_USAGE
+    if args.runs is not None and args.target is None:
+        _err("--runs names a target's runs directory: give --target too")
+        return EXIT_USAGE
+    try:
+        older = parse_duration(args.older_than) if args.older_than is not None else None
+        if args.target is not None:
+            from runners.targets.factory import parse_target
+
+            parse_target(args.target)
+    except ValueError as exc:
+        _err(str(exc))
+        return EXIT_USAGE
+    out = args.out or default_out_dir()
+    if args.target is None and not out.is_dir():
+        _err(f"--out {out}: no such directory (no run records to prune)")
+        return EXIT_USAGE
+    return asyncio.run(_prune(args, out, older))
+
+
+async def _prune(args: argparse.Namespace, out: Path, older: float | None) -> int:
+    from runners import prune
+    from runners.targets.base import TargetError
+
+    targets = prune.Targets()
+    now = time.time()
+    try:
+        if args.target is None:
+            items = prune.local_items(out)
+            prune.choose(items, older, args.keep, now)
+            await prune.check_local(items, targets)
+            where = f"local run records under {out}"
+        else:
+            runs = args.runs or ".tracedeck/runs"
+            try:
+                items, root = await prune.remote_items(args.target, runs, targets)
+            except TargetError as exc:
+                return _infra_error(exc)
+            prune.choose(items, older, args.keep, now)
+            await prune.check_remote(items, args.target, out, targets, now)
+            where = f"run directories in {args.target}:{root}"
+        chosen = [i for i in items if i.delete]
+        failures = await prune.delete(items, out, targets) if args.yes else []
+    finally:
+        await targets.close()
+    print(f"prune: {len(items)} run(s) in {where}")
+    for item in items:
+        when = "?"
+        if item.started:
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(item.started))
+        if not item.delete:
+            print(f"  keep     {when}  {item.run_id}  {item.path}: {item.why}")
+            continue
+        verb = "deleted" if item.done else ("delete" if not args.yes else "FAILED")
+        also = "".join(f"  (and {spec}:{rdir})" for spec, rdir in item.remote)
+        print(f"  {verb:<8} {when}  {item.run_id}  {item.path}{also}")
+        if item.note:
+            print(f"           {item.note}")
+    for failure in failures:
+        _err(failure)
+    if not args.yes:
+        print(f"dry run: nothing deleted; {len(chosen)} run(s) would go. Add --yes to delete them.")
+        return 0
+    print(f"deleted {sum(1 for i in chosen if i.done)} of {len(chosen)} run(s)")
+    return EXIT_INFRA if failures else 0
 
 
 def cmd_trust(args: argparse.Namespace) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
 from typing import Any, TextIO
 
@@ -21,11 +22,41 @@ from runners.events import (
     LockAcquired,
     LockBusy,
     OutputLines,
+    Progress,
     RunFinished,
     RunStarted,
     SchedulerState,
 )
 from runners.kind import KindPrinter
+from runners.progress import ProgressLines, progress_text
+
+CLEAR = "\r\x1b[2K"
+
+
+class ProgressShow:
+    """Progress of long work on a stream: on a terminal one line redrawn in place (cleared
+    before any other output), otherwise a plain line now and then (CI logs)."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.tty = bool(getattr(out, "isatty", lambda: False)())
+        self.plain = ProgressLines()
+        self.transient = False
+
+    def show(self, p: Progress) -> None:
+        if self.tty:
+            width = max(20, shutil.get_terminal_size().columns - 1)
+            self.out.write(CLEAR + ("" if p.finished else progress_text(p)[:width]))
+            self.transient = not p.finished
+        elif self.plain.wants(p):
+            self.out.write(f"progress: {progress_text(p)}\n")
+        self.out.flush()
+
+    def clear(self) -> None:
+        """Before a line of other output: take the redrawn line away."""
+        if self.transient:
+            self.out.write(CLEAR)
+            self.transient = False
 
 
 class Printer:
@@ -37,12 +68,20 @@ class Printer:
         self.total = 0
         self.cells: dict[int, dict[str, Any]] = {}
         self.kind: KindPrinter = KindPrinter()
+        self.progress = ProgressShow(self.out)
 
     def __call__(self, event: Event) -> None:
+        if isinstance(event, Progress):
+            if not self.json_lines:  # --json prints the record's events; progress is not one
+                self.progress.show(event)
+            return
         if self.json_lines:
             self.out.write(event.to_json().decode() + "\n")
         else:
-            for line in self.lines(event):
+            lines = self.lines(event)
+            if lines:
+                self.progress.clear()
+            for line in lines:
                 self.out.write(line + "\n")
         self.out.flush()
 

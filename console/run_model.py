@@ -24,6 +24,7 @@ from runners.events import (
     LockAcquired,
     LockBusy,
     OutputLines,
+    Progress,
     RunFinished,
     RunStarted,
     SchedulerState,
@@ -113,6 +114,7 @@ class Changes:
     errors: bool = False
     finished: bool = False
     hosts: bool = False
+    progress: bool = False
 
     def __bool__(self) -> bool:
         return bool(
@@ -123,6 +125,7 @@ class Changes:
             or self.errors
             or self.finished
             or self.hosts
+            or self.progress
         )
 
 
@@ -144,6 +147,8 @@ class RunModel:
         self.trace_records = 0
         self.artifacts = 0
         self.last_t: float | None = None
+        # Long work under way (fetch, judge, follow), newest state of each; gone when done.
+        self.progress: dict[tuple[str, str], Progress] = {}
         self._changes = Changes()
 
     # -- reading ------------------------------------------------------------------------------
@@ -354,6 +359,17 @@ class RunModel:
     def _run_finished(self, event: RunFinished) -> None:
         self.finished = event
         self._changes.finished = True
+        if self.progress:
+            self.progress.clear()
+            self._changes.progress = True
+
+    def _progress(self, event: Progress) -> None:
+        key = (event.what, event.label)
+        if event.finished:
+            self.progress.pop(key, None)
+        else:
+            self.progress[key] = event
+        self._changes.progress = True
 
     def _log_run(self, line: str) -> None:
         self.log.append((RUN_CELL, "tracedeck", line))
@@ -377,4 +393,5 @@ _HANDLERS: dict[type[Event], Any] = {
     CellRequeued: RunModel._requeued,
     SchedulerState: RunModel._scheduler,
     JobSubmitted: RunModel._job,
+    Progress: RunModel._progress,
 }

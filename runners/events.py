@@ -274,6 +274,28 @@ class SchedulerState(Event):
     exit_code: int | None = None
 
 
+@event
+class Progress(Event):
+    """Long work under way: a large artifact coming home, a tree being judged, a long trace
+    being followed. For whoever watches live (console, headless terminal); never recorded.
+
+    what: "fetch" | "judge" | "follow"; unit: "bytes" | "pairs" | "tokens" | "records";
+    total None when unknown (a trace still being written); rate in units per second;
+    eta_s None when it cannot be told; finished on the last one of a piece of work.
+    """
+
+    type: ClassVar[str] = "progress"
+    what: str
+    label: str
+    done: float
+    total: float | None
+    unit: str
+    rate: float | None = None
+    eta_s: float | None = None
+    finished: bool = False
+    cell: int = -2
+
+
 def event_from_dict(data: dict[str, Any]) -> Event:
     """Rebuild an event from its recorded form; raises ValueError for an unknown type."""
     from runners.kinds import all_kinds

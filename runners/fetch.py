@@ -10,6 +10,7 @@ from pathlib import Path
 from runners.cells import cell_name
 from runners.events import ArtifactFailed, ArtifactFetched, ArtifactHeld, Error, Event
 from runners.plan import PlannedCell, RunPlan
+from runners.progress import Meter, Sink
 from runners.record import RecordError
 from runners.targets.base import ConnectionLost, LocalWriteError, Target, TargetError
 
@@ -18,18 +19,25 @@ class OutsideRun(TargetError):
     """A local path that resolves outside the run's directory (a planted link): not written."""
 
 
-async def download_into(target: Target, remote: str, local_dir: Path, rel: str) -> Path:
+async def download_into(
+    target: Target,
+    remote: str,
+    local_dir: Path,
+    rel: str,
+    progress: Callable[[int, int], None] | None = None,
+) -> Path:
     """Download remote to local_dir/rel atomically; the one way a run brings a file home.
 
     A path that resolves outside local_dir is refused (OutsideRun); this machine failing to
     write (a full disk) is a RecordError: the run goes on, `tracedeck attach` fetches it later.
+    progress(bytes done, bytes in all) as the bytes come.
     """
     local = local_dir / rel
     if not local.resolve().is_relative_to(local_dir.resolve()):
         # The preset refuses such paths; a link planted in the run's directory is caught here.
         raise OutsideRun(f"{local} resolves outside the run's directory {local_dir}: not written")
     try:
-        await target.download(remote, local)
+        await target.download(remote, local, progress=progress)
     except LocalWriteError as exc:
         # This machine's failure, not the engine's: stop recording, never judge a cell on it.
         raise RecordError(
@@ -47,9 +55,11 @@ async def fetch_cell(
     local_dir: Path,
     done: set[str],
     held: Callable[[str], bool] | None = None,
+    progress: Sink | None = None,
 ) -> list[Event]:
     """Download every artifact of the cell not in `done`; one event per file, fetched or not
-    (an ArtifactHeld for those `held` says stay on the target, judged there).
+    (an ArtifactHeld for those `held` says stay on the target, judged there). A large file's
+    bytes, rate and ETA go to `progress` as Progress events (never recorded).
 
     ConnectionLost propagates (the caller reconnects and tries again); any other failure of a
     file is an Error naming the cell, the file and where it was looked for.
@@ -63,10 +73,11 @@ async def fetch_cell(
         if held is not None and held(rel):
             events.append(ArtifactHeld(cell=cell.index, path=rel))
             continue
+        meter = Meter("fetch", rel, "bytes", progress, cell=cell.index)
         try:
-            await download_into(target, remote, local_dir, rel)
-        except ConnectionLost:
-            raise
+            await download_into(target, remote, local_dir, rel, progress=meter.update)
+        except (ConnectionLost, RecordError):
+            raise  # the link (reconnect, resume) or this machine's disk: never the engine's
         except OutsideRun as exc:
             why = str(exc)
             events.append(Error(message=f"{cell_name(cell.index, cell.params)}: {why}", where=rel))
@@ -82,6 +93,7 @@ async def fetch_cell(
             events.append(Error(message=message, where=remote))
             events.append(ArtifactFailed(cell=cell.index, path=rel, reason=why, missing=missing))
             continue
+        meter.finish()
         digest = await asyncio.to_thread(sha256_file, local)
         events.append(
             ArtifactFetched(cell=cell.index, path=rel, size=local.stat().st_size, sha256=digest)

@@ -17,6 +17,7 @@ batch, so attach, cancel and replay rebuild every host's part from the record al
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import getpass
 import math
@@ -55,7 +56,15 @@ from runners.launchers.base import LockBusyError, NotStartedError
 from runners.launchers.detached import DetachedLauncher, parse_holder
 from runners.plan import RunPlan, build_plan, cell_scripts, plan_document
 from runners.presets import Preset
-from runners.record import EVENTS, Recorder, RecordError, RunRecord, drop_torn_tail, iter_events
+from runners.record import (
+    EVENTS,
+    FLEET,
+    Recorder,
+    RecordError,
+    RunRecord,
+    drop_torn_tail,
+    iter_events,
+)
 from runners.session import (
     ALIVE_EVERY_S,
     CANCEL_GRACE_S,
@@ -64,6 +73,8 @@ from runners.session import (
     POLL_S,
     Session,
     _fresh_dir,
+    by_id_link,
+    link_by_id,
     new_run_id,
     ship_reference,
 )
@@ -71,7 +82,6 @@ from runners.targets.base import ConnectionLost, Target, TargetError
 from runners.targets.factory import parse_target
 from runners.templates import render_plain
 
-FLEET = "fleet"
 WAIT_S = 2.0  # between looks at a busy host's lock (fleet.busy = "wait")
 CANCEL_MARK = "cancel"  # in the local run directory: `tracedeck cancel` asked; start nothing more
 # HostState words
@@ -190,6 +200,7 @@ class FleetSession(Session):
         self.kind = kinds.get(preset.kind)
         self._consumers = emit
         self.local_dir = Path(record.local_dir)
+        self.by_id: Path | None = None  # OUT/by-id/RUN_ID, made at launch (create_fleet)
         tgt = preset.section("target")
         self.attempts = (
             reconnect_attempts if reconnect_attempts is not None else int(tgt["reconnect_attempts"])
@@ -238,6 +249,7 @@ class FleetSession(Session):
                 date=record.date,
                 emit=self.emit,
                 cells=self.cells,
+                progress=self._consumers,
             )
         )
 
@@ -287,7 +299,8 @@ class FleetSession(Session):
             self.judge,
             self.local_dir,
             tagged,
-            progress=launcher.progress_files(plan),
+            progress=self._consumers,
+            progress_files=launcher.progress_files(plan),
             advance=self._advance,
         )
         host.members.append(Member(spec, event.member, plan, launcher, follower))
@@ -340,13 +353,18 @@ class FleetSession(Session):
             extra={FLEET: {"hosts": list(hosts), "members": []}},
             options=sorted(preset.options),
         )
-        return cls(record, preset, hosts, emit)
+        fleet = cls(record, preset, hosts, emit)
+        fleet.by_id = by_id_link(out_dir, record.run_id)
+        return fleet
 
     async def launch(self) -> None:
         """Record the run and say it started; each host starts its part when it follows."""
         self.stage = "uploading"
         self.local_dir.mkdir(parents=True, exist_ok=True)
         self.record.save()
+        if self.by_id is not None:
+            with contextlib.suppress(OSError):  # a convenience: find_run also scans the out dir
+                link_by_id(self.by_id, self.local_dir)
         self._recorder = Recorder(self.local_dir)
         tgt = self.preset.section("target")
         plan_json = orjson.dumps(

@@ -32,6 +32,7 @@ from runners.fetch import download_into, fetch_cell, sha256_file
 from runners.follow import FileFollower, Lines
 from runners.kind import Judge
 from runners.plan import SETUP, PlannedCell, RunPlan
+from runners.progress import Meter, Sink
 from runners.targets.base import Target
 
 
@@ -59,23 +60,27 @@ class RunFollower:
         judge: Judge,
         local_dir: Path,
         emit: Callable[[Event], None],
+        progress: Sink | None = None,
         *,
-        progress: list[str] | None = None,
+        progress_files: list[str] | None = None,
         advance: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
-        """progress: the files the launcher's scripts write each cell's start and end to (the
-        run's progress.jsonl unless the launcher says otherwise); advance: how the judge is
+        """progress: where Progress events go; progress_files: the files the launcher's scripts
+        write each cell's start and end to (the run's progress.jsonl unless the launcher says
+        otherwise); advance: how the judge is
         asked to judge (a fleet shares one judge among its hosts' followers)."""
         self.target = target
         self.plan = plan
         self.judge = judge
         self.local_dir = local_dir
         self.emit = emit
+        self.on_progress = progress  # Progress events: for live eyes only, never recorded
+        self.meters: dict[str, Meter] = {}
         self.cells: dict[int, CellTrack] = {c.index: CellTrack(c) for c in plan.cells}
         if plan.setup:
             setup = PlannedCell(SETUP_CELL, {"step": SETUP}, " && ".join(plan.setup), {})
             self.cells[SETUP_CELL] = CellTrack(setup)
-        paths = progress if progress is not None else [f"{plan.run_dir}/progress.jsonl"]
+        paths = progress_files or [f"{plan.run_dir}/progress.jsonl"]
         self.progress_files = [FileFollower(target, path) for path in paths]
         self._advance = advance or judge.advance
         self.traces: dict[str, FileFollower] = {}
@@ -160,7 +165,7 @@ class RunFollower:
             got_progress = await progress.poll()
             for raw in got_progress.lines if got_progress else []:
                 await self._on_progress(orjson.loads(raw), pending)
-        self._emit_shared(pending, ended=None)
+        await self._emit_shared(pending, ended=None)
         for track in self.cells.values():
             if track.started is not None and not track.finished:
                 await self._drain_cell(track)
@@ -214,7 +219,7 @@ class RunFollower:
             owner = self.trace_owner[path]
             cell = owner if owner is not None else NO_CELL
             while (got := await follower.poll()) is not None:
-                self._emit_trace(cell, path, got)
+                await self._emit_trace(cell, path, got)
             last = await follower.rest()
             if last is None or not last.lines[0].strip():
                 continue
@@ -231,7 +236,10 @@ class RunFollower:
                     )
                 )
                 continue
-            self._emit_trace(cell, path, last)
+            await self._emit_trace(cell, path, last)
+        for meter in self.meters.values():
+            meter.finish()
+        self.meters.clear()
 
     def never_appeared(self) -> list[str]:
         """Trace files (or patterns) the run was to write and never did."""
@@ -284,7 +292,7 @@ class RunFollower:
                     if got is None:
                         break
                     pending.setdefault(path, []).append(got)
-        self._emit_shared(pending, ended=track)
+        await self._emit_shared(pending, ended=track)
         await self._drain_cell(track)
         track.finished = True
         track.passed = rc == 0
@@ -349,14 +357,14 @@ class RunFollower:
             if owner == track.plan.index:
                 got = await self.traces[path].poll()
                 if got is not None:
-                    self._emit_trace(owner, path, got)
+                    await self._emit_trace(owner, path, got)
 
     async def drain_started(self) -> None:
         for track in self.cells.values():
             if track.started is not None:
                 await self._drain_cell(track)
 
-    def _emit_shared(self, pending: dict[str, list[Lines]], ended: CellTrack | None) -> None:
+    async def _emit_shared(self, pending: dict[str, list[Lines]], ended: CellTrack | None) -> None:
         """Emit pending shared-trace lines, each credited to the cell that wrote them.
 
         Cells run one after another and the lines were read before the progress entries, so
@@ -367,12 +375,12 @@ class RunFollower:
             keep: list[Lines] = []
             for got in pending.get(path, []):
                 if ended is None:
-                    self._emit_trace(self._running(), path, got)
+                    await self._emit_trace(self._running(), path, got)
                     continue
                 # A file that did not exist when the cell ended was written after it.
                 head, rest = got.split((ended.end_sizes or {}).get(path, 0))
                 if head is not None:
-                    self._emit_trace(ended.plan.index, path, head)
+                    await self._emit_trace(ended.plan.index, path, head)
                 if rest is not None:
                     keep.append(rest)
             pending[path] = keep
@@ -392,8 +400,13 @@ class RunFollower:
         running = [i for i, t in self.cells.items() if t.started is not None and not t.finished]
         return running[0] if running else NO_CELL
 
-    def _emit_trace(self, cell: int, path: str, got: Lines) -> None:
-        digest = self.judge.take_lines(cell, path, got.lines, got.first_line, got.end_offset)
+    async def _emit_trace(self, cell: int, path: str, got: Lines) -> None:
+        # A kind's digest of a batch can take tens of ms (DSA: ~400 records of 2048 positions):
+        # off the event loop, so a console drawing this run keeps its ticks. The follower awaits
+        # it, so the judge is never used from two places at once.
+        digest = await asyncio.to_thread(
+            self.judge.take_lines, cell, path, got.lines, got.first_line, got.end_offset
+        )
         self.emit(
             TraceBatch(
                 cell=cell,
@@ -406,6 +419,12 @@ class RunFollower:
         )
         for message, where in digest.errors:
             self.emit(Error(message=message, where=where))
+        if self.on_progress is not None:
+            meter = self.meters.get(path)
+            if meter is None:
+                label = path.removeprefix(self.plan.artifacts + "/")
+                meter = self.meters[path] = Meter("follow", label, "records", self.on_progress)
+            meter.update(got.first_line + len(got.lines) - 1)
 
     # -- artifacts -------------------------------------------------------------------------
 
@@ -417,7 +436,13 @@ class RunFollower:
         for track in owed:
             done = track.fetched | track.held
             for event in await fetch_cell(
-                self.target, self.plan, track.plan, self.local_dir, done, self.judge.holds
+                self.target,
+                self.plan,
+                track.plan,
+                self.local_dir,
+                done,
+                self.judge.holds,
+                self.on_progress,
             ):
                 self.emit(event)
             track.fetched_all = True

@@ -60,6 +60,8 @@ class JudgeContext:
     cells: list[PlannedCell] = field(default_factory=list)
     # The target, for a kind that judges there (runners.remote_judge.RemoteJudge); None: here.
     host: Any = None
+    # Progress events of long judging (runners.progress.Meter): shown live, never recorded.
+    progress: Callable[[Event], None] | None = None
 
 
 @dataclass(frozen=True, slots=True)

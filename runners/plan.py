@@ -7,6 +7,7 @@ launcher turns it into the scripts it leaves on the target.
 from __future__ import annotations
 
 import shlex
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,39 @@ from runners.presets import Cell, Preset
 from runners.templates import render, render_plain
 
 SETUP = "setup"
+
+# {python}, in one rule (docs/ENGINES.md says the same): target.python when the preset sets it;
+# otherwise, on the local target, the interpreter running tracedeck (it has what tracedeck has,
+# torch included when installed), and on any other target `python3` as its login PATH finds it.
+PYTHON_RULE = (
+    "target.python when set; else on the local target the Python running tracedeck, "
+    "on any other target `python3` from its login PATH"
+)
+
+
+def interpreter(target_name: str, configured: str) -> str:
+    """What {python} stands for on a target (PYTHON_RULE)."""
+    if configured:
+        return configured
+    return sys.executable if target_name == "local" else "python3"
+
+
+def home_relative(path: str) -> str:
+    """target.workdir / target.runs as a path relative to the login home, or an absolute one:
+    `~` and `~/x` are the home and x under it; any other relative path is under the home too."""
+    if path == "~":
+        return "."
+    if path.startswith("~/"):
+        return path[2:] or "."
+    return path
+
+
+def dir_command(path: str, create: bool) -> str:
+    """sh that prints the absolute directory `path` names on a target (home_relative); with
+    `create`, makes it first. Without it, the command only reads (the dry run's check)."""
+    q = shlex.quote(home_relative(path))
+    make = f"mkdir -p -- {q} && " if create else ""
+    return f"cd && {make}cd -- {q} && pwd"
 
 
 def cell_dir_name(cell: int) -> str:

@@ -17,7 +17,16 @@ from runners.determinism import PROFILES
 from runners.templates import TemplateError
 from runners.templates import template_fields as _fields
 
-SHIPPED_DIR = Path(__file__).resolve().parent.parent / "presets"
+
+def shipped_dir() -> Path:
+    """The shipped presets: runners/shipped_presets/ in an installed wheel (setup.py puts them
+    there), else presets/ at the top of the checkout this package runs from."""
+    here = Path(__file__).resolve().parent
+    packaged = here / "shipped_presets"
+    return packaged if packaged.is_dir() else here.parent / "presets"
+
+
+SHIPPED_DIR = shipped_dir()
 
 Scalar = (str, int, float, bool)
 
@@ -324,6 +333,17 @@ def _check_run_settings(out: dict[str, Any], source: str) -> None:
         if not math.isfinite(value) or value <= 0:
             raise PresetError(
                 source, f"target.{key}", f"must be a finite number > 0, got {value!r}"
+            )
+    for key in ("workdir", "runs"):
+        value = target[key]
+        if not value.strip() or "\0" in value:
+            raise PresetError(source, f"target.{key}", f"{value!r}: name a directory")
+        if value.startswith("~") and value != "~" and not value.startswith("~/"):
+            raise PresetError(
+                source,
+                f"target.{key}",
+                f"{value!r}: ~user is not expanded; write an absolute path, or one relative to "
+                "the target's home (~/x or x)",
             )
     if target["lock"] and not target["lock"].startswith("/"):
         raise PresetError(source, "target.lock", f"{LOCK_RULE}, got {target['lock']!r}")

@@ -213,3 +213,28 @@ def drop_torn_tail(path: str | os.PathLike[str]) -> None:
     tail = torn_tail(path)
     if tail:
         os.truncate(path, Path(path).stat().st_size - len(tail))
+
+
+BY_ID = "by-id"
+FLEET = "fleet"  # run.json extra key of a fleet run (runners/fleet.py): its hosts, batches
+
+
+def local_runs(out_dir: str | os.PathLike[str]) -> list[Path]:
+    """Every run directory under a run-records root (each holds a run.json). The OUT/by-id/ID
+    links are not followed: each run is listed once, where it lies."""
+    return sorted(path.parent for path in Path(out_dir).glob(f"**/{RUN_JSON}"))
+
+
+def find_local_run(run_id: str, out_dir: str | os.PathLike[str]) -> Path | None:
+    """The local directory of the run with that id: OUT/by-id/ID, else found by a scan of the
+    records (runs recorded before the links existed); None when there is none."""
+    link = Path(out_dir) / BY_ID / run_id
+    if "/" not in run_id and (link / RUN_JSON).is_file():
+        return Path(os.path.normpath(link.parent / os.readlink(link)))
+    for local in local_runs(out_dir):
+        try:
+            if RunRecord.load(local).run_id == run_id:
+                return local
+        except (OSError, ValueError, TypeError):
+            continue  # another tool's run.json; not one of ours
+    return None

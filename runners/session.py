@@ -8,13 +8,14 @@ handed to the consumers. Attach replays the record through the same fold.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import getpass
 import os
 import secrets
 import shlex
+import shutil
 import socket
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,10 +43,21 @@ from runners.kind import Ending, Judge, JudgeContext
 from runners.launchers.base import Launcher, LockBusyError, NotStartedError
 from runners.launchers.detached import DetachedLauncher
 from runners.launchers.slurm import SlurmLauncher, slurm_settings
-from runners.plan import RunPlan, build_plan, cell_scripts, plan_document
+from runners.plan import (
+    RunPlan,
+    build_plan,
+    cell_scripts,
+    dir_command,
+    interpreter,
+    plan_document,
+)
 from runners.presets import Preset
 from runners.record import (
+    BY_ID,
     EVENTS,
+    FLEET,
+    RECORD_LOCK,
+    RUN_JSON,
     Recorder,
     RecordError,
     RunRecord,
@@ -63,7 +75,6 @@ NOT_RECORDED = "NOT_RECORDED"
 ALIVE_EVERY_S = 2.0
 CANCEL_GRACE_S = 5.0
 DISCONNECTED = "DISCONNECTED"
-FLEET = "fleet"  # run.json extra key of a fleet run (runners/fleet.py)
 REFERENCE_DIR = Path(__file__).resolve().parent / "reference"
 
 __all__ = ["LockBusyError", "Session", "default_out_dir"]
@@ -94,6 +105,19 @@ def make_launcher(spec: str, target: Target, preset: Preset) -> Launcher:
     return DetachedLauncher(target)
 
 
+def by_id_link(out_dir: Path, run_id: str) -> Path:
+    """Where a run's local directory is linked by its id: OUT/by-id/RUN_ID."""
+    return Path(out_dir) / BY_ID / run_id  # a relative symlink to the run's directory
+
+
+def link_by_id(link: Path, local_dir: Path) -> None:
+    """OUT/by-id/RUN_ID -> the run's directory (relative, so the out dir can move whole)."""
+    link.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        link.unlink()
+    link.symlink_to(os.path.relpath(local_dir, link.parent), target_is_directory=True)
+
+
 def new_run_id(preset_name: str) -> str:
     now = dt.datetime.now()
     return f"{now:%Y%m%d-%H%M%S}-{preset_name}-{secrets.token_hex(2)}"
@@ -117,6 +141,7 @@ class Session:
         self.kind = kinds.get(preset.kind)
         self._consumers = emit
         self.local_dir = Path(record.local_dir)
+        self.by_id: Path | None = None  # OUT/by-id/RUN_ID, made at launch (Session.create)
         self.launcher: Launcher = make_launcher(record.target, target, preset)
         self.plan: RunPlan | None = None
         self.judge: Judge | None = None
@@ -128,6 +153,7 @@ class Session:
             else int(preset.section("target")["reconnect_attempts"])
         )
         self._recorder: Recorder | None = None
+        self._made_local = False
         self._changes: Changes | None = None
         self._cancelling = False
         # How far launch() got: "" (not begun), "connecting", "uploading", "starting" (the
@@ -162,6 +188,7 @@ class Session:
                 date=self.record.date,
                 emit=self.emit,
                 cells=list(plan.cells),
+                progress=self._consumers,
             )
         )
         self.follower = RunFollower(
@@ -170,7 +197,8 @@ class Session:
             self.judge,
             self.local_dir,
             self.emit,
-            progress=self.launcher.progress_files(plan),
+            progress=self._consumers,
+            progress_files=self.launcher.progress_files(plan),
         )
 
     # -- creating and launching ----------------------------------------------------------------
@@ -211,17 +239,60 @@ class Session:
             date=date,
             options=sorted(preset.options),
         )
-        return cls(record, preset, target, emit)
+        session = cls(record, preset, target, emit)
+        session.by_id = by_id_link(out_dir, record.run_id)
+        return session
 
     async def launch(self) -> None:
-        """Connect, upload the plan, take the lock and start the run detached."""
+        """Connect, upload the plan, take the lock and start the run detached.
+
+        A launch refused by the lock leaves no directory behind, here or on the target: nothing
+        ran, there is nothing to see; nor does one that never reached the target. (A launch that
+        failed while uploading keeps its record, which says why it never started.)
+        """
+        try:
+            await self._launch()
+        except LockBusyError:
+            await self._discard(remote=True)
+            raise
+        except NotStartedError:
+            raise  # its record says why it never started
+        except BaseException:
+            if self.stage == "connecting":  # the target was not reached: nothing was written
+                await self._discard(remote=False)
+            raise
+
+    async def _discard(self, remote: bool) -> None:
+        """Remove what this launch made: the local directory, its by-id link, and (remote) the
+        run's directory on the target. Only ever this run's own fresh directories."""
+        if self._recorder is not None:
+            self._recorder.close()
+            self._recorder = None
+        if self.by_id is not None and self.by_id.is_symlink():
+            self.by_id.unlink()
+        local = self.local_dir
+        if self._made_local:
+            shutil.rmtree(local, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                local.parent.rmdir()  # the date directory, when this run was its only one
+        else:  # a directory that was there before: only the files this launch wrote
+            for name in (RUN_JSON, EVENTS, RECORD_LOCK, "plan.json"):
+                with contextlib.suppress(OSError):
+                    (local / name).unlink()
+        run_dir = self.record.remote_dir
+        if remote and run_dir.endswith("/" + self.record.run_id):
+            with contextlib.suppress(TargetError):
+                await self.target.run(f"rm -rf -- {shlex.quote(run_dir)}")
+
+    async def _launch(self) -> None:
         self.stage = "connecting"
+        self._made_local = not self.local_dir.exists()
         self.local_dir.mkdir(parents=True, exist_ok=True)
         await self.target.connect()
         tgt = self.preset.section("target")
         workdir = await self._resolve_dir(tgt["workdir"], "target.workdir")
         runs = await self._resolve_dir(tgt["runs"], "target.runs")
-        python = tgt["python"] or (sys.executable if self.target.name == "local" else "python3")
+        python = interpreter(self.target.name, tgt["python"])
         run_dir = f"{runs}/{self.record.run_id}"
         ship = self.preset.section("engine")["ship_reference"]
         plan = build_plan(
@@ -239,6 +310,9 @@ class Session:
         self.record.extra = {"workdir": workdir, "python": python}
         self.stage = "uploading"
         self.record.save()
+        if self.by_id is not None:
+            with contextlib.suppress(OSError):  # a convenience: find_run also scans the out dir
+                link_by_id(self.by_id, self.local_dir)
         self._recorder = Recorder(self.local_dir)
 
         plan_json = orjson.dumps(plan_document(plan, self.preset), option=orjson.OPT_INDENT_2)
@@ -318,9 +392,9 @@ class Session:
         )
 
     async def _resolve_dir(self, path: str, key: str) -> str:
-        """An absolute path on the target; relative paths are relative to the target's home."""
-        q = shlex.quote(path)
-        result = await self.target.run(f"cd && mkdir -p {q} && cd {q} && pwd")
+        """An absolute path on the target: absolute as written; `~`, `~/x` and relative paths
+        under the target's home (the login user's, on the local target $HOME)."""
+        result = await self.target.run(dir_command(path, create=True))
         if result.exit_status != 0:
             raise TargetError(
                 f"{self.target.name}: {key} {path!r} is not usable: "

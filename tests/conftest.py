@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,25 @@ def impostor(sshd: SshServer, tmp_path_factory: pytest.TempPathFactory) -> Itera
         yield server
     finally:
         server.stop()
+
+
+@dataclass
+class Where:
+    """Where a run goes: the target spec and the HOME its console uses."""
+
+    spec: str
+    home: Path
+
+
+@pytest.fixture(params=["local", "ssh"])
+def where(request: pytest.FixtureRequest, tmp_path: Path) -> Where:
+    """The local target, then the real sshd: one test, both transports."""
+    if request.param == "local":
+        home = tmp_path / "home"
+        home.mkdir()
+        return Where("local", home)
+    ssh_home = request.getfixturevalue("ssh_home")
+    return Where(ssh_home.server.spec, ssh_home.path)
 
 
 @pytest.fixture

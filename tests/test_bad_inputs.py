@@ -55,6 +55,14 @@ def preset(text: str, *extra: str) -> Callable[[Path], list[str]]:
     return build
 
 
+def plan(text: str, *extra: str) -> Callable[[Path], list[str]]:
+    def build(tmp: Path) -> list[str]:
+        (tmp / "p.toml").write_text(text)
+        return ["plan", str(tmp / "p.toml"), *(fill(a, tmp) for a in extra)]
+
+    return build
+
+
 def with_file(name: str, data: bytes | str, *argv: str) -> Callable[[Path], list[str]]:
     """Writes tmp/name, then argv with {tmp} filled in."""
 
@@ -328,6 +336,91 @@ CASES: dict[str, Case] = {
         preset(GOOD + '[target]\nsbatch = ["--qos=a\\nrm -rf /"]\n'),
         2,
         names(P, "target.sbatch[0]"),
+    ),
+    "workdir ~user": Case(
+        preset(GOOD + "[target]\nworkdir = '~bob/x'\n"), 2, names(P, "target.workdir", "~user")
+    ),
+    "runs empty": Case(
+        preset(GOOD + "[target]\nruns = ' '\n"), 2, names(P, "target.runs", "name a directory")
+    ),
+    # --- plan ----------------------------------------------------------------------------------
+    "plan preset missing": Case(
+        names("plan", "{tmp}/nope.toml"), 2, names("{tmp}/nope.toml", "no such")
+    ),
+    "plan not a target": Case(plan(GOOD, "--target", "ssh://"), 2, names("ssh://")),
+    "plan unknown placeholder": Case(
+        plan(GOOD.replace("{word}", "{wrod}")), 2, names(P, "engine.command", "{wrod}")
+    ),
+    "plan --check closed port": Case(
+        plan(
+            GOOD + "[target]\nconnect_timeout_s = 5.0\n",
+            "--target",
+            "ssh://127.0.0.1:1",
+            "--check",
+        ),
+        3,
+        names("127.0.0.1:1", "reachable"),
+    ),
+    "plan --check no interpreter": Case(
+        plan(
+            GOOD.replace("echo {word}", "{python} -c pass"),
+            "--set",
+            'target.python="/nonexistent/py"',
+            "--check",
+        ),
+        3,
+        names("python", "/nonexistent/py", "not found"),
+    ),
+    # --- run directories ------------------------------------------------------------------------
+    "attach unknown run id": Case(
+        names("attach", "20990101-000000-nope-beef", "--out", "{tmp}"),
+        2,
+        names("20990101-000000-nope-beef", "by-id"),
+    ),
+    "prune says nothing": Case(names("prune"), 2, names("--older-than", "--keep")),
+    "prune bad age": Case(
+        names("prune", "--older-than", "2x", "--out", "{tmp}"), 2, names("--older-than '2x'")
+    ),
+    "prune empty age": Case(
+        names("prune", "--older-than", "", "--out", "{tmp}"), 2, names("--older-than ''")
+    ),
+    "prune negative keep": Case(names("prune", "--keep", "-1"), 2, names("--keep -1")),
+    "prune --runs alone": Case(
+        names("prune", "--keep", "1", "--runs", "x"), 2, names("--runs", "--target")
+    ),
+    "prune no records": Case(
+        names("prune", "--keep", "1", "--out", "{tmp}/none"), 2, names("{tmp}/none")
+    ),
+    "prune not a target": Case(
+        names("prune", "--keep", "0", "--target", "ssh://"), 2, names("ssh://")
+    ),
+    "prune unreachable target": Case(
+        names("prune", "--keep", "0", "--target", "ssh://127.0.0.1:1"), 3, names("127.0.0.1:1")
+    ),
+    # --- analyze -------------------------------------------------------------------------------
+    "analyze --output is a file": Case(
+        with_file(
+            "t.jsonl",
+            readout(READOUT_LINE),
+            "analyze",
+            "{tmp}/t.jsonl",
+            "--output",
+            "{tmp}/t.jsonl",
+        ),
+        2,
+        names("--output {tmp}/t.jsonl", "a file is in the way"),
+    ),
+    "analyze --output inside the tree": Case(
+        with_file(
+            "tree/runs/kv_aligned_1/seed_0/prefill/metadata.json",
+            "{}",
+            "analyze",
+            "{tmp}/tree",
+            "--output",
+            "{tmp}/tree/report",
+        ),
+        2,
+        names("--output {tmp}/tree/report", "inside the tree judged"),
     ),
     # --- analyze -------------------------------------------------------------------------------
     "analyze missing path": Case(

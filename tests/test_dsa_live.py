@@ -133,3 +133,18 @@ def test_a_live_run_spawned_shows_records_before_it_ends(tmp_path: Path) -> None
     cell_end = next(i for i, line in enumerate(lines) if "passed exit 0" in line)
     assert first_dsa < cell_end
     assert ROOT.exists()
+
+
+@pytest.mark.parametrize(
+    "name", ["trace_steps_0.jsonl", "trace_steps-old.jsonl", "trace_steps_1_2.json"]
+)
+def test_a_trace_file_under_another_name_is_never_silently_skipped(
+    tmp_path: Path, name: str
+) -> None:
+    block = write_trace(tmp_path / "t")
+    ok = tracedeck("analyze", str(tmp_path / "t"), env=cli_env(tmp_path))
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    (block / name).write_text(sorted(block.glob("trace_steps_*_*.jsonl"))[0].read_text())
+    stray = tracedeck("analyze", str(tmp_path / "t"), env=cli_env(tmp_path))
+    assert stray.returncode == 1, stray.stdout + stray.stderr
+    assert f"{block / name}: shards:" in stray.stdout and "not judged" in stray.stdout

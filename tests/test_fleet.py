@@ -467,3 +467,66 @@ def test_fleet_from_the_config_file(fleet: Fleet, tmp_path: Path) -> None:
     evts = [orjson.loads(line) for line in done.stdout.splitlines()]
     assert evts[0]["type"] == "run_started" and evts[0]["target"] == "rack"
     assert set(hosts_of(evts).values()) == {"gpu-b", "gpu-c"}
+
+
+# -- plan of a fleet ---------------------------------------------------------------------------
+
+
+def test_plan_of_a_fleet_shows_each_host_and_checks_each_one(fleet: Fleet, tmp_path: Path) -> None:
+    env = cli_env(fleet.home.path)
+    argv = ["plan", "b3_67_smoke", "--target", "gpu-a,gpu-b", "--set", "matrix.seed=[0]"]
+    argv += ["--set", f'target.runs="{tmp_path}/remote"', "--out", str(tmp_path / "out")]
+    done = tracedeck(*argv, "--json", env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    doc = json.loads(done.stdout)
+    assert [h["host"] for h in doc["fleet"]["hosts"]] == ["gpu-a", "gpu-b"]
+    assert doc["fleet"]["groups"] == [[0, 1], [2, 3]]  # a pair's sides on one host
+    assert doc["judge"]["where"] == "console" and doc["slurm"] is None
+    assert doc["run_dir"].endswith(f"{doc['run_id']}/HOST-N")
+    text = tracedeck(*argv, env=env).stdout
+    assert (
+        "4 cells over 2 hosts" in text and "host:        gpu-b  (lock /tmp/tracedeck.lock)" in text
+    )
+    assert "together:    cells 1+2, 3+4" in text
+    # --check: each host is read; a busy one is named with who holds it (exit 3)
+    with holding(fleet, "gpu-b"):
+        checked = tracedeck(*argv, "--check", "--json", env=env)
+    assert checked.returncode == 3, checked.stdout + checked.stderr
+    levels = {c["what"]: c["level"] for c in json.loads(checked.stdout)["checks"]}
+    assert levels["gpu-a: reachable"] == "ok" and levels["gpu-a: lock"] == "ok"
+    assert levels["gpu-b: lock"] == "problem"
+    assert "gpu-b: lock: /tmp/tracedeck.lock is held (run_id=other-run" in checked.stderr
+    assert not (tmp_path / "remote").exists() and not (tmp_path / "out").exists()
+
+
+def test_prune_keeps_a_live_fleet_run_and_then_deletes_every_host_s_part(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """Its batches lie in RUNS/RUN_ID/HOST-N on each host, with no process group at RUN_ID:
+    prune must look into them (here and on a host's runs directory) before deleting."""
+    preset = lines_preset(tmp_path, cells=4, lines=400, pause=0.05)
+    out, runs = tmp_path / "out", tmp_path / "remote"
+    env = cli_env(fleet.home.path)
+    console = spawn("run", str(preset), "--target", "gpu-a,gpu-b", "--out", str(out), env=env)
+    local_dir = wait_for(lambda: run_dirs(out), what="run dir")[0]
+    wait_for(
+        lambda: (
+            {e.get("host") for e in events(local_dir) if e["type"] == "output"}
+            == {"gpu-a", "gpu-b"}
+        ),
+        what="output from both hosts",
+    )
+    console.send_signal(signal.SIGKILL)  # no console follows it now: only its hosts say live
+    console.communicate(timeout=30)
+    run_id = record_of(local_dir)["run_id"]
+    for argv in (["--out", str(out)], ["--target", "gpu-b", "--runs", str(runs)]):
+        kept = tracedeck("prune", *argv, "--keep", "0", "--yes", env=env)
+        assert kept.returncode == 0, kept.stdout + kept.stderr
+        assert "live: processes of the run still run" in kept.stdout, kept.stdout
+        assert local_dir.exists() and (runs / run_id).exists()
+    cancel = tracedeck("cancel", str(local_dir), "--grace", "1", env=env)
+    assert cancel.returncode == 0, cancel.stdout + cancel.stderr
+    gone = tracedeck("prune", "--out", str(out), "--keep", "0", "--yes", env=env)
+    assert gone.returncode == 0, gone.stdout + gone.stderr
+    assert f"(and gpu-a:{runs}/{run_id})" in gone.stdout
+    assert not local_dir.exists() and not (runs / run_id).exists()

@@ -11,11 +11,11 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
 import pytest
+from conftest import Where
 from faults import assert_run_gone, grow_disk, lock_free, record_of, small_disk
 from runhelp import (
     ROOT,
@@ -32,22 +32,6 @@ from runhelp import (
 from sshd import PROXY_ALIAS, CuttableProxy, SshHome, SshServer
 
 SAMPLE = ROOT / "presets" / "samples" / "b3_12_mi300x.jsonl"
-
-
-@dataclass
-class Where:
-    spec: str
-    home: Path
-
-
-@pytest.fixture(params=["local", "ssh"])
-def where(request: pytest.FixtureRequest, tmp_path: Path) -> Where:
-    if request.param == "local":
-        home = tmp_path / "home"
-        home.mkdir()
-        return Where("local", home)
-    ssh_home = request.getfixturevalue("ssh_home")
-    return Where(ssh_home.server.spec, ssh_home.path)
 
 
 def readout_preset(tmp: Path, command: str) -> Path:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import signal
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
 import pytest
+from conftest import Where
 from faults import assert_run_gone
 from runhelp import (
     cli_env,
@@ -23,22 +23,6 @@ from runhelp import (
     write_lines_preset,
 )
 from sshd import CuttableProxy, SshHome, SshServer
-
-
-@dataclass
-class Where:
-    spec: str
-    home: Path
-
-
-@pytest.fixture(params=["local", "ssh"])
-def where(request: pytest.FixtureRequest, tmp_path: Path) -> Where:
-    if request.param == "local":
-        home = tmp_path / "home"
-        home.mkdir()
-        return Where("local", home)
-    ssh_home = request.getfixturevalue("ssh_home")
-    return Where(ssh_home.server.spec, ssh_home.path)
 
 
 def expected_lines(lines: int) -> list[str]:

@@ -3,6 +3,7 @@ machine: a job array watched to its verdict, scancel, a time limit, a node failu
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 from pathlib import Path
@@ -258,3 +259,51 @@ def test_sbatch_settings_reach_the_job_script(slurm_cluster: SlurmCluster, tmp_p
     assert "#SBATCH --time=10" in script and "#SBATCH --comment=tracedeck-test" in script
     assert any(e["type"] == "job_submitted" for e in events(local_dir))
     assert sys.executable  # the local login node runs the cells with this interpreter
+
+
+def test_plan_shows_the_job_array_and_check_reads_the_cluster(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    env = env_for(slurm_cluster, tmp_path)
+    argv = ["plan", "b3_67_smoke", "--target", TARGET, "--set", "matrix.seed=[0]"]
+    argv += ["--set", f'target.runs="{tmp_path}/remote"', "--set", 'target.gres="gpu:1"']
+    doc = json.loads(tracedeck(*argv, "--json", env=env).stdout)
+    directives = doc["slurm"]["directives"]
+    for line in ("--array=0-3", f"--partition={PARTITION}", "--gres=gpu:1", "--no-requeue"):
+        assert f"#SBATCH {line}" in directives
+    assert doc["fleet"] is None
+    text = tracedeck(*argv, env=env).stdout
+    assert "scheduler:   Slurm" in text and "#SBATCH --array=0-3" in text
+    argv[argv.index('target.gres="gpu:1"')] = 'target.time_limit="5"'
+    checked = tracedeck(*argv, "--check", "--json", env=env)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    levels = {c["what"]: c["level"] for c in json.loads(checked.stdout)["checks"]}
+    assert levels["slurm"] == levels["partition"] == levels["lock"] == "ok"
+    wrong = [a.replace(f"/{PARTITION}", "/nosuch") for a in argv]
+    refused = tracedeck(*wrong, "--check", env=env)
+    assert refused.returncode == 3, refused.stdout + refused.stderr
+    assert "partition: Slurm knows no partition 'nosuch'" in refused.stderr
+    assert not slurm_cluster.jobs() and not (tmp_path / "remote").exists()
+
+
+def test_prune_keeps_a_run_slurm_still_holds(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """No process group of its own: only squeue can say a Slurm run is over."""
+    env = env_for(slurm_cluster, tmp_path)
+    out, runs = tmp_path / "out", tmp_path / "remote"
+    console = spawn("run", str(sleepy(tmp_path)), "--target", TARGET, "--out", str(out), env=env)
+    local_dir = wait_for(lambda: run_dirs(out), what="run dir")[0]
+    until(slurm_cluster, local_dir, lambda: running(local_dir, {0, 1}), "both tasks running")
+    console.send_signal(signal.SIGKILL)  # no console follows it now: only Slurm says live
+    console.communicate(timeout=30)
+    remote = Path(record_of(local_dir)["remote_dir"])
+    for argv in (["--out", str(out)], ["--target", TARGET, "--runs", str(runs)]):
+        kept = tracedeck("prune", *argv, "--keep", "0", "--yes", env=env)
+        assert kept.returncode == 0, kept.stdout + kept.stderr
+        assert "live: processes of the run still run" in kept.stdout, kept.stdout
+        assert local_dir.exists() and remote.exists()
+    cancel = tracedeck("cancel", str(local_dir), "--grace", "1", env=env)
+    assert cancel.returncode == 0, cancel.stdout + cancel.stderr
+    wait_for(lambda: not set(slurm_jobs(record_of(local_dir))) & set(slurm_cluster.jobs()))
+    gone = tracedeck("prune", "--out", str(out), "--keep", "0", "--yes", env=env)
+    assert gone.returncode == 0, gone.stdout + gone.stderr
+    assert not local_dir.exists() and not remote.exists()

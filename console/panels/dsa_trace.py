@@ -8,7 +8,6 @@ the widgets only draw the numbers on the drain tick.
 from __future__ import annotations
 
 import asyncio
-import gc
 import threading
 import time
 from collections import deque
@@ -23,6 +22,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Log, Static
 
 from analysis.dsa_live import LiveAgg
+from console.heap import freeze_startup
 from console.panel import KindPanel
 from console.widgets.dsa_charts import ColumnHistogram, HeatMap, LayerBars
 from console.widgets.text import clean, plain
@@ -81,27 +81,6 @@ def _merged(lives: list[LiveAgg]) -> LiveAgg:
     for live in lives:
         out.merge(live)
     return out
-
-
-_GC_HOLDERS = [0]
-
-
-def _hold_gc() -> None:
-    """While a DSA panel is up, what existed before it (the app, its screens, the modules:
-    ~100k objects) is kept out of the garbage collector's sight: a full collection then walks
-    only what came since. Measured at 20,000 records/s: full collections of 50-80 ms (every
-    few seconds, each a stalled tick) become 6-8 ms. Garbage is collected first, and the
-    objects are handed back when the last DSA panel goes (nothing frozen is kept for good)."""
-    if _GC_HOLDERS[0] == 0:
-        gc.collect()
-        gc.freeze()
-    _GC_HOLDERS[0] += 1
-
-
-def _release_gc() -> None:
-    _GC_HOLDERS[0] = max(0, _GC_HOLDERS[0] - 1)
-    if _GC_HOLDERS[0] == 0:
-        gc.unfreeze()
 
 
 def counters(book: TraceBook, rate: float) -> Text:
@@ -174,12 +153,6 @@ class DsaPanel(KindPanel):
                 yield ColumnHistogram(title, labels, id=f"dsa-h-{key}")
         yield LayerBars("", id="dsa-layers", markup=False)
         yield Static("", id="dsa-first", markup=False)
-
-    def on_mount(self) -> None:
-        _hold_gc()
-
-    def on_unmount(self) -> None:
-        _release_gc()
 
     def take(self, event: Event) -> bool:
         if isinstance(event, RunStarted):
@@ -488,6 +461,7 @@ class DsaWatchApp(App[int]):
         self.watch_screen = screen
 
     def on_mount(self) -> None:
+        freeze_startup()
         self.push_screen(self.watch_screen)
 
 

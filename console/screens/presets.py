@@ -17,10 +17,12 @@ from textual.screen import Screen
 from textual.widgets import Button, DataTable, Footer, Input, Label, Select, Static, TextArea
 
 from console.screens.dialogs import HostKeyDialog
+from console.screens.plan import PlanScreen
 from console.screens.sources import LiveSource
 from console.widgets.text import clean, plain
 from runners.atomic import write_atomic
 from runners.config import check_target, fleet_names
+from runners.dryrun import preview
 from runners.events import Event
 from runners.presets import SHIPPED_DIR, Preset, PresetError, load_preset, user_dir
 from runners.session import Session
@@ -88,10 +90,12 @@ def load_entries(paths: list[Path]) -> list[PresetEntry]:
 
 
 class PresetsScreen(Screen[None]):
-    """Presets table, target chooser, overrides; Enter on a preset (or ctrl+r) starts it."""
+    """Presets table, target chooser, overrides. Enter on a preset (or ctrl+p) shows the plan
+    of its run, started from there; ctrl+r starts it straight away."""
 
     BINDINGS = [
         Binding("ctrl+r", "start", "Start run", priority=True),
+        Binding("ctrl+p", "plan", "Plan", priority=True),
         Binding("ctrl+t", "focus_target", "Target"),
         Binding("ctrl+o", "focus_overrides", "Overrides"),
         Binding("ctrl+l", "focus_presets", "Presets"),
@@ -145,7 +149,9 @@ class PresetsScreen(Screen[None]):
                     placeholder="e.g. matrix.seed=[0]",
                 )
                 yield Static("", id="preset-error", markup=False)
-                yield Button("Start run (ctrl+r)", id="start", variant="success")
+                with Horizontal(id="preset-buttons"):
+                    yield Button("Start run (ctrl+r)", id="start", variant="success")
+                    yield Button("Plan (ctrl+p)", id="plan")
         yield Footer()
 
     def _target_options(self) -> list[tuple[Text, str]]:
@@ -239,11 +245,13 @@ class PresetsScreen(Screen[None]):
         self.query_one("#preset-error", Static).update("")
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
-        self.action_start()
+        self.action_plan()
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         if event.button.id == "start":
             self.action_start()
+        elif event.button.id == "plan":
+            self.action_plan()
 
     def action_focus_target(self) -> None:
         self.query_one("#target-choice").focus()
@@ -271,27 +279,55 @@ class PresetsScreen(Screen[None]):
             return str(preset.section("target")["host"])
         return str(choice)
 
-    def action_start(self) -> None:
-        """Validate the preset with its overrides and the target, then launch in a worker."""
-        if self.launching:
-            return
+    def chosen(self) -> tuple[Preset, str] | None:
+        """The selected preset with its overrides, and the target, checked; None (with the
+        error shown) when either is wrong."""
         entry = self.selected()
         if entry is None:
             self.show_error("no preset selected")
-            return
+            return None
         overrides = parse_overrides(self.query_one("#overrides", TextArea).text)
         try:
             preset = load_preset(entry.path, overrides)
         except PresetError as exc:
             self.show_error(str(exc))
-            return
+            return None
         target = self.chosen_target(preset)
         try:
             check_target(target)
         except ValueError as exc:
             self.show_error(str(exc))
+            return None
+        return preset, target
+
+    def action_start(self) -> None:
+        """Validate the preset with its overrides and the target, then launch in a worker."""
+        if self.launching:
             return
-        self.launch(preset, target)
+        picked = self.chosen()
+        if picked is not None:
+            self.launch(*picked)
+
+    def action_plan(self) -> None:
+        """The plan of the run Start would launch (nothing starts until it says so)."""
+        if self.launching:
+            return
+        picked = self.chosen()
+        if picked is None:
+            return
+        preset, target = picked
+        try:
+            view = preview(preset, target, self.out_dir)
+        except (PresetError, ValueError) as exc:
+            self.show_error(str(exc))
+            return
+        self.query_one("#preset-error", Static).update("")
+
+        def answered(start: bool | None) -> None:
+            if start:
+                self.launch(preset, target)
+
+        self.app.push_screen(PlanScreen(view), answered)
 
     def launch(self, preset: Preset, target: str) -> None:
         self.launching = True

@@ -32,6 +32,7 @@ from console.screens.sources import (
 from console.widgets.banner import VerdictBanner
 from console.widgets.cells_table import CellsTable
 from console.widgets.hosts_line import HostsLine
+from console.widgets.progress import ProgressView
 from console.widgets.run_header import RunHeader
 from console.widgets.run_log import RunLog
 from runners.events import Error, Event
@@ -58,6 +59,7 @@ class RunScreen(Screen[None]):
         Binding("c", "cancel_run", "Cancel run"),
         Binding("d", "details", "Details"),
         Binding("f", "filter_log", "Filter log"),
+        Binding("w", "wrap_log", "Wrap log"),
         Binding("g", "fetch_held", "Fetch held files"),
     ]
 
@@ -100,6 +102,7 @@ class RunScreen(Screen[None]):
         yield RunHeader(self.source.mode, id="run-header")
         yield VerdictBanner(id="banner")
         yield HostsLine(id="hosts")
+        yield ProgressView(id="progress")
         yield self.panel
         with Horizontal(id="run-bottom"):
             yield CellsTable(id="cells")
@@ -245,6 +248,8 @@ class RunScreen(Screen[None]):
             self.query_one("#log", RunLog).show_new(model, changes.log_new)
         if changes.hosts:
             self.query_one("#hosts", HostsLine).show(model)
+        if changes.progress:
+            self.query_one("#progress", ProgressView).show(model.progress)
         status = self.panel.status()
         if changes.cells or changes.finished or status != self._status:
             self._status = status
@@ -369,6 +374,14 @@ class RunScreen(Screen[None]):
 
     def action_filter_log(self) -> None:
         self.query_one("#log-filter").focus()
+
+    def action_wrap_log(self) -> None:
+        log = self.query_one("#log", RunLog)
+        log.set_wrap(not log.wrap)
+        self.notify(
+            "long log lines wrap" if log.wrap else "long log lines scroll sideways",
+            timeout=3,
+        )
 
     # -- messages from workers -----------------------------------------------------------------
 

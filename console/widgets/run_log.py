@@ -1,7 +1,14 @@
-"""The live log: every cell's output lines, bounded, plain text, filterable by cell."""
+"""The live log: every cell's output lines, bounded, plain text, filterable by cell.
+
+Long lines wrap at the log's width (continuations indented), so an engine's error message is
+read whole; `w` on the run screen turns wrapping off, and the log then scrolls sideways.
+"""
 
 from __future__ import annotations
 
+from collections import deque
+
+from rich.cells import cell_len, chop_cells
 from textual import events
 from textual.app import ComposeResult
 from textual.containers import Vertical
@@ -18,6 +25,20 @@ from console.run_model import (
 from console.widgets.text import plain
 
 MARKS = {"stdout": "|", "stderr": "!"}
+CONTINUATION = "    "  # the start of a wrapped line's continuation rows
+
+
+def wrap_line(line: str, width: int) -> list[str]:
+    """One log line as rows of at most `width` cells: the first as is, the rest indented."""
+    line = line.expandtabs()
+    if width <= len(CONTINUATION) + 8 or cell_len(line) <= width:
+        return [line]
+    first, *rest = chop_cells(line, width)
+    rows = [first]
+    remainder = "".join(rest)
+    if remainder:
+        rows += [CONTINUATION + row for row in chop_cells(remainder, width - len(CONTINUATION))]
+    return rows
 
 
 def format_line(cell: int, stream: str, line: str) -> str:
@@ -36,17 +57,21 @@ class RunLog(Vertical):
     DEFAULT_CSS = """
     RunLog { height: 1fr; }
     RunLog > Select { width: 48; }
-    /* A scrollbar that is always there keeps the last line visible when long lines arrive. */
-    RunLog > Log { height: 1fr; overflow-x: scroll; }
+    RunLog > Log { height: 1fr; overflow-x: hidden; }
+    /* Unwrapped: a scrollbar that is always there keeps the last line visible. */
+    RunLog.-nowrap > Log { overflow-x: scroll; }
     """
 
     def __init__(self, *, id: str | None = None, max_lines: int = LOG_LINES) -> None:
         super().__init__(id=id)
         self.max_lines = max_lines
         self.cell_filter: int | None = None
+        self.wrap = True
         self._known_cells: tuple[int, ...] = ()
         self._model: RunModel | None = None
         self._end_y = 0
+        self._width = 0  # the width the rows shown were wrapped at
+        self._logical: deque[str] = deque(maxlen=max_lines)  # the lines, unwrapped
 
     def compose(self) -> ComposeResult:
         yield Select([], prompt="log: all cells", allow_blank=True, id="log-filter", compact=True)
@@ -57,7 +82,28 @@ class RunLog(Vertical):
         return self.query_one("#log-lines", Log)
 
     def lines(self) -> list[str]:
+        """The log's lines, whole (as written, before wrapping)."""
+        return list(self._logical)
+
+    def rows(self) -> list[str]:
+        """What the log shows, row by row (wrapped lines are several rows)."""
         return [str(line) for line in self.log_widget.lines]
+
+    def _wrap_width(self) -> int:
+        log = self.log_widget
+        return log.scrollable_content_region.width if self.wrap else 0
+
+    def _write(self, lines: list[str]) -> None:
+        self._logical.extend(lines)
+        width = self._width = self._wrap_width()
+        rows = [row for line in lines for row in wrap_line(line, width)] if width else lines
+        self.log_widget.write_lines(rows, scroll_end=False)
+
+    def set_wrap(self, wrap: bool) -> None:
+        self.wrap = wrap
+        self.set_class(not wrap, "-nowrap")
+        if self._model is not None:
+            self.refill(self._model)
 
     def update_filter_options(self, model: RunModel) -> None:
         cells = tuple(sorted(model.cells))
@@ -89,7 +135,7 @@ class RunLog(Vertical):
         if entries:
             log = self.log_widget
             following = log.scroll_y >= self._end_y
-            log.write_lines([format_line(*e) for e in entries], scroll_end=False)
+            self._write([format_line(*e) for e in entries])
             if following:
                 self.follow_end()
 
@@ -98,9 +144,11 @@ class RunLog(Vertical):
         self.call_after_refresh(self._to_end)
 
     def on_resize(self, event: events.Resize) -> None:
-        # Panels above grow after the last write (a new verdict row, the first-fail panel);
-        # an operator following the tail keeps seeing the newest line.
-        if self.log_widget.scroll_y >= self._end_y:
+        # Wrapped rows follow the width; panels above grow after the last write (a new verdict
+        # row, the first-fail panel): an operator following the tail keeps the newest line.
+        if self.wrap and self._model is not None and self._wrap_width() != self._width:
+            self.refill(self._model)
+        elif self.log_widget.scroll_y >= self._end_y:
             self.follow_end()
 
     def _to_end(self) -> None:
@@ -112,8 +160,9 @@ class RunLog(Vertical):
         self._model = model
         log = self.log_widget
         log.clear()
+        self._logical.clear()
         entries = model.log_tail(self.max_lines, self.cell_filter)
-        log.write_lines([format_line(*e) for e in entries], scroll_end=False)
+        self._write([format_line(*e) for e in entries])
         self.follow_end()
 
     def on_select_changed(self, event: Select.Changed) -> None:

@@ -340,6 +340,11 @@ class DsaTraceKind(Kind):
         )
 
     def analyze(self, path: Path, args: argparse.Namespace) -> int:
+        if getattr(args, "output", None) is not None:
+            print(
+                f"tracedeck: {self.name} analyze writes no file; --output is not used",
+                file=sys.stderr,
+            )
         try:
             result = analyze_dir(path, args.dsa_topk, args.dsa_layers)
         except (NotATrace, OSError) as exc:

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -41,6 +42,7 @@ from analysis.equivalence_tree import (
     judge_pair,
     judge_tree,
     load_pair_result,
+    metrics_path,
     read_config,
 )
 from analysis.logits import InputError
@@ -73,6 +75,7 @@ from runners.kind import (
 )
 from runners.plan import PlannedCell
 from runners.presets import PresetError
+from runners.progress import Meter
 from runners.record import RUN_JSON, RunRecord, read_events
 from runners.resources import judge_workers
 from runners.targets.base import ConnectionLost, TargetError
@@ -151,13 +154,15 @@ def write_summary(
     *,
     ended: str | None = None,
     notes: list[str] | None = None,
+    source: Path | None = None,
 ) -> dict[str, Any]:
-    """Writes config.json, summary.json and the report; returns the summary.
+    """Writes config.json, summary.json and the report into `root`; returns the summary.
 
     `ended` is the word of a run cut short (CANCELLED, CRASHED): it is then the global verdict
-    of every file, as it is the run's.
+    of every file, as it is the run's. `source`: the tree judged, when the documents go
+    elsewhere (analyze --output); its config.json is the one carried over.
     """
-    config = read_config(root) or {}
+    config = read_config(source or root) or {}
     config.update(
         {
             "benchmark": "B3.67",
@@ -204,31 +209,57 @@ def analyze_tree(
     seeds: list[int] | None = None,
     engine_unjudged: list[Unjudged] | None = None,
     workers: int = 1,
+    *,
+    output: str | Path | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> tuple[dict[str, Any], list[PairResult]]:
     """Judges every pair of a tree and writes all its documents; returns (summary, results).
 
     engine_unjudged: pairs a run's record shows never had an engine result; they are named as
-    such instead of as missing files.
+    such instead of as missing files. output: where the documents go (default: the tree
+    itself); the tree is then only read. progress(pairs judged, pairs): after each pair.
     """
     root = Path(root)
-    judged = judge_tree(root, thresholds, date, seeds, workers)
+    out = Path(output) if output is not None else root
+    judged = judge_tree(root, thresholds, date, seeds, workers, progress=progress)
     known = {(u.kv_aligned, u.seed): u for u in engine_unjudged or []}
     unjudged = [known.get((u.kv_aligned, u.seed), u) for u in judged.unjudged]
     for result in judged.results:
-        write_pair(root, result)
+        write_pair(out, result)
     summary = write_summary(
-        root,
+        out,
         judged.results,
         unjudged,
         judged.config_matrix,
         judged.thresholds,
         judged.date,
         notes=judged.notes,
+        source=root,
     )
     return summary, judged.results
 
 
+def written(out: Path, results: list[PairResult]) -> list[Path]:
+    """The files analyze_tree wrote into `out`, in the order a reader wants them."""
+    return [
+        out / "summary.json",
+        out / REPORT_NAME,
+        out / "config.json",
+        *(metrics_path(out, r.kv_aligned, r.seed) for r in results),
+    ]
+
+
 # ---------------------------------------------------------------- the judge
+
+
+def threadsafe(call: Callable[[int, int], None]) -> Callable[[int, int], None]:
+    """`call`, made safe to call from a worker thread: it runs on this event loop."""
+    loop = asyncio.get_running_loop()
+
+    def from_thread(done: int, total: int) -> None:
+        loop.call_soon_threadsafe(call, done, total)
+
+    return from_thread
 
 
 class EquivalenceJudge(Judge):
@@ -275,11 +306,14 @@ class EquivalenceJudge(Judge):
             if not all(self._side_home(c) for c in sides.values()):
                 continue
             hosts = {m: self.hosts[c] for m, c in sides.items() if c in self.hosts}
+            meter = Meter("judge", f"kv_aligned={kv} seed={seed}", "tokens", self.ctx.progress)
+            on_token = threadsafe(meter.update)
+
             try:
                 if self.ctx.host is not None:
                     result = await self._judge_on_host(kv, seed)
                 else:
-                    result = await asyncio.to_thread(self._judge, kv, seed, hosts)
+                    result = await asyncio.to_thread(self._judge, kv, seed, hosts, on_token)
             except ConnectionLost:
                 raise  # judged once the link is back
             except (ValueError, TargetError) as exc:
@@ -287,6 +321,9 @@ class EquivalenceJudge(Judge):
                 self.ctx.emit(Error(message=str(exc), where=f"kv_aligned_{kv}/seed_{seed}"))
                 self.ctx.emit(PairUnjudged(seed=seed, kv_aligned=kv, reason=str(exc), kind=kind))
                 continue
+            finally:
+                await asyncio.sleep(0)  # the last token's progress, queued from the thread
+                meter.finish()
             self.ctx.emit(
                 PairVerdict(
                     seed=seed,
@@ -321,10 +358,16 @@ class EquivalenceJudge(Judge):
                 return ("engine" if f.missing else "infra"), f"{mode} side: {f.path}: {f.reason}"
         return None
 
-    def _judge(self, kv: int, seed: int, hosts: dict[str, str] | None = None) -> PairResult:
+    def _judge(
+        self,
+        kv: int,
+        seed: int,
+        hosts: dict[str, str] | None = None,
+        on_token: Callable[[int, int], None] | None = None,
+    ) -> PairResult:
         # A pair comes home at a time: its two sides are read at once where there are cores.
         workers = min(2, judge_workers())
-        result = judge_pair(self.ctx.local_dir, kv, seed, self.thresholds, workers)
+        result = judge_pair(self.ctx.local_dir, kv, seed, self.thresholds, workers, on_token)
         write_pair(self.ctx.local_dir, result, hosts)
         return result
 
@@ -401,6 +444,34 @@ def precision_text(p: dict[str, Any] | None) -> str:
     return "; ".join(parts)
 
 
+def _comparison(metric: str) -> str:
+    return "must be >=" if metric.endswith("_min") or metric == "top1_agreement" else "must be <="
+
+
+def first_fail_box(ff: dict[str, Any]) -> list[str]:
+    """The run's first failure as the console's first-fail panel shows it: the pair and token,
+    the metric against its threshold, both sides' top-5, where in the files."""
+    head = (
+        f"first fail: kv_aligned={ff.get('kv_aligned', '?')} seed={ff.get('seed', '?')} "
+        f"token_idx={ff.get('token_idx', '?')} token_id={ff.get('token_id', '?')} FAIL_EQUIV"
+    )
+    metric = str(ff.get("metric", "?"))
+    if metric == "token_id":
+        ids = ff.get("token_ids") or {}
+        what = (
+            f"  token_id: the modes wrote different tokens: prefill {ids.get('prefill')}, "
+            f"decode {ids.get('decode')} (kv_aligned=1 must produce the same tokens)"
+        )
+    else:
+        what = (
+            f"  {metric} = {_num(ff.get('value'))}  threshold {_num(ff.get('threshold'))} "
+            f"({_comparison(metric)})"
+        )
+    lines = ["", head, what]
+    lines += [line[2:] for line in first_fail_lines(ff)[1:]]
+    return lines
+
+
 def first_fail_lines(ff: dict[str, Any]) -> list[str]:
     """The first failure as the console shows it: token, metric, both sides' top-5, where."""
     if ff.get("metric") == "token_id":
@@ -465,6 +536,9 @@ class EquivalencePrinter(KindPrinter):
     def final(self, event: RunFinished) -> list[str]:
         s = event.summary
         lines = []
+        ff = s.get("first_fail")
+        if isinstance(ff, dict):
+            lines += first_fail_box(ff)
         if s.get("reason"):
             lines.append(f"why: {s['reason']}")
         for u in s.get("unjudged") or []:
@@ -584,6 +658,8 @@ class EquivalenceKind(Kind):
         )
 
     def analyze(self, path: Path, args: argparse.Namespace) -> int:
+        """Judge a tree; write metrics/, config.json, summary.json and the report into it, or
+        into --output (the tree is then only read); say every file written."""
         try:
             thresholds = _threshold_args(args.threshold)
             if thresholds is not None:
@@ -593,6 +669,7 @@ class EquivalenceKind(Kind):
         except (PresetError, ValueError) as exc:
             print(f"tracedeck: {exc}", file=sys.stderr)
             return EXIT_USAGE
+        out = Path(getattr(args, "output", None) or path)
         held = _held_on_host(path)
         if held:
             print(
@@ -603,6 +680,7 @@ class EquivalenceKind(Kind):
             )
             return EXIT_USAGE
         engine = _engine_failures(path, args.seeds)
+        meter = Meter("judge", str(path), "pairs", getattr(args, "progress", None))
         try:
             summary, results = analyze_tree(
                 path,
@@ -610,25 +688,36 @@ class EquivalenceKind(Kind):
                 seeds=args.seeds,
                 engine_unjudged=engine,
                 workers=judge_workers(getattr(args, "workers", None)),
+                output=out,
+                progress=meter.update,
             )
         except (InputError, ValueError, OSError) as exc:
             print(f"tracedeck: {exc}", file=sys.stderr)
-            if (path / "runs").is_dir() or (path / "summary.json").exists():
-                write_not_judged(path, str(exc), datetime.now(UTC).strftime("%Y-%m-%d"))
-                print(
-                    f"tracedeck: wrote summary.json and {REPORT_NAME} saying so in {path}",
-                    file=sys.stderr,
-                )
+            if (path / "runs").is_dir() or (path / "summary.json").exists() or out != path:
+                write_not_judged(out, str(exc), datetime.now(UTC).strftime("%Y-%m-%d"))
+                for wrote in (out / "summary.json", out / REPORT_NAME):
+                    print(
+                        f"tracedeck: wrote {wrote} (it says the tree was not judged)",
+                        file=sys.stderr,
+                    )
             if engine:
                 for u in engine:
                     print(f"not judged: {u.to_json()['pair']} ({u.kind}): {u.why}", file=sys.stderr)
                 return EXIT_INFRA
             return EXIT_USAGE
+        finally:
+            meter.finish()
+        files = written(out, results)
         code = VERDICT_EXIT[summary["global_verdict"]]
         for u in summary["unjudged"]:
             print(f"tracedeck: not judged {u['pair']} ({u['class']}): {u['why']}", file=sys.stderr)
         if args.json:
-            print(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode())
+            # One document for CI: the summary, every pair's metrics (first fail included) as
+            # written to metrics/, and the files written.
+            pairs = [json.loads(f.read_text(encoding="utf-8")) for f in files[3:]]
+            doc = {**summary, "pairs": pairs, "wrote": [str(f) for f in files]}
+            print(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode())
+            print(f"tracedeck: wrote {len(files)} files in {out}", file=sys.stderr)
             return code
         printer = EquivalencePrinter()
         for r in results:
@@ -645,17 +734,13 @@ class EquivalenceKind(Kind):
                     f"  the modes wrote different tokens at token {r.diverged_at_token}: "
                     f"compared {r.pair_count} of {max(r.tokens.values())} tokens"
                 )
-        ff = summary.get("first_fail")
-        if ff:
-            print("\n".join(first_fail_lines(ff)).replace("  first fail:", "first fail:", 1))
         for line in printer.final(RunFinished(summary["global_verdict"], code, summary)):
             print(line)
         for note in summary.get("notes", []):
             print(f"note: {note}")
-        print(
-            f"global verdict: {summary['global_verdict']}  "
-            f"(wrote summary.json, metrics/, {REPORT_NAME} in {path})"
-        )
+        for f in files:
+            print(f"wrote {f}")
+        print(f"global verdict: {summary['global_verdict']}")
         return code
 
 

@@ -477,19 +477,32 @@ class KvInvarianceKind(Kind):
         if not cells and not problems:
             problems = [("input", f"{path}: no kv_invariance result.json and no {LOG_NAME} here")]
         summary = summarize(cells, date, problems, notes)
-        if path.is_dir():
-            write_atomic(path / SUMMARY, json.dumps(summary, indent=2) + "\n")
+        # Into the tree (or --output, leaving the tree untouched); a lone log writes nothing
+        # unless --output names where.
+        output = getattr(args, "output", None)
+        folder = Path(output) if output is not None else (path if path.is_dir() else None)
+        wrote = []
+        if folder is not None:
+            write_atomic(folder / SUMMARY, json.dumps(summary, indent=2) + "\n")
+            wrote.append(folder / SUMMARY)
         code = VERDICT_EXIT[summary["global_verdict"]]
         if args.json:
-            print(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode())
+            print(
+                orjson.dumps(
+                    {**summary, "wrote": [str(w) for w in wrote]}, option=orjson.OPT_INDENT_2
+                ).decode()
+            )
+            for w in wrote:
+                print(f"tracedeck: wrote {w}", file=sys.stderr)
             return code
         for c in cells:
             for line in describe(c):
                 print(line)
         for line in final_lines(summary):
             print(line)
-        wrote = f"  (wrote {SUMMARY} in {path})" if path.is_dir() else ""
-        print(f"global verdict: {summary['global_verdict']}{wrote}")
+        for w in wrote:
+            print(f"wrote {w}")
+        print(f"global verdict: {summary['global_verdict']}")
         return code
 
 

@@ -203,6 +203,11 @@ class ReadoutKind(Kind):
         return "a readout trace .jsonl (B3.11/B3.12)"
 
     def analyze(self, path: Path, args: argparse.Namespace) -> int:
+        if getattr(args, "output", None) is not None:
+            print(
+                f"tracedeck: {self.name} analyze writes no file; --output is not used",
+                file=sys.stderr,
+            )
         try:
             agg = analyze_trace(path)
         except (TraceError, OSError) as exc:

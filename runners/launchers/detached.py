@@ -45,6 +45,7 @@ RUN_PIDS = r"""run_pids() {
 RUN_SH = r"""#!/bin/sh
 # Written by tracedeck: runs detached (setsid) and holds the host lock through fd 9.
 cd {run_dir}
+mkdir -p artifacts  # {{out}}: there when the first cell starts; below it is the engine's
 export TRACEDECK_RUN_ID={run_id}
 now() {{ date +%s.%N; }}
 ev() {{ printf '%s\n' "$1" >> progress.jsonl; }}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -102,8 +103,11 @@ class Target(Protocol):
         """The names in a directory (no . or ..); None when the directory does not exist."""
         ...
 
-    async def download(self, path: str, local: Path) -> None:
-        """Copy a file home: to local.part, renamed when complete."""
+    async def download(
+        self, path: str, local: Path, progress: Callable[[int, int], None] | None = None
+    ) -> None:
+        """Copy a file home: to local.part, renamed when complete. progress(done, total) is
+        called on the event loop as bytes arrive (total 0 when the size is unknown)."""
         ...
 
     async def open_stream(self, command: str) -> TargetStream:

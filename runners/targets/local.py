@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 from runners.atomic import write_atomic
@@ -64,8 +64,17 @@ class LocalTarget:
     async def list_dir(self, path: str) -> list[str] | None:
         return await asyncio.to_thread(_list_dir, Path(path))
 
-    async def download(self, path: str, local: Path) -> None:
-        await asyncio.to_thread(_copy_atomic, Path(path), local)
+    async def download(
+        self, path: str, local: Path, progress: Callable[[int, int], None] | None = None
+    ) -> None:
+        report = None
+        if progress is not None:
+            loop = asyncio.get_running_loop()
+
+            def report(done: int, total: int) -> None:
+                loop.call_soon_threadsafe(progress, done, total)
+
+        await asyncio.to_thread(_copy_atomic, Path(path), local, report)
 
     async def open_stream(self, command: str) -> LocalStream:
         try:
@@ -136,11 +145,23 @@ def _list_dir(path: Path) -> list[str] | None:
         raise TargetError(f"cannot list {path} on this machine: {exc}") from exc
 
 
-def _copy_atomic(src: Path, local: Path) -> None:
+COPY_CHUNK = 4 << 20
+
+
+def _copy_atomic(
+    src: Path, local: Path, progress: Callable[[int, int], None] | None = None
+) -> None:
     part = local.with_name(local.name + ".part")
     try:
         local.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(src, part)
+        with open(src, "rb") as fin, open(part, "wb") as fout:
+            total = os.fstat(fin.fileno()).st_size
+            done = 0
+            while chunk := fin.read(COPY_CHUNK):
+                fout.write(chunk)
+                done += len(chunk)
+                if progress is not None:
+                    progress(done, total)
         os.replace(part, local)
     except OSError as exc:
         part.unlink(missing_ok=True)

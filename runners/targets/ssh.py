@@ -7,6 +7,7 @@ import contextlib
 import os
 import posixpath
 import shlex
+from collections.abc import Callable
 from pathlib import Path
 
 import asyncssh
@@ -320,12 +321,19 @@ class SshTarget:
             raise self._failure(exc, "start a command") from exc
         return SshStream(proc)
 
-    async def download(self, path: str, local: Path) -> None:
+    async def download(
+        self, path: str, local: Path, progress: Callable[[int, int], None] | None = None
+    ) -> None:
         _, sftp = self._live()
         local.parent.mkdir(parents=True, exist_ok=True)
         part = local.with_name(local.name + ".part")
+
+        def handler(_src: bytes, _dst: bytes, done: int, total: int) -> None:
+            if progress is not None:
+                progress(done, total)
+
         try:
-            await sftp.get(path, part)
+            await sftp.get(path, part, progress_handler=handler if progress else None)
             os.replace(part, local)
         except BaseException as exc:
             part.unlink(missing_ok=True)
