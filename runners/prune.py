@@ -42,6 +42,8 @@ UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
 # The ids runners.session.new_run_id makes: DATE-TIME-PRESET-HEX4.
 RUN_ID = re.compile(r"(\d{8}-\d{6})-[A-Za-z0-9][A-Za-z0-9._-]*-[0-9a-f]{4}")
+# A fleet host's batch directory in RUNS/RUN_ID (runners.fleet: the host's slug, a number).
+FLEET_BATCH = re.compile(r"[A-Za-z0-9._-]+-\d+")
 # A run directory with no process group yet, younger than this, may be a launch under way.
 LAUNCH_GRACE_S = 600.0
 # Verdicts that do not mean the run ended (the console stopped following, or recording).
@@ -154,11 +156,15 @@ async def run_alive(target: Target, run_dir: str, run_id: str) -> bool:
     )
     if await target.read_from(f"{run_dir}/{JOB_DIR}/job.sh", 0, 0) is not None:
         return await SlurmLauncher(target, SlurmSettings()).alive(plan)
-    for name in await target.list_dir(run_dir) or []:
-        member = f"{run_dir}/{name}"
-        batch = await target.read_from(f"{member}/run.sh", 0, 0) is not None
-        if batch and await run_alive(target, member, f"{run_id}@{name}"):
-            return True
+    if await target.read_from(f"{run_dir}/run.sh", 0, 0) is None:  # a fleet's: its batches
+        for name in await target.list_dir(run_dir) or []:
+            if not FLEET_BATCH.fullmatch(name):
+                continue
+            batch = f"{run_dir}/{name}"
+            if await target.read_from(f"{batch}/run.sh", 0, 0) is None:
+                continue  # its launch never wrote its script: nothing of it can run
+            if await run_alive(target, batch, f"{run_id}@{name}"):
+                return True
     launcher = DetachedLauncher(target)
     if not await launcher.alive(plan):
         return False
