@@ -25,7 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a preset headless")
     run.add_argument("preset", help="preset name (see `tracedeck presets`) or path to a .toml")
     run.add_argument(
-        "--target", help="local | ssh://user@host:port | ALIAS (default: the preset's)"
+        "--target",
+        help="local | ssh://user@host:port | ALIAS | slurm://LOGIN/PARTITION | several hosts "
+        "as a,b or a [fleets.NAME] of the config (default: the preset's)",
     )
     run.add_argument(
         "--out", type=Path, help="local run directory root (default: ~/.local/share/tracedeck/runs)"
@@ -39,6 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="override a preset field, TOML value syntax (e.g. matrix.seed=[0])",
     )
     run.add_argument("--json", action="store_true", help="print events as JSONL")
+    run.add_argument(
+        "--busy",
+        choices=("skip", "wait"),
+        help="a fleet host whose lock is held: skip it (its cells go to the others) or wait "
+        "for it (default: the preset's fleet.busy, skip)",
+    )
     add_kind_options(run)
 
     plan = sub.add_parser(
@@ -215,7 +223,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from runners.targets.base import TargetError
 
     try:
-        preset = load_preset(resolve_preset(args.preset), args.overrides, chosen_options(args))
+        overrides = list(args.overrides)
+        if args.busy:
+            overrides.append(f'fleet.busy="{args.busy}"')
+        preset = load_preset(resolve_preset(args.preset), overrides, chosen_options(args))
         target = args.target or preset.section("target")["host"]
         out = usable_out_dir(args.out or default_out_dir())
         session = Session.create(preset, target, out, Printer(json_lines=args.json))
@@ -738,7 +749,7 @@ async def _prune(args: argparse.Namespace, out: Path, older: float | None) -> in
             print(f"  keep     {when}  {item.run_id}  {item.path}: {item.why}")
             continue
         verb = "deleted" if item.done else ("delete" if not args.yes else "FAILED")
-        also = f"  (and {item.remote[0]}:{item.remote[1]})" if item.remote else ""
+        also = "".join(f"  (and {spec}:{rdir})" for spec, rdir in item.remote)
         print(f"  {verb:<8} {when}  {item.run_id}  {item.path}{also}")
         if item.note:
             print(f"           {item.note}")

@@ -11,16 +11,21 @@ from runners.cells import SETUP_CELL, CellState, params_label
 from runners.events import (
     ArtifactFetched,
     CellFinished,
+    CellRequeued,
     CellStarted,
     Connection,
     Error,
     Event,
+    HostAssigned,
+    HostState,
+    JobSubmitted,
     LockAcquired,
     LockBusy,
     OutputLines,
     Progress,
     RunFinished,
     RunStarted,
+    SchedulerState,
 )
 from runners.kind import KindPrinter
 from runners.progress import ProgressLines, progress_text
@@ -85,13 +90,24 @@ class Printer:
         silently, so later lines are numbered as the run's cells are)."""
         self.lines(event)
 
-    def _tag(self, cell: int) -> str:
+    def _tag(self, cell: int, host: str = "") -> str:
+        at = f" @{host}" if host else ""  # the fleet host the cell runs on
         if cell == SETUP_CELL:
-            return "[setup]"
+            return f"[setup{at}]"
         width = len(str(self.total))
-        return f"[{cell + 1:>{width}}/{self.total}]"
+        return f"[{cell + 1:>{width}}/{self.total}{at}]"
 
     def lines(self, event: Event) -> list[str]:
+        lines = self._lines(event)
+        if (
+            event.host
+            and lines
+            and not isinstance(event, CellStarted | OutputLines | CellFinished | ArtifactFetched)
+        ):
+            lines = [f"{event.host}: {line}" for line in lines]
+        return lines
+
+    def _lines(self, event: Event) -> list[str]:
         if isinstance(event, RunStarted):
             self.total = len(event.cells)
             self.cells = {
@@ -123,22 +139,58 @@ class Printer:
                 f"started {h.get('started_at')}, pgid {h.get('pgid')})"
             ]
         if isinstance(event, CellStarted):
-            self.cells.setdefault(event.cell, {"params": event.params})["state"] = CellState.RUNNING
-            return [f"{self._tag(event.cell)} start  {params_label(event.params)}"]
+            info = self.cells.setdefault(event.cell, {"params": event.params})
+            info["state"] = CellState.RUNNING
+            if event.host:
+                info["host"] = event.host
+            return [f"{self._tag(event.cell, event.host)} start  {params_label(event.params)}"]
         if isinstance(event, OutputLines):
             mark = "|" if event.stream == "stdout" else "!"
-            return [f"{self._tag(event.cell)} {mark} {line}" for line in event.lines]
+            tag = self._tag(event.cell, event.host)
+            return [f"{tag} {mark} {line}" for line in event.lines]
         if isinstance(event, CellFinished):
             info = self.cells.setdefault(event.cell, {"params": {}})
             info.update(state=event.state, exit_code=event.exit_code, duration=event.duration_s)
+            if event.host:
+                info["host"] = event.host
+            if event.scheduler:
+                info["scheduler"] = event.scheduler
             took = f" in {event.duration_s:.1f}s" if event.duration_s is not None else ""
             code = f" exit {event.exit_code}" if event.exit_code is not None else ""
-            return [f"{self._tag(event.cell)} {event.state}{code}{took}"]
+            why = ""
+            if event.scheduler:
+                why = f" ({event.scheduler}" + (
+                    f": {event.stderr_tail})" if event.stderr_tail else ")"
+                )
+            elif event.stderr_tail and event.exit_code is None:
+                why = f" ({event.stderr_tail})"
+            return [f"{self._tag(event.cell, event.host)} {event.state}{code}{took}{why}"]
         if isinstance(event, ArtifactFetched):
             return [
-                f"{self._tag(event.cell)} fetched {event.path} ({event.size} bytes, "
+                f"{self._tag(event.cell, event.host)} fetched {event.path} ({event.size} bytes, "
                 f"sha256 {event.sha256[:16]})"
             ]
+        if isinstance(event, HostAssigned):
+            cells = ", ".join(str(c + 1) for c in event.cells)
+            return [f"cells {cells} start in {event.run_dir} (lock {event.lock})"]
+        if isinstance(event, HostState):
+            return [f"host {event.state}" + (f": {event.message}" if event.message else "")]
+        if isinstance(event, CellRequeued):
+            info = self.cells.setdefault(event.cell, {"params": {}})
+            info["state"] = CellState.PENDING
+            return [f"{self._tag(event.cell)} requeued: {event.reason}"]
+        if isinstance(event, JobSubmitted):
+            cells = ", ".join(str(c + 1) for c in event.cells)
+            part = f" to partition {event.partition}" if event.partition else ""
+            return [f"  {event.scheduler}:       job {event.job_id}{part} (cells {cells})"]
+        if isinstance(event, SchedulerState):
+            info = self.cells.setdefault(event.cell, {"params": {}})
+            info["scheduler"] = event.state
+            if event.node:
+                info["host"] = event.node
+            reason = f" ({event.reason})" if event.reason else ""
+            node = f" on {event.node}" if event.node else ""
+            return [f"{self._tag(event.cell)} slurm {event.state}{reason}{node}"]
         if isinstance(event, Connection):
             extra = f" (attempt {event.attempt})" if event.attempt else ""
             return [f"connection {event.state}{extra}: {event.message}"]
@@ -151,18 +203,29 @@ class Printer:
     def _final(self, event: RunFinished) -> list[str]:
         lines = []
         if self.cells:
+            hosts = any(c.get("host") for c in self.cells.values())
+            sched = any(c.get("scheduler") for c in self.cells.values())
+            head = f"{'cell':>5}  {'state':<10} {'exit':>4} {'time':>7}  "
+            head += f"{'host':<16} " if hosts else ""
+            head += f"{'slurm':<13} " if sched else ""
             lines.append("")
-            lines.append(f"{'cell':>5}  {'state':<10} {'exit':>4} {'time':>7}  params")
+            lines.append(head + "params")
             for index in sorted(self.cells):
                 c = self.cells[index]
                 dur = c.get("duration")
-                lines.append(
+                row = (
                     f"{'setup' if index < 0 else index + 1:>5}  {c.get('state', 'pending'):<10} "
                     f"{'' if c.get('exit_code') is None else c['exit_code']:>4} "
                     f"{'' if dur is None else f'{dur:.1f}s':>7}  "
-                    f"{params_label(c.get('params', {}))}"
                 )
+                row += f"{c.get('host', ''):<16} " if hosts else ""
+                row += f"{c.get('scheduler', ''):<13} " if sched else ""
+                lines.append(row + params_label(c.get("params", {})))
         lines += self.kind.final(event)
+        for host, info in (event.summary.get("hosts") or {}).items():
+            ran = ", ".join(str(c + 1) for c in info.get("cells", [])) or "none"
+            extra = f" ({info['message']})" if info.get("message") else ""
+            lines.append(f"host {host}: {info.get('state')}{extra}; cells {ran}")
         for problem in event.summary.get("engine_errors") or []:
             lines.append(f"engine error: {problem}")
         if event.summary.get("error"):

@@ -13,16 +13,21 @@ from runners.events import (
     ArtifactFetched,
     ArtifactHeld,
     CellFinished,
+    CellRequeued,
     CellStarted,
     Connection,
     Error,
     Event,
+    HostAssigned,
+    HostState,
+    JobSubmitted,
     LockAcquired,
     LockBusy,
     OutputLines,
     Progress,
     RunFinished,
     RunStarted,
+    SchedulerState,
     TraceBatch,
 )
 
@@ -51,6 +56,32 @@ class CellRow:
     exit_code: int | None = None
     duration_s: float | None = None
     started_t: float | None = None
+    host: str = ""  # the fleet host that runs it (or the Slurm node)
+    sched: str = ""  # the scheduler's state: "PENDING (Resources)", "RUNNING on n1", "TIMEOUT"
+
+
+@dataclass(slots=True)
+class HostRow:
+    """One host of a fleet run, as its status line shows it."""
+
+    spec: str
+    state: str = "waiting to start"
+    message: str = ""
+    connection: str = "connected"
+    lock: str = ""
+    lock_held: bool = False
+    cells: set[int] = field(default_factory=set)  # assigned to it (its batches)
+    done: set[int] = field(default_factory=set)
+    last_error: str = ""
+
+
+@dataclass(slots=True)
+class Job:
+    """A run's job on a batch scheduler."""
+
+    scheduler: str = ""
+    job_id: str = ""
+    partition: str = ""
 
 
 @dataclass(slots=True)
@@ -68,6 +99,7 @@ class Header:
     holder: dict[str, Any] = field(default_factory=dict)
     lock_busy: bool = False
     started_t: float | None = None
+    fleet: bool = False  # several hosts: each has its own lock (the hosts lines show them)
 
 
 @dataclass(slots=True)
@@ -81,6 +113,7 @@ class Changes:
     connection: bool = False
     errors: bool = False
     finished: bool = False
+    hosts: bool = False
     progress: bool = False
 
     def __bool__(self) -> bool:
@@ -91,6 +124,7 @@ class Changes:
             or self.connection
             or self.errors
             or self.finished
+            or self.hosts
             or self.progress
         )
 
@@ -107,6 +141,8 @@ class RunModel:
         self.errors: list[Error] = []
         self.held: set[tuple[int, str]] = set()  # artifacts left on the host, not fetched yet
         self.finished: RunFinished | None = None
+        self.hosts: dict[str, HostRow] = {}
+        self.job = Job()
         self.events = 0
         self.trace_records = 0
         self.artifacts = 0
@@ -153,9 +189,52 @@ class RunModel:
     def apply(self, event: Event) -> None:
         self.events += 1
         self.last_t = event.t
+        if event.host:
+            self._host_event(event)
         handler = _HANDLERS.get(type(event))
         if handler is not None:
             handler(self, event)
+
+    def host_row(self, spec: str) -> HostRow:
+        row = self.hosts.get(spec)
+        if row is None:
+            row = self.hosts[spec] = HostRow(spec)
+            self.header.fleet = True
+            self._changes.header = True
+        return row
+
+    def _host_event(self, event: Event) -> None:
+        """What a fleet host's events say of that host (its status line)."""
+        row = self.host_row(event.host)
+        self._changes.hosts = True
+        if isinstance(event, HostAssigned):
+            row.cells.update(event.cells)
+            row.lock = event.lock
+            for index in event.cells:
+                cell = self.cells.get(index)
+                if cell is not None:
+                    cell.host = event.host
+                    self._changes.cells[index] = None
+        elif isinstance(event, HostState):
+            row.state, row.message = event.state, event.message
+            if event.state != "running":
+                row.lock_held = False
+            if event.state == "lost":
+                row.connection = "unreachable"
+        elif isinstance(event, LockAcquired):
+            row.lock, row.lock_held = event.lock, True
+        elif isinstance(event, LockBusy):
+            row.lock, row.lock_held = event.lock, False
+        elif isinstance(event, Connection):
+            attempt = f" (attempt {event.attempt})" if event.attempt else ""
+            row.connection = "connected" if event.state == "restored" else f"{event.state}{attempt}"
+        elif isinstance(event, Error):
+            row.last_error = event.message
+        elif isinstance(event, CellFinished) and event.cell >= 0:
+            row.done.add(event.cell)
+        elif isinstance(event, CellRequeued):
+            row.cells.discard(event.cell)
+            row.done.discard(event.cell)
 
     def _run_started(self, event: RunStarted) -> None:
         h = self.header
@@ -174,6 +253,8 @@ class RunModel:
                 self._changes.cells[index] = None
 
     def _lock(self, event: LockAcquired | LockBusy) -> None:
+        if event.host:
+            return  # a fleet host's lock: its status line shows it
         self.header.lock = event.lock
         self.header.holder = dict(event.holder)
         self.header.lock_busy = isinstance(event, LockBusy)
@@ -185,6 +266,8 @@ class RunModel:
             row = self.cells[event.cell] = CellRow(event.cell, dict(event.params), event.command)
         row.state = CellState.RUNNING
         row.started_t = event.t
+        if event.host:
+            row.host = event.host
         self._changes.cells[event.cell] = None
 
     def _cell_finished(self, event: CellFinished) -> None:
@@ -194,7 +277,53 @@ class RunModel:
         row.state = event.state
         row.exit_code = event.exit_code
         row.duration_s = event.duration_s
+        if event.host:
+            row.host = event.host
+        if event.scheduler:
+            row.sched = event.scheduler
         self._changes.cells[event.cell] = None
+
+    def _requeued(self, event: CellRequeued) -> None:
+        row = self.cells.get(event.cell)
+        if row is None:
+            return
+        row.state, row.exit_code, row.duration_s = CellState.PENDING, None, None
+        row.host = f"({event.host} lost)" if event.host else ""
+        self._changes.cells[event.cell] = None
+        self._log_run(f"cell {event.cell + 1} requeued: {event.reason}")
+
+    def _scheduler(self, event: SchedulerState) -> None:
+        row = self.cells.get(event.cell)
+        if row is None:
+            return
+        text = event.state
+        if event.reason:
+            text += f" ({event.reason})"
+        if event.node and event.state == "RUNNING":
+            text += f" on {event.node}"
+        row.sched = text
+        if event.node:
+            row.host = event.node
+        self._changes.cells[event.cell] = None
+        self._changes.hosts = True  # the job's line counts its cells by state
+
+    def _job(self, event: JobSubmitted) -> None:
+        self.job = Job(event.scheduler, event.job_id, event.partition)
+        self._changes.header = True
+        self._changes.hosts = True
+        self._log_run(
+            f"{event.scheduler} job {event.job_id} submitted"
+            + (f" to partition {event.partition}" if event.partition else "")
+        )
+
+    def sched_counts(self) -> dict[str, int]:
+        """How many cells are in each scheduler state (its first word)."""
+        counts: dict[str, int] = {}
+        for row in self.cells.values():
+            if row.index >= 0 and row.sched:
+                word = row.sched.split()[0]
+                counts[word] = counts.get(word, 0) + 1
+        return counts
 
     def _output(self, event: OutputLines) -> None:
         for line in event.lines:
@@ -215,10 +344,12 @@ class RunModel:
         self.held.add((event.cell, event.path))
 
     def _connection(self, event: Connection) -> None:
-        self.connection = event
-        self._changes.connection = True
+        if not event.host:  # a fleet host's link: its status line shows it
+            self.connection = event
+            self._changes.connection = True
         attempt = f" (attempt {event.attempt})" if event.attempt else ""
-        self._log_run(f"connection {event.state}{attempt}: {event.message}")
+        where = f"{event.host}: " if event.host else ""
+        self._log_run(f"{where}connection {event.state}{attempt}: {event.message}")
 
     def _error(self, event: Error) -> None:
         self.errors.append(event)
@@ -259,5 +390,8 @@ _HANDLERS: dict[type[Event], Any] = {
     Connection: RunModel._connection,
     Error: RunModel._error,
     RunFinished: RunModel._run_finished,
+    CellRequeued: RunModel._requeued,
+    SchedulerState: RunModel._scheduler,
+    JobSubmitted: RunModel._job,
     Progress: RunModel._progress,
 }

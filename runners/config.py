@@ -1,7 +1,10 @@
-"""The operator's configuration of hosts: ~/.config/tracedeck/config.toml.
+"""The operator's configuration of hosts and fleets: ~/.config/tracedeck/config.toml.
 
     [hosts.mi300x]                 # a target as it is written: an ssh_config alias, an
     lock = "/tmp/gpu.lock"         # ssh://user@host:port URL, or "local"
+
+    [fleets.rack]                  # `--target rack`: one run's cells spread over these hosts
+    hosts = ["gpu1", "gpu2", "ssh://root@10.0.0.7"]
 
 The lock belongs to the host, not to a preset: every preset aimed at a host takes that host's
 lock (DEFAULT_LOCK unless configured), so two kinds of run never share one GPU. A preset or a
@@ -17,6 +20,8 @@ from typing import Any
 
 DEFAULT_LOCK = "/tmp/tracedeck.lock"
 HOST_KEYS = {"lock": str}
+FLEET_KEYS = ("hosts",)
+SECTIONS = ("hosts", "fleets")
 # A relative lock would depend on each console's directory: two runs could share the GPU.
 LOCK_RULE = "must be an absolute path (every console must take the same lock)"
 
@@ -42,23 +47,70 @@ def load_config(path: Path | None = None) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     for section, body in data.items():
-        if section != "hosts":
-            raise ConfigError(f"{path}: {section}: unknown section; known: hosts")
+        if section not in SECTIONS:
+            raise ConfigError(f"{path}: {section}: unknown section; known: {', '.join(SECTIONS)}")
         if not isinstance(body, dict):
-            raise ConfigError(f"{path}: hosts: must be a table of [hosts.NAME] tables")
-        for name, host in body.items():
-            if not isinstance(host, dict):
-                raise ConfigError(f"{path}: hosts.{name}: must be a table")
-            for key, value in host.items():
-                if key not in HOST_KEYS:
-                    raise ConfigError(
-                        f"{path}: hosts.{name}.{key}: unknown key; known: {', '.join(HOST_KEYS)}"
-                    )
-                if not isinstance(value, HOST_KEYS[key]) or not value:
-                    raise ConfigError(f"{path}: hosts.{name}.{key}: must be a non-empty string")
-                if key == "lock" and not value.startswith("/"):
-                    raise ConfigError(f"{path}: hosts.{name}.lock: {LOCK_RULE}, got {value!r}")
+            raise ConfigError(f"{path}: {section}: must be a table of [{section}.NAME] tables")
+    for name, host in data.get("hosts", {}).items():
+        if not isinstance(host, dict):
+            raise ConfigError(f"{path}: hosts.{name}: must be a table")
+        for key, value in host.items():
+            if key not in HOST_KEYS:
+                raise ConfigError(
+                    f"{path}: hosts.{name}.{key}: unknown key; known: {', '.join(HOST_KEYS)}"
+                )
+            if not isinstance(value, HOST_KEYS[key]) or not value:
+                raise ConfigError(f"{path}: hosts.{name}.{key}: must be a non-empty string")
+            if key == "lock" and not value.startswith("/"):
+                raise ConfigError(f"{path}: hosts.{name}.lock: {LOCK_RULE}, got {value!r}")
+    for name, fleet in data.get("fleets", {}).items():
+        _check_fleet(path, name, fleet, data.get("hosts", {}))
     return data
+
+
+def _check_fleet(path: Path, name: str, fleet: Any, hosts: dict[str, Any]) -> None:
+    where = f"{path}: fleets.{name}"
+    if not isinstance(fleet, dict):
+        raise ConfigError(f"{where}: must be a table with hosts = [...]")
+    if name in hosts:
+        raise ConfigError(
+            f"{where}: {name!r} also names a host ([hosts.{name}]): `--target {name}` would be "
+            "ambiguous; rename one"
+        )
+    if "," in name or "://" in name or name == "local":
+        raise ConfigError(f"{where}: {name!r} cannot name a fleet (it reads as a target)")
+    for key in fleet:
+        if key not in FLEET_KEYS:
+            raise ConfigError(f"{where}.{key}: unknown key; known: {', '.join(FLEET_KEYS)}")
+    members = fleet.get("hosts")
+    if members is None:
+        raise ConfigError(f"{where}.hosts: missing; list the fleet's hosts, e.g. ['gpu1', 'gpu2']")
+    if not isinstance(members, list) or not members:
+        raise ConfigError(f"{where}.hosts: must be a non-empty list of host names or URLs")
+    seen: set[str] = set()
+    for i, member in enumerate(members):
+        if not isinstance(member, str) or not member.strip():
+            raise ConfigError(f"{where}.hosts[{i}]: must be a non-empty string, got {member!r}")
+        problem = fleet_member_problem(member)
+        if problem:
+            raise ConfigError(f"{where}.hosts[{i}]: {problem}")
+        if member.strip() in seen:
+            raise ConfigError(f"{where}.hosts[{i}]: {member!r} is listed twice")
+        seen.add(member.strip())
+
+
+def fleet_member_problem(spec: str) -> str | None:
+    """Why a host cannot be in a fleet, or None (the spec is parsed as a target)."""
+    from runners.targets.factory import parse_target
+
+    text = spec.strip()
+    if text.startswith("slurm://"):
+        return f"{text!r}: a Slurm cluster places its own work; it cannot be one host of a fleet"
+    try:
+        parse_target(text)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def host_lock(target: str, preset_lock: str = "") -> str:
@@ -67,3 +119,45 @@ def host_lock(target: str, preset_lock: str = "") -> str:
         return preset_lock
     host = load_config().get("hosts", {}).get(target.strip(), {})
     return str(host.get("lock") or DEFAULT_LOCK)
+
+
+def fleet_hosts(spec: str) -> list[str] | None:
+    """The hosts a target spec names when it is a fleet (`a,b` or a [fleets.NAME]), else None.
+
+    ValueError (a ConfigError when the config file is at fault) for a fleet that cannot run.
+    """
+    text = spec.strip()
+    if "," in text:
+        hosts = [part.strip() for part in text.split(",")]
+        for i, host in enumerate(hosts):
+            if not host:
+                raise ValueError(f"--target {spec!r}: host {i + 1} of the list is empty")
+            problem = fleet_member_problem(host)
+            if problem:
+                raise ValueError(f"--target {spec!r}: host {i + 1}: {problem}")
+        dupes = sorted({h for h in hosts if hosts.count(h) > 1})
+        if dupes:
+            raise ValueError(f"--target {spec!r}: {', '.join(dupes)} listed twice")
+        return hosts
+    fleets = load_config().get("fleets", {})
+    if text in fleets:
+        return [str(h).strip() for h in fleets[text]["hosts"]]
+    return None
+
+
+def check_target(spec: str) -> None:
+    """ValueError (naming the spec, or the config file and key) when a target spec cannot be
+    run on: one host, a Slurm login node, a list of hosts, or a fleet of the config."""
+    from runners.targets.factory import parse_target
+
+    if fleet_hosts(spec) is None:
+        parse_target(spec)
+
+
+def fleet_names() -> dict[str, list[str]]:
+    """The config's fleets (name -> hosts); {} when the config cannot be read."""
+    try:
+        fleets = load_config().get("fleets", {})
+    except ConfigError:
+        return {}
+    return {name: [str(h) for h in body["hosts"]] for name, body in fleets.items()}

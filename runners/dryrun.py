@@ -20,9 +20,10 @@ from typing import Any
 
 import orjson
 
-from runners.config import host_lock
+from runners.config import fleet_hosts, host_lock
 from runners.determinism import PROFILES
 from runners.launchers.detached import holder_path, parse_holder
+from runners.launchers.slurm import SlurmSettings, job_script, slurm_settings
 from runners.plan import (
     PYTHON_RULE,
     RunPlan,
@@ -41,6 +42,8 @@ from runners.templates import render_plain, template_fields
 ENGINE_PACKAGES = ("torch", "numpy")
 ENGINE_OPTIONAL = ("orjson",)
 LAUNCHER_TOOLS = ("sh", "bash", "flock", "setsid")
+SLURM_TOOLS = ("sbatch", "squeue", "scontrol", "scancel")  # on the login node
+MEMBER = "HOST-N"  # a fleet host's batch directory, named when the host takes its cells
 MIN_FREE = 100 << 20  # less than this in the runs directory: a run cannot even keep its logs
 LOW_FREE = 1 << 30
 OK, WARN, PROBLEM = "ok", "warn", "problem"
@@ -63,6 +66,19 @@ class Preview:
     by_id: Path
     plan: RunPlan
     resolved: bool  # the remote paths are the target's real ones
+    hosts: list[str] = field(default_factory=list)  # a fleet's hosts; [] for one target
+    slurm: SlurmSettings | None = None  # the cells go to Slurm as one job array
+
+    @property
+    def groups(self) -> list[list[int]]:
+        """How a fleet hands out the cells: each group runs on one host (a B3.67 pair)."""
+        from runners import kinds
+
+        cells = list(self.plan.cells)
+        together = None
+        if self.preset.section("fleet")["together"]:
+            together = kinds.get(self.preset.kind).together(cells)
+        return together or [[c.index] for c in cells]
 
     @property
     def run_dir(self) -> str:
@@ -109,20 +125,27 @@ def preview(
     home: str | None = None,
     run_id: str | None = None,
 ) -> Preview:
-    """The run's plan without connecting; ValueError for a target spec that is not one."""
+    """The run's plan without connecting; ValueError for a target spec that is not one.
+
+    A fleet's cells are shown as its hosts run them: each host's batch in its own directory
+    (`RUN_DIR/HOST-N`) under that host's own lock; a Slurm target's with the job's directives.
+    """
     from runners.session import _fresh_dir, new_run_id
 
-    target = parse_target(target_spec)
     tgt = preset.section("target")
-    if home is None and target.name == "local":
+    hosts = fleet_hosts(target_spec) or []
+    slurm = None if hosts else slurm_settings(target_spec, preset)
+    names = [parse_target(h).name for h in hosts] or [parse_target(target_spec).name]
+    local = all(name == "local" for name in names)
+    if home is None and local:
         home = os.path.expanduser("~")  # what `cd` finds on this machine
     workdir = _absolute(tgt["workdir"], home)
     runs = _absolute(tgt["runs"], home)
     run_id = run_id or new_run_id(preset.name)
-    run_dir = f"{runs}/{run_id}"
+    run_dir = f"{runs}/{run_id}/{MEMBER}" if hosts else f"{runs}/{run_id}"
     date = dt.date.today().isoformat()
-    python = interpreter(target.name, tgt["python"])
-    lock = host_lock(target_spec, tgt["lock"])
+    python = interpreter("local" if local else names[0], tgt["python"])
+    lock = host_lock(hosts[0] if hosts else target_spec, tgt["lock"])
     ship = preset.section("engine")["ship_reference"]
     plan = build_plan(
         preset,
@@ -138,7 +161,7 @@ def preview(
     return Preview(
         preset=preset,
         target=target_spec,
-        target_name=target.name,
+        target_name=f"fleet {', '.join(names)}" if hosts else names[0],
         python=python,
         workdir=workdir,
         runs=runs,
@@ -148,6 +171,8 @@ def preview(
         by_id=Path(out_dir) / BY_ID / run_id,
         plan=plan,
         resolved=home is not None,
+        hosts=hosts,
+        slurm=slurm,
     )
 
 
@@ -166,6 +191,8 @@ def judging(p: Preview) -> dict[str, Any] | None:
         where, why = "console", "[judge] on = console: every artifact is fetched"
     elif cfg["on"] == "auto" and p.target_name == "local":
         where, why = "console", "the data is already on this machine"
+    elif p.hosts:  # runners.fleet: the pairs' sides may be on different hosts
+        where, why = "console", "a fleet run brings every artifact home"
     elif cfg["on"] == "host":
         where, why = "host", f"[judge] on = host: with {python} there (it needs {needs})"
     else:
@@ -254,8 +281,29 @@ def plan_document(p: Preview) -> dict[str, Any]:
         "pythonpath": plan.pythonpath,
         "setup": plan.setup,
         "follow_shared": shared,
+        "fleet": _fleet_document(p),
+        "slurm": {"directives": sbatch_directives(p)} if p.slurm is not None else None,
         "cells": cells,
     }
+
+
+def _fleet_document(p: Preview) -> dict[str, Any] | None:
+    if not p.hosts:
+        return None
+    tgt, fleet = p.preset.section("target"), p.preset.section("fleet")
+    return {
+        "hosts": [{"host": h, "lock": host_lock(h, tgt["lock"])} for h in p.hosts],
+        "busy": fleet["busy"],
+        "requeue": fleet["requeue"],
+        "groups": p.groups,
+    }
+
+
+def sbatch_directives(p: Preview) -> list[str]:
+    """The #SBATCH lines of the run's job array, as the launch writes them."""
+    assert p.slurm is not None
+    script = job_script(p.plan, p.slurm, {"preset": p.preset.name})
+    return [line for line in script.splitlines() if line.startswith("#SBATCH ")]
 
 
 def _where(key: str, setting: str) -> str:
@@ -271,19 +319,31 @@ def plan_lines(p: Preview) -> list[str]:
     engine = preset.section("engine")
     n = len(plan.cells)
     det = preset.section("determinism")["profile"]
+    where = f"over {len(p.hosts)} hosts" if p.hosts else f"on {p.target_name}"
+    run_dir = f"(run id {p.run_id}; a new id each run)"
+    lock = f"{p.lock}  ({'the preset' if tgt['lock'] else 'the host'}'s lock)"
+    if p.hosts:
+        run_dir = f"(run id {p.run_id}; {MEMBER}: the host and its batch, named as it starts)"
+        lock = "each host's own, for the time it runs cells (below)"
+    elif p.slurm is not None:
+        lock = f"{p.lock}  (each array task takes it on the node Slurm runs it on)"
     lines = [
-        f"plan: preset {preset.name} ({preset.kind}), {n} cell{'s' if n != 1 else ''} on "
-        f"{p.target_name}; nothing is started",
+        f"plan: preset {preset.name} ({preset.kind}), {n} cell{'s' if n != 1 else ''} "
+        f"{where}; nothing is started",
         f"  preset file: {preset.source}",
         f"  python:      {p.python}  ({{python}}: {PYTHON_RULE})",
         f"  workdir:     {p.workdir}  ({_where('workdir', tgt['workdir'])}; each cell runs here)",
         f"  runs:        {p.runs}  ({_where('runs', tgt['runs'])}; independent of workdir)",
-        f"  run dir:     {p.run_dir}  (run id {p.run_id}; a new id each run)",
+        f"  run dir:     {p.run_dir}  {run_dir}",
         f"  {{out}}:       {plan.artifacts}",
-        f"  lock:        {p.lock}  ({'the preset' if tgt['lock'] else 'the host'}'s lock)",
+        f"  lock:        {lock}",
         f"  local dir:   {p.local_dir}  (also {p.by_id})",
         f"  determinism: {det}: {_env_text(PROFILES[det]) if PROFILES[det] else '(none)'}",
     ]
+    if p.hosts:
+        lines += _fleet_lines(p)
+    if p.slurm is not None:
+        lines += _slurm_lines(p)
     if not p.resolved:
         lines.append(
             f"  ({HOME} is the target's login home: `tracedeck plan --check` connects, reads "
@@ -336,6 +396,33 @@ def plan_lines(p: Preview) -> list[str]:
     return lines
 
 
+def _fleet_lines(p: Preview) -> list[str]:
+    tgt, fleet = p.preset.section("target"), p.preset.section("fleet")
+    lines = [f"  host:        {h}  (lock {host_lock(h, tgt['lock'])})" for h in p.hosts]
+    busy = {
+        "skip": "skipped for this run (fleet.busy = skip)",
+        "wait": "waited for (fleet.busy = wait)",
+    }[fleet["busy"]]
+    lost = "re-queued on the others" if fleet["requeue"] else "reported lost (fleet.requeue)"
+    lines.append(f"  busy host:   {busy}; a lost host's cells are {lost}")
+    groups = [g for g in p.groups if len(g) > 1]
+    if groups:
+        kept = ", ".join("+".join(str(c + 1) for c in g) for g in groups)
+        lines.append(f"  together:    cells {kept} each run on one host (fleet.together)")
+    return lines
+
+
+def _slurm_lines(p: Preview) -> list[str]:
+    n = len(p.plan.cells)
+    lines = [
+        f"  scheduler:   Slurm, through {p.target_name}: `sbatch --parsable` of one job array "
+        f"({n} task{'s' if n != 1 else ''}, one cell each); squeue/scontrol watch it, scancel "
+        "cancels it"
+    ]
+    lines += [f"    {line}" for line in sbatch_directives(p)]
+    return lines
+
+
 # -- the read-only check ------------------------------------------------------------------------
 
 
@@ -349,7 +436,10 @@ async def _sh(target: Target, script: str) -> tuple[int, str, str]:
 
 
 async def check(p: Preview, target: Target | None = None) -> Checked:
-    """Connect and read: reachability, host key, lock, space, interpreter, packages, paths."""
+    """Connect and read: reachability, host key, lock, space, interpreter, packages, paths.
+    A fleet's hosts are each checked so (each finding names its host)."""
+    if p.hosts:
+        return await _check_fleet(p)
     out = Checked()
     target = target or parse_target(p.target)
     name = p.target_name
@@ -370,6 +460,15 @@ async def check(p: Preview, target: Target | None = None) -> Checked:
         out.add(PROBLEM, "reachable", f"{name}: {exc}")
     finally:
         await target.close()
+    return out
+
+
+async def _check_fleet(p: Preview) -> Checked:
+    out = Checked()
+    for host in p.hosts:
+        one = await check(preview(p.preset, host, p.local_dir.parent, run_id=p.run_id))
+        for f in one.findings:
+            out.add(f.level, f"{host}: {f.what}", f.text)
     return out
 
 
@@ -396,11 +495,16 @@ async def _check_connected(p: Preview, target: Target, out: Checked) -> None:
         )
     else:
         out.add(OK, "launcher", "sh, bash, flock and setsid are there")
+    if p.slurm is not None:
+        await _check_slurm(target, out, p.slurm)
     await _check_dir(target, out, "target.workdir", workdir)
     anchor = await _check_dir(target, out, "target.runs", runs)
     if anchor is not None:
         await _check_space(target, out, runs, anchor)
-    await _check_lock(target, out, p.lock)
+    if p.slurm is None:
+        await _check_lock(target, out, p.lock)
+    else:  # the lock is the compute node's, taken by each task there: it waits, never refuses
+        out.add(OK, "lock", f"{p.lock} is taken on each node by the task Slurm runs there")
     if uses_python(p.preset):
         await _check_python(target, out, p)
     await _check_judging(target, out, p)
@@ -409,10 +513,30 @@ async def _check_connected(p: Preview, target: Target, out: Checked) -> None:
     out.preview = replace(out.preview, local_dir=p.local_dir, by_id=p.by_id)
 
 
-async def _missing_tools(target: Target) -> list[str]:
-    script = " ".join(
-        f"command -v {tool} >/dev/null 2>&1 || echo {tool};" for tool in LAUNCHER_TOOLS
-    )
+async def _check_slurm(target: Target, out: Checked, settings: SlurmSettings) -> None:
+    missing = await _missing_tools(target, SLURM_TOOLS)
+    if missing:
+        out.add(PROBLEM, "slurm", f"the login node lacks {', '.join(missing)}: is Slurm there?")
+        return
+    out.add(OK, "slurm", f"{', '.join(SLURM_TOOLS)} are there")
+    if not settings.partition:
+        out.add(OK, "partition", "none named: Slurm's default partition")
+        return
+    code, stdout, err = await _sh(target, f"scontrol -o show partition {_q(settings.partition)}")
+    if code != 0 or "PartitionName=" not in stdout:
+        out.add(
+            PROBLEM,
+            "partition",
+            f"Slurm knows no partition {settings.partition!r} ({err or stdout}); "
+            "`sinfo -s` lists them",
+        )
+    else:
+        state = next((w for w in stdout.split() if w.startswith("State=")), "State=?")
+        out.add(OK, "partition", f"{settings.partition} ({state})")
+
+
+async def _missing_tools(target: Target, tools: tuple[str, ...] = LAUNCHER_TOOLS) -> list[str]:
+    script = " ".join(f"command -v {tool} >/dev/null 2>&1 || echo {tool};" for tool in tools)
     _, stdout, _ = await _sh(target, script)
     return stdout.split()
 

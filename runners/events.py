@@ -41,9 +41,15 @@ def event(cls: E) -> E:
 class Event:
     type: ClassVar[str] = "event"
     t: float = field(default_factory=time.time, kw_only=True)
+    # The host of a fleet run the event comes from (its spec as the operator wrote it); "" for a
+    # run on one host and for the run's own events (verdicts). Recorded only when set, so the
+    # records of one-host runs are what they always were, and old records decode unchanged.
+    host: str = field(default="", kw_only=True)
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
+        if not data["host"]:
+            del data["host"]
         data["type"] = self.type
         return data
 
@@ -173,6 +179,9 @@ class CellFinished(Event):
     exit_code: int | None
     duration_s: float | None
     stderr_tail: str = ""  # the end of a failed cell's stderr, for whoever explains the failure
+    # The scheduler's word when it ended the cell (Slurm: TIMEOUT, NODE_FAIL, PREEMPTED,
+    # CANCELLED...): the cell was killed, never judged; "" when the cell ended by itself.
+    scheduler: str = ""
 
     def __post_init__(self) -> None:
         self.state = CellState(self.state).value  # a plain word on the wire, checked on decoding
@@ -205,6 +214,64 @@ class RunFinished(Event):
     verdict: str
     exit_code: int
     summary: dict[str, Any]
+
+
+@event
+class HostAssigned(Event):
+    """A fleet run started a batch of cells on `host` (the event's host): its own run directory,
+    lock and marker (member), so that attach, cancel and replay find every host's part."""
+
+    type: ClassVar[str] = "host_assigned"
+    member: str  # the batch's run id on the host (TRACEDECK_RUN_ID of its processes)
+    cells: list[int]
+    run_dir: str
+    lock: str
+    workdir: str
+    python: str
+
+
+@event
+class HostState(Event):
+    """A fleet host's state changed: connecting, waiting (its lock is busy), running, done,
+    skipped (busy, and the operator chose to skip busy hosts), lost, failed."""
+
+    type: ClassVar[str] = "host_state"
+    state: str
+    message: str = ""
+
+
+@event
+class CellRequeued(Event):
+    """A cell of a lost host goes back to the queue, to run on another host of the fleet."""
+
+    type: ClassVar[str] = "cell_requeued"
+    cell: int
+    reason: str
+
+
+@event
+class JobSubmitted(Event):
+    """The run's cells went to a batch scheduler as one job array (Slurm: sbatch --parsable)."""
+
+    type: ClassVar[str] = "job_submitted"
+    scheduler: str
+    job_id: str
+    cells: list[int]
+    partition: str = ""
+
+
+@event
+class SchedulerState(Event):
+    """What the scheduler says of one cell's task: PENDING (reason), RUNNING (node),
+    COMPLETED, FAILED, TIMEOUT, CANCELLED, NODE_FAIL, PREEMPTED, OUT_OF_MEMORY..."""
+
+    type: ClassVar[str] = "scheduler_state"
+    cell: int
+    state: str
+    reason: str = ""
+    node: str = ""
+    job_id: str = ""
+    exit_code: int | None = None
 
 
 @event

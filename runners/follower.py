@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,7 +61,14 @@ class RunFollower:
         local_dir: Path,
         emit: Callable[[Event], None],
         progress: Sink | None = None,
+        *,
+        progress_files: list[str] | None = None,
+        advance: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
+        """progress: where Progress events go; progress_files: the files the launcher's scripts
+        write each cell's start and end to (the run's progress.jsonl unless the launcher says
+        otherwise); advance: how the judge is
+        asked to judge (a fleet shares one judge among its hosts' followers)."""
         self.target = target
         self.plan = plan
         self.judge = judge
@@ -73,7 +80,9 @@ class RunFollower:
         if plan.setup:
             setup = PlannedCell(SETUP_CELL, {"step": SETUP}, " && ".join(plan.setup), {})
             self.cells[SETUP_CELL] = CellTrack(setup)
-        self.progress = FileFollower(target, f"{plan.run_dir}/progress.jsonl")
+        paths = progress_files or [f"{plan.run_dir}/progress.jsonl"]
+        self.progress_files = [FileFollower(target, path) for path in paths]
+        self._advance = advance or judge.advance
         self.traces: dict[str, FileFollower] = {}
         self.trace_owner: dict[str, int | None] = {}  # None: several cells write it
         self.patterns = [t for t in plan.traces if t.is_pattern]
@@ -152,9 +161,10 @@ class RunFollower:
             got = await self.traces[path].poll()
             if got is not None:
                 pending.setdefault(path, []).append(got)
-        got_progress = await self.progress.poll()
-        for raw in got_progress.lines if got_progress else []:
-            await self._on_progress(orjson.loads(raw), pending)
+        for progress in self.progress_files:
+            got_progress = await progress.poll()
+            for raw in got_progress.lines if got_progress else []:
+                await self._on_progress(orjson.loads(raw), pending)
         await self._emit_shared(pending, ended=None)
         for track in self.cells.values():
             if track.started is not None and not track.finished:
@@ -164,7 +174,7 @@ class RunFollower:
     def watched(self) -> list[str]:
         """The paths whose changes mean there is something to read now: the progress file, the
         shared traces, the outputs and own traces of running cells, the folders of patterns."""
-        paths = [self.progress.path, *self.shared]
+        paths = [f.path for f in self.progress_files] + self.shared
         paths += sorted({t.path.rpartition("/")[0] for t in self.patterns})
         running = {i for i, t in self.cells.items() if t.started is not None and not t.finished}
         for index in sorted(running):
@@ -175,7 +185,7 @@ class RunFollower:
     @property
     def behind(self) -> bool:
         """Did the last pass leave lines unread (a backlog read a bounded step at a time)?"""
-        followers = [*self.traces.values(), self.progress]
+        followers = [*self.traces.values(), *self.progress_files]
         followers += [f for t in self.cells.values() for f in t.outputs.values()]
         return not all(f.caught_up for f in followers)
 
@@ -318,7 +328,7 @@ class RunFollower:
                 )
             )
         await self.catch_up()
-        await self.judge.advance()
+        await self._advance()
 
     # -- outputs and traces ----------------------------------------------------------------
 
@@ -437,7 +447,7 @@ class RunFollower:
                 self.emit(event)
             track.fetched_all = True
         if owed:
-            await self.judge.advance()
+            await self._advance()
 
     def held_artifacts(self) -> list[tuple[int, str]]:
         """(cell, path) of every artifact left on the target and not fetched since."""

@@ -18,6 +18,7 @@ from runners.events import (
     ArtifactFetched,
     ArtifactHeld,
     CellFinished,
+    CellRequeued,
     Error,
     Event,
     RunFinished,
@@ -37,7 +38,14 @@ ENDINGS = {
     "cancelled": (CANCELLED, EXIT_INTERRUPT),
     "crashed": (CRASHED, EXIT_INFRA),
     "not_started": (NOT_STARTED, EXIT_INFRA),
+    # A fleet host was lost and its cells could not run elsewhere; no host could take cells.
+    "host_lost": ("HOST_LOST", EXIT_INFRA),
+    "lock_busy": ("LOCK_BUSY", EXIT_INFRA),
 }
+# A batch scheduler killed cells (Slurm's job state words): infrastructure, never a verdict.
+SCHEDULER_KILLS = ("TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
+for _word in SCHEDULER_KILLS:
+    ENDINGS[_word.lower()] = (_word, EXIT_INFRA)
 NEVER_STARTED = (126, 127)  # the shell could not run the command: no engine ran at all
 
 TONES = ("pass", "drift", "fail")
@@ -75,6 +83,9 @@ class Digest:
 def failure_text(e: CellFinished) -> str:
     """How a cell ended without a result: never started, crashed, skipped, cut short."""
     tail = f"; stderr ends: {e.stderr_tail}" if e.stderr_tail else ""
+    if e.scheduler:
+        why = f" ({e.stderr_tail})" if e.stderr_tail else ""
+        return f"the scheduler ended it: {e.scheduler}{why}"
     if e.state == CellState.FAILED and e.exit_code in NEVER_STARTED:
         return f"the engine never started (exit {e.exit_code}){tail}"
     if e.state == CellState.FAILED:
@@ -108,6 +119,11 @@ class Judge:
             self.fetched.setdefault(event.cell, set()).add(event.path)
         elif isinstance(event, ArtifactHeld):
             self.held.setdefault(event.cell, set()).add(event.path)
+        elif isinstance(event, CellRequeued):
+            # A fleet host was lost: the cell runs again elsewhere, from the start.
+            self.finished.pop(event.cell, None)
+            self.fetched.pop(event.cell, None)
+            self.held.pop(event.cell, None)
         elif isinstance(event, Error) and event.affects_verdict:
             self.errors.append(event)
         elif isinstance(event, TraceBatch) and event.end_offset > self.trace_applied.get(
@@ -279,6 +295,11 @@ class Kind:
         """
 
     # -- judging ---------------------------------------------------------------------------------
+
+    def together(self, cells: list[PlannedCell]) -> list[list[int]]:
+        """Cells that must run on the same host of a fleet (their results are compared with
+        each other), as groups of cell indices in run order; by default every cell alone."""
+        return [[c.index] for c in cells]
 
     def judge(self, ctx: JudgeContext) -> Judge:
         assert self.judge_class is not None

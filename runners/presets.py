@@ -47,6 +47,24 @@ SCHEMA: dict[str, dict[str, tuple[Any, bool, Any]]] = {
         "connect_timeout_s": ((int, float), False, 10.0),
         "keepalive_s": ((int, float), False, 5.0),
         "reconnect_attempts": (int, False, 5),
+        # "" (the default): the detached launcher on the host; "slurm": the cells go to the
+        # Slurm cluster whose login node `host` is, as one job array (runners/launchers/slurm)
+        "scheduler": (str, False, ""),
+        "partition": (str, False, ""),
+        "account": (str, False, ""),
+        "gres": (str, False, ""),  # e.g. "gpu:1" (per cell)
+        "time_limit": (str, False, ""),  # Slurm's forms: "30", "1:30:00", "2-00:00:00"
+        "sbatch": (list, False, []),  # extra #SBATCH lines, e.g. ["--qos=high"]
+    },
+    # How a run spreads over several hosts (`--target a,b` or a [fleets.NAME] of the config).
+    "fleet": {
+        # a host whose lock is held: "skip" it (its cells go to the others) or "wait" for it
+        "busy": (str, False, "skip"),
+        # the cells of a lost host run again on the others
+        "requeue": (bool, False, True),
+        # cells the kind compares with each other (B3.67: a seed's prefill and decode) run on
+        # one host
+        "together": (bool, False, True),
     },
     "determinism": {
         "profile": (str, False, "none"),
@@ -331,6 +349,69 @@ def _check_run_settings(out: dict[str, Any], source: str) -> None:
         raise PresetError(source, "target.lock", f"{LOCK_RULE}, got {target['lock']!r}")
     if target["reconnect_attempts"] < 0:
         raise PresetError(source, "target.reconnect_attempts", "must be 0 or more")
+    _check_scheduler(target, source)
+    if out["fleet"]["busy"] not in FLEET_BUSY:
+        raise PresetError(
+            source,
+            "fleet.busy",
+            f"must be one of {', '.join(FLEET_BUSY)}, got {out['fleet']['busy']!r}",
+        )
+
+
+FLEET_BUSY = ("skip", "wait")
+SCHEDULERS = ("", "slurm")
+SLURM_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+SLURM_GRES = re.compile(r"[A-Za-z0-9_]+(:[A-Za-z0-9_.-]+)*(,[A-Za-z0-9_]+(:[A-Za-z0-9_.-]+)*)*")
+# minutes | MM:SS | HH:MM:SS | D-HH | D-HH:MM | D-HH:MM:SS | UNLIMITED (sbatch --time)
+SLURM_TIME = re.compile(r"(\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|UNLIMITED|INFINITE)", re.I)
+
+
+def _check_scheduler(target: dict[str, Any], source: str) -> None:
+    """The Slurm settings: names Slurm accepts, lines that stay one #SBATCH line each."""
+    if target["scheduler"] not in SCHEDULERS:
+        raise PresetError(
+            source,
+            "target.scheduler",
+            f'must be "slurm" or absent (the detached launcher), got {target["scheduler"]!r}',
+        )
+    for key in ("partition", "account"):
+        value = target[key]
+        if value and not SLURM_NAME.fullmatch(value):
+            raise PresetError(source, f"target.{key}", f"{value!r} is not a Slurm {key} name")
+    if target["gres"] and not SLURM_GRES.fullmatch(target["gres"]):
+        raise PresetError(
+            source, "target.gres", f"{target['gres']!r}: give NAME[:TYPE]:COUNT, e.g. gpu:1"
+        )
+    if target["time_limit"] and not SLURM_TIME.fullmatch(target["time_limit"]):
+        raise PresetError(
+            source,
+            "target.time_limit",
+            f"{target['time_limit']!r}: give minutes, MM:SS, HH:MM:SS or D-HH:MM:SS (sbatch "
+            "--time)",
+        )
+    for i, line in enumerate(target["sbatch"]):
+        _check_type(source, f"target.sbatch[{i}]", line, str)
+        if not line.startswith("--") or any(c in line for c in "\n\r\0"):
+            raise PresetError(
+                source,
+                f"target.sbatch[{i}]",
+                f"{line!r}: one sbatch option per item, starting with -- (e.g. --qos=high)",
+            )
+        option = line.split("=", 1)[0].split()[0]
+        if option in SBATCH_OWN:
+            raise PresetError(
+                source,
+                f"target.sbatch[{i}]",
+                f"{option} is set by tracedeck (the array, its files and directory are how it "
+                "follows the cells); remove it",
+            )
+
+
+# sbatch options tracedeck sets itself: another value would hide the cells from it.
+SBATCH_OWN = frozenset(
+    {"--array", "--output", "--error", "--chdir", "--wrap", "--parsable", "--open-mode"}
+    | {"--dependency", "--kill-on-invalid-dep", "--input", "--requeue", "--no-requeue"}
+)
 
 
 def _kinds() -> dict[str, Any]:

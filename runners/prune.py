@@ -3,8 +3,9 @@
 Two places hold runs: this machine's run records (OUT/<date>/<dir>, linked as OUT/by-id/ID),
 and each target's runs directory (target.runs/RUN_ID). A run is chosen by age (--older-than)
 and/or by count (--keep N newest); a chosen run is deleted only when it is over: its record
-says how it ended, or the launcher finds none of its processes alive (runners.launchers
-.detached alive(), checked against a reused process id), and no console follows it (its
+says how it ended, or the launcher that started it finds none of it alive (the detached
+one's alive(), checked against a reused process id; Slurm's squeue; each host batch of a fleet
+run), and no console follows it (its
 record's writer lock, runners.record.writer_present). Whatever cannot be checked is kept and
 said why. Nothing is deleted without `apply=True` (the CLI's --yes).
 """
@@ -13,18 +14,21 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import posixpath
 import re
 import shlex
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from runners.events import RunFinished
 from runners.launchers.detached import DetachedLauncher
+from runners.launchers.slurm import JOB_DIR, SlurmLauncher, SlurmSettings
 from runners.plan import RunPlan, dir_command
 from runners.record import (
     BY_ID,
     EVENTS,
+    FLEET,
     RunRecord,
     find_local_run,
     iter_events,
@@ -38,6 +42,8 @@ UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
 # The ids runners.session.new_run_id makes: DATE-TIME-PRESET-HEX4.
 RUN_ID = re.compile(r"(\d{8}-\d{6})-[A-Za-z0-9][A-Za-z0-9._-]*-[0-9a-f]{4}")
+# A fleet host's batch directory in RUNS/RUN_ID (runners.fleet: the host's slug, a number).
+FLEET_BATCH = re.compile(r"[A-Za-z0-9._-]+-\d+")
 # A run directory with no process group yet, younger than this, may be a launch under way.
 LAUNCH_GRACE_S = 600.0
 # Verdicts that do not mean the run ended (the console stopped following, or recording).
@@ -63,7 +69,8 @@ class Item:
     path: str  # the local directory, or the run directory on the target
     run_id: str
     started: float | None  # epoch seconds, when known
-    remote: tuple[str, str] | None = None  # a local record's (target, remote run dir)
+    # a local record's (target, remote run dir) pairs: one, or a fleet's one per host
+    remote: list[tuple[str, str]] = field(default_factory=list)
     delete: bool = False
     why: str = ""
     done: bool = False  # --yes deleted it
@@ -114,7 +121,12 @@ def local_items(out_dir: Path) -> list[Item]:
         except (OSError, ValueError, TypeError) as exc:
             items.append(Item("local", str(local), local.name, None, why=f"unreadable: {exc}"))
             continue
-        remote = (record.target, record.remote_dir) if record.remote_dir else None
+        remote = [(record.target, record.remote_dir)] if record.remote_dir else []
+        members = record.extra.get(FLEET, {}).get("members", [])
+        for m in members:  # a fleet: each host's batches lie in RUNS/RUN_ID/HOST-N
+            pair = (str(m["host"]), posixpath.dirname(str(m["run_dir"])))
+            if pair not in remote:
+                remote.append(pair)
         started = _epoch(record.started_at)
         items.append(Item("local", str(local), record.run_id, started, remote=remote))
     return items
@@ -135,11 +147,24 @@ def recorded_end(local: Path) -> RunFinished | None:
 
 
 async def run_alive(target: Target, run_dir: str, run_id: str) -> bool:
-    """Does any process of the run live? The launcher's alive(); a process-group id that now
-    names another program (a reused pid on a long-lived host) is not the run."""
+    """Does any process of the run live, whichever launcher started it? A Slurm run: a task
+    of its job still held by Slurm; a fleet's: any host batch in it (RUN_DIR/HOST-N); else
+    the detached launcher's alive(), where a process-group id that now names another program
+    (a reused pid on a long-lived host) is not the run."""
     plan = RunPlan(
         run_id=run_id, run_dir=run_dir, workdir="", lock="", python="", setup=[], cells=[]
     )
+    if await target.read_from(f"{run_dir}/{JOB_DIR}/job.sh", 0, 0) is not None:
+        return await SlurmLauncher(target, SlurmSettings()).alive(plan)
+    if await target.read_from(f"{run_dir}/run.sh", 0, 0) is None:  # a fleet's: its batches
+        for name in await target.list_dir(run_dir) or []:
+            if not FLEET_BATCH.fullmatch(name):
+                continue
+            batch = f"{run_dir}/{name}"
+            if await target.read_from(f"{batch}/run.sh", 0, 0) is None:
+                continue  # its launch never wrote its script: nothing of it can run
+            if await run_alive(target, batch, f"{run_id}@{name}"):
+                return True
     launcher = DetachedLauncher(target)
     if not await launcher.alive(plan):
         return False
@@ -188,18 +213,25 @@ async def check_local(items: list[Item], targets: Targets) -> None:
             continue
         if recorded_end(local) is not None:
             continue  # the record says how it ended: its processes are gone
-        if item.remote is None:
-            continue  # never launched: no process to look for
-        spec, run_dir = item.remote
-        target = await targets.get(spec)
-        if target is None:
-            item.keep(f"its end is not recorded and {spec} cannot be reached to check it")
-            continue
-        try:
-            if await run_alive(target, run_dir, item.run_id):
-                item.keep(f"live: processes of the run still run on {spec}")
-        except TargetError as exc:
-            item.keep(f"cannot check it on {spec}: {exc}")
+        for spec, run_dir in item.remote:  # none: never launched, no process to look for
+            why = await _live_on(spec, run_dir, item.run_id, targets)
+            if why:
+                item.keep(why)
+                break
+
+
+async def _live_on(spec: str, run_dir: str, run_id: str, targets: Targets) -> str:
+    """Why a run whose end is not recorded must be kept for its directory on `spec` ("": it
+    is over there)."""
+    target = await targets.get(spec)
+    if target is None:
+        return f"its end is not recorded and {spec} cannot be reached to check it"
+    try:
+        if await run_alive(target, run_dir, run_id):
+            return f"live: processes of the run still run on {spec}"
+    except TargetError as exc:
+        return f"cannot check it on {spec}: {exc}"
+    return ""
 
 
 # -- a target's runs directory ------------------------------------------------------------------
@@ -270,8 +302,8 @@ async def delete(items: list[Item], out_dir: Path, targets: Targets) -> list[str
             with contextlib.suppress(OSError):
                 local.parent.rmdir()  # the date directory, once empty
             item.done = True
-            if item.remote is not None:
-                item.note = await _delete_remote(item.remote[0], item.remote[1], item, targets)
+            notes = [await _delete_remote(spec, rdir, item, targets) for spec, rdir in item.remote]
+            item.note = "; ".join(n for n in notes if n)
             continue
         problem = await _rm(item.where, item.path, item.run_id, targets)
         if problem:

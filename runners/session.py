@@ -25,7 +25,7 @@ import orjson
 from runners import kinds
 from runners.cells import CellState
 from runners.changes import Changes
-from runners.config import host_lock
+from runners.config import fleet_hosts, host_lock
 from runners.determinism import run_env
 from runners.events import (
     CellFinished,
@@ -42,6 +42,7 @@ from runners.follower import RunFollower
 from runners.kind import Ending, Judge, JudgeContext
 from runners.launchers.base import Launcher, LockBusyError, NotStartedError
 from runners.launchers.detached import DetachedLauncher
+from runners.launchers.slurm import SlurmLauncher, slurm_settings
 from runners.plan import (
     RunPlan,
     build_plan,
@@ -54,6 +55,7 @@ from runners.presets import Preset
 from runners.record import (
     BY_ID,
     EVENTS,
+    FLEET,
     RECORD_LOCK,
     RUN_JSON,
     Recorder,
@@ -84,6 +86,23 @@ def default_out_dir() -> Path:
         "tracedeck",
     )
     return Path(base) / "runs"
+
+
+async def ship_reference(target: Target, pkg: str) -> None:
+    """Copy the reference engine (stdlib + torch only) so any host with torch can run it."""
+    for name in SHIPPED_WITH:
+        source = REFERENCE_DIR.parent / name
+        await target.write_file(f"{pkg}/runners/{name}", source.read_bytes())
+    for path in sorted(REFERENCE_DIR.glob("*.py")):
+        await target.write_file(f"{pkg}/runners/reference/{path.name}", path.read_bytes())
+
+
+def make_launcher(spec: str, target: Target, preset: Preset) -> Launcher:
+    """The launcher a run's target spec and preset call for: Slurm, or detached on the host."""
+    settings = slurm_settings(spec, preset)
+    if settings is not None:
+        return SlurmLauncher(target, settings)
+    return DetachedLauncher(target)
 
 
 def by_id_link(out_dir: Path, run_id: str) -> Path:
@@ -123,7 +142,7 @@ class Session:
         self._consumers = emit
         self.local_dir = Path(record.local_dir)
         self.by_id: Path | None = None  # OUT/by-id/RUN_ID, made at launch (Session.create)
-        self.launcher: Launcher = DetachedLauncher(target)
+        self.launcher: Launcher = make_launcher(record.target, target, preset)
         self.plan: RunPlan | None = None
         self.judge: Judge | None = None
         self.follower: RunFollower | None = None
@@ -173,7 +192,13 @@ class Session:
             )
         )
         self.follower = RunFollower(
-            self.target, plan, self.judge, self.local_dir, self.emit, progress=self._consumers
+            self.target,
+            plan,
+            self.judge,
+            self.local_dir,
+            self.emit,
+            progress=self._consumers,
+            progress_files=self.launcher.progress_files(plan),
         )
 
     # -- creating and launching ----------------------------------------------------------------
@@ -186,6 +211,11 @@ class Session:
         out_dir: Path,
         emit: Callable[[Event], None],
     ) -> Session:
+        hosts = fleet_hosts(target_spec)
+        if hosts is not None:
+            from runners.fleet import FleetSession
+
+            return FleetSession.create_fleet(preset, target_spec, hosts, out_dir, emit)
         tgt = preset.section("target")
         target = parse_target(
             target_spec, connect_timeout=tgt["connect_timeout_s"], keepalive=tgt["keepalive_s"]
@@ -320,7 +350,11 @@ class Session:
             )
             raise
         self.stage = "started"
-        self.emit(LockAcquired(lock=plan.lock, holder=started.holder))
+        if started.events:
+            for event in started.events:
+                self.emit(event)
+        else:
+            self.emit(LockAcquired(lock=plan.lock, holder=started.holder))
 
     async def _place_judging(self, plan: RunPlan) -> list[str]:
         """Judge on the target when the kind can and its python has what that needs ([judge]
@@ -369,12 +403,7 @@ class Session:
         return result.stdout.strip()
 
     async def _ship_reference(self, pkg: str) -> None:
-        """Copy the reference engine (stdlib + torch only) so any host with torch can run it."""
-        for name in SHIPPED_WITH:
-            source = REFERENCE_DIR.parent / name
-            await self.target.write_file(f"{pkg}/runners/{name}", source.read_bytes())
-        for path in sorted(REFERENCE_DIR.glob("*.py")):
-            await self.target.write_file(f"{pkg}/runners/reference/{path.name}", path.read_bytes())
+        await ship_reference(self.target, pkg)
 
     def _holder(self) -> dict[str, Any]:
         return {
@@ -410,6 +439,10 @@ class Session:
     def from_record(cls, local_dir: Path, emit: Callable[[Event], None]) -> Session:
         """A session for a recorded run, its plan rebuilt; nothing replayed, nothing written."""
         record = RunRecord.load(local_dir)
+        if FLEET in record.extra:
+            from runners.fleet import FleetSession
+
+            return FleetSession.fleet_from_record(record, emit)
         preset = Preset(
             source=record.source,
             data=record.preset_data,
@@ -446,6 +479,11 @@ class Session:
     ) -> Session:
         """Rebuild a session from its record, as the record's one writer; recorded events go to
         `replay`, new ones to `emit`. RecordBusy when another console writes the record."""
+        record = RunRecord.load(local_dir)
+        if FLEET in record.extra:
+            from runners.fleet import FleetSession
+
+            return FleetSession.fleet_attach(record, emit, replay)
         session = cls.from_record(local_dir, emit)
         recorder = Recorder(local_dir)  # the writer lock first: no two consoles append
         try:
@@ -559,11 +597,22 @@ class Session:
 
     async def _check_alive(self) -> None:
         assert self.plan is not None and self.follower is not None
+        for event in await self.launcher.watch(self.plan):
+            self.emit(event)
         if self._cancelling or await self.launcher.alive(self.plan):
             return  # a cancel in flight writes its own "cancelled" line once the group is dead
         # The run may have written "done" just before exiting: read once more before judging.
         if await self.follower.poll():
             await self._finish_run(Ending("cancelled" if self.follower.cancelled else "done"))
+            return
+        outcome = await self.launcher.outcome(self.plan, self.follower)
+        if outcome is not None:
+            for event in await self.launcher.watch(self.plan):
+                self.emit(event)
+            await self.follower.drain_started()
+            for finished in outcome.cells:
+                self.emit(finished)
+            await self._finish_run(outcome.ending)
             return
         run_dir = self.plan.run_dir
         if await self.target.read_from(f"{run_dir}/pgid", 0, 64) is None:

@@ -1,12 +1,24 @@
 #!/usr/bin/env bash
-# The whole test suite on a fresh machine: installs OpenSSH sshd and the Python deps, lints, tests.
+# The whole test suite on a fresh machine: installs OpenSSH sshd, Slurm (slurm-wlm: slurmctld,
+# slurmd) and munge when missing, the Python deps; lints, tests. The Slurm tests start their
+# own one-node cluster (as root); where Slurm is missing they are skipped, saying why.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ ! -x /usr/sbin/sshd ]; then
+need=()
+[ -x /usr/sbin/sshd ] || need+=(openssh-server)
+{ [ -x /usr/sbin/slurmctld ] && [ -x /usr/sbin/slurmd ]; } || need+=(slurm-wlm)
+[ -x /usr/sbin/munged ] || need+=(munge)
+if [ "${#need[@]}" -gt 0 ]; then
   sudo_cmd=""
   [ "$(id -u)" = 0 ] || sudo_cmd="sudo"
-  $sudo_cmd apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq openssh-server >/dev/null
+  log="${TMPDIR:-/tmp}/tracedeck-apt.log"
+  echo "installing ${need[*]} (log: $log)"
+  if ! { $sudo_cmd apt-get update -qq &&
+    DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${need[@]}"; } >"$log" 2>&1; then
+    echo "apt-get could not install ${need[*]}; the end of $log:" >&2
+    tail -n 20 "$log" >&2
+    exit 1
+  fi
 fi
 bash scripts/install.sh
 .venv/bin/ruff check .

@@ -7,16 +7,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import slurm
 from sshd import (
     PROXY_ALIAS,
     SSHD,
     CuttableProxy,
+    Fleet,
     SshHome,
     SshServer,
     make_ssh_home,
+    start_host,
     start_impostor,
     start_sshd,
 )
+
+FLEET_HOSTS = ("gpu-a", "gpu-b", "gpu-c")
 
 
 @pytest.fixture(scope="session")
@@ -79,3 +84,52 @@ def ssh_proxy(sshd: SshServer, ssh_home: SshHome) -> Iterator[CuttableProxy]:
         yield proxy
     finally:
         proxy.stop()
+
+
+@pytest.fixture(scope="session")
+def fleet_servers(
+    sshd: SshServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, SshServer]]:
+    """Three more real sshd "hosts", each in its own mount namespace with a private /tmp (so its
+    own default lock, /tmp/tracedeck.lock) while they share the tests' directories (the home)."""
+    base = tmp_path_factory.getbasetemp()
+    servers: dict[str, SshServer] = {}
+    try:
+        for name in FLEET_HOSTS:
+            servers[name] = start_host(tmp_path_factory.mktemp(name), sshd, base)
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+@pytest.fixture
+def fleet(ssh_home: SshHome, fleet_servers: dict[str, SshServer]) -> Iterator[Fleet]:
+    """ssh_home reaching each fleet host by its name through a cuttable proxy (and directly as
+    NAME-direct), trusting each host's own key."""
+    proxies: dict[str, CuttableProxy] = {}
+    try:
+        for name, server in fleet_servers.items():
+            proxy = proxies[name] = CuttableProxy(server.host, server.port).start()
+            ssh_home.add_alias(name, proxy.port)
+            ssh_home.add_alias(f"{name}-direct", server.port)
+            with ssh_home.known_hosts.open("a") as f:
+                f.write(server.known_hosts_line(proxy.port))
+                f.write(server.known_hosts_line())
+        yield Fleet(ssh_home, fleet_servers, proxies)
+    finally:
+        for proxy in proxies.values():
+            proxy.stop()
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[slurm.SlurmCluster]:
+    """A real one-node Slurm cluster on this machine (slurm-wlm 22.05, munge)."""
+    missing = slurm.missing()
+    if missing:
+        pytest.skip(f"no Slurm here ({', '.join(missing)}): apt-get install slurm-wlm munge")
+    cluster = slurm.start_cluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

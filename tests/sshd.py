@@ -113,8 +113,10 @@ def _sshd_config(d: Path, port: int) -> str:
     )
 
 
-def start_sshd(d: Path, *, attempts: int = 3) -> SshServer:
-    """Start /usr/sbin/sshd on a free loopback port with fresh keys in d; wait until it listens."""
+def start_sshd(d: Path, *, attempts: int = 3, wrap: list[str] | None = None) -> SshServer:
+    """Start /usr/sbin/sshd on a free loopback port with fresh keys in d; wait until it listens.
+
+    wrap: a command that execs the rest (e.g. a new mount namespace, see own_tmp)."""
     d.mkdir(parents=True, exist_ok=True)
     host_key = d / "ssh_host_ed25519_key"
     client_key = d / "id_ed25519"
@@ -134,7 +136,7 @@ def start_sshd(d: Path, *, attempts: int = 3) -> SshServer:
         config.write_text(_sshd_config(d, port))
         with log.open("ab") as log_file:
             proc = subprocess.Popen(
-                [str(SSHD), "-D", "-e", "-f", str(config)],
+                [*(wrap or []), str(SSHD), "-D", "-e", "-f", str(config)],
                 stdin=subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=log_file,
@@ -173,6 +175,41 @@ def start_impostor(d: Path, trusted: SshServer) -> SshServer:
         (d / f"id_ed25519{suffix}").write_bytes(Path(f"{trusted.client_key}{suffix}").read_bytes())
     (d / "id_ed25519").chmod(0o600)
     return start_sshd(d)
+
+
+# In a new mount namespace: a fresh tmpfs on /tmp (its own /tmp, so its own default lock), with
+# the directory $1 (under the real /tmp: the tests' files, the shared home) bound back in.
+_OWN_TMP = r"""set -e
+keep=/run/tracedeck-ns-$$
+mkdir -p "$keep"
+mount --bind /tmp "$keep"
+mount -t tmpfs -o size=256m tracedeck-tmp /tmp
+case "$1" in /tmp/*)
+  mkdir -p "$1"
+  mount --bind "$keep${1#/tmp}" "$1";;
+esac
+umount -l "$keep"
+rmdir "$keep" 2>/dev/null || true
+shift
+exec "$@"
+"""
+
+
+def own_tmp(shared: Path) -> list[str]:
+    """The wrap for start_sshd that gives a "host" its own /tmp while it shares `shared` (the
+    tests' base directory, where the home directory all hosts share lives)."""
+    return ["unshare", "-m", "sh", "-c", _OWN_TMP, "sh", str(shared)]
+
+
+def start_host(d: Path, trusted: SshServer, shared: Path) -> SshServer:
+    """One more "host" for a fleet: a real sshd in its own mount namespace (its own /tmp), that
+    lets in the trusted server's client key, with a host key of its own."""
+    d.mkdir(parents=True, exist_ok=True)
+    keygen(d / "ssh_host_ed25519_key", f"tracedeck-test-{d.name}")
+    for suffix in ("", ".pub"):
+        (d / f"id_ed25519{suffix}").write_bytes(Path(f"{trusted.client_key}{suffix}").read_bytes())
+    (d / "id_ed25519").chmod(0o600)
+    return start_sshd(d, wrap=own_tmp(shared))
 
 
 def _die_with_parent() -> None:
@@ -403,3 +440,12 @@ class SilentServer:
         for c in self._clients:
             c.close()
         self._sock.close()
+
+
+@dataclass
+class Fleet:
+    """Fleet hosts for a test: the home that reaches them, their servers, their proxies."""
+
+    home: SshHome
+    servers: dict[str, SshServer]
+    proxies: dict[str, CuttableProxy]

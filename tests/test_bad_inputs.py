@@ -99,6 +99,7 @@ def run_record(tmp: Path, record: dict | str) -> Path:
 
 
 P = "{tmp}/p.toml"
+CONFIG = "{tmp}/home/.config/tracedeck/config.toml"
 SMOKE = Path(__file__).resolve().parents[1] / "presets" / "b3_67_smoke.toml"
 FIRST_EVENT = (
     (Path(__file__).parent / "data" / "hello_command_run" / "events.jsonl")
@@ -245,6 +246,96 @@ CASES: dict[str, Case] = {
         lambda tmp: _host_config(tmp, "[hosts.local]\nlock = 'x.lock'\n") + preset(GOOD)(tmp),
         2,
         names("{tmp}/home/.config/tracedeck/config.toml", "hosts.local.lock"),
+    ),
+    # --- fleets and Slurm ------------------------------------------------------------------------
+    "fleet hosts not a list": Case(
+        lambda tmp: _fleet(tmp, '[fleets.rack]\nhosts = "gpu1"\n'),
+        2,
+        names(CONFIG, "fleets.rack.hosts"),
+    ),
+    "fleet hosts empty": Case(
+        lambda tmp: _fleet(tmp, "[fleets.rack]\nhosts = []\n"),
+        2,
+        names(CONFIG, "fleets.rack.hosts"),
+    ),
+    "fleet hosts missing": Case(
+        lambda tmp: _fleet(tmp, "[fleets.rack]\n"), 2, names(CONFIG, "fleets.rack.hosts", "missing")
+    ),
+    "fleet host not a target": Case(
+        lambda tmp: _fleet(tmp, '[fleets.rack]\nhosts = ["gpu1", "ssh://"]\n'),
+        2,
+        names(CONFIG, "fleets.rack.hosts[1]", "ssh://"),
+    ),
+    "fleet host is a slurm cluster": Case(
+        lambda tmp: _fleet(tmp, '[fleets.rack]\nhosts = ["slurm://login/gpu"]\n'),
+        2,
+        names(CONFIG, "fleets.rack.hosts[0]", "Slurm"),
+    ),
+    "fleet host listed twice": Case(
+        lambda tmp: _fleet(tmp, '[fleets.rack]\nhosts = ["gpu1", "gpu1"]\n'),
+        2,
+        names(CONFIG, "fleets.rack.hosts[1]", "twice"),
+    ),
+    "fleet unknown key": Case(
+        lambda tmp: _fleet(tmp, '[fleets.rack]\nhosts = ["gpu1"]\nbusy = "skip"\n'),
+        2,
+        names(CONFIG, "fleets.rack.busy", "unknown key"),
+    ),
+    "fleet named like a host": Case(
+        lambda tmp: _fleet(
+            tmp, "[hosts.rack]\nlock = '/tmp/r.lock'\n[fleets.rack]\nhosts = ['a']\n"
+        ),
+        2,
+        names(CONFIG, "fleets.rack", "ambiguous"),
+    ),
+    "fleet not a table": Case(
+        lambda tmp: _fleet(tmp, "fleets = 3\n"), 2, names(CONFIG, "fleets", "table")
+    ),
+    "--target list with an empty host": Case(
+        preset(GOOD, "--target", "gpu1,,gpu2"), 2, names("gpu1,,gpu2", "host 2", "empty")
+    ),
+    "--target list with a host twice": Case(
+        preset(GOOD, "--target", "gpu1,gpu1"), 2, names("gpu1,gpu1", "twice")
+    ),
+    "--target list with a slurm cluster": Case(
+        preset(GOOD, "--target", "gpu1,slurm://login/gpu"), 2, names("slurm://login/gpu", "Slurm")
+    ),
+    "--target slurm without login": Case(
+        preset(GOOD, "--target", "slurm:///debug"), 2, names("slurm:///debug", "login host")
+    ),
+    "--target slurm partition path": Case(
+        preset(GOOD, "--target", "slurm://login/a/b"), 2, names("slurm://login/a/b", "partition")
+    ),
+    "preset fleet.busy": Case(
+        preset(GOOD + '[fleet]\nbusy = "never"\n'), 2, names(P, "fleet.busy", "skip, wait")
+    ),
+    "preset fleet.requeue not bool": Case(
+        preset(GOOD + '[fleet]\nrequeue = "yes"\n'), 2, names(P, "fleet.requeue", "bool")
+    ),
+    "preset unknown scheduler": Case(
+        preset(GOOD + '[target]\nscheduler = "pbs"\n'), 2, names(P, "target.scheduler", "pbs")
+    ),
+    "preset bad time limit": Case(
+        preset(GOOD + '[target]\ntime_limit = "soon"\n'), 2, names(P, "target.time_limit", "soon")
+    ),
+    "preset bad gres": Case(
+        preset(GOOD + '[target]\ngres = "gpu 1"\n'), 2, names(P, "target.gres", "gpu:1")
+    ),
+    "preset bad partition": Case(
+        preset(GOOD + '[target]\npartition = "a b"\n'), 2, names(P, "target.partition")
+    ),
+    "preset sbatch line not an option": Case(
+        preset(GOOD + '[target]\nsbatch = ["qos=high"]\n'), 2, names(P, "target.sbatch[0]", "--")
+    ),
+    "preset sbatch line tracedeck owns": Case(
+        preset(GOOD + '[target]\nsbatch = ["--array=0-9"]\n'),
+        2,
+        names(P, "target.sbatch[0]", "--array", "set by tracedeck"),
+    ),
+    "preset sbatch line with a newline": Case(
+        preset(GOOD + '[target]\nsbatch = ["--qos=a\\nrm -rf /"]\n'),
+        2,
+        names(P, "target.sbatch[0]"),
     ),
     "workdir ~user": Case(
         preset(GOOD + "[target]\nworkdir = '~bob/x'\n"), 2, names(P, "target.workdir", "~user")
@@ -469,6 +560,11 @@ CASES: dict[str, Case] = {
     ),
     "watch missing dir": Case(names("watch", "{tmp}/nowhere"), 2, names("{tmp}/nowhere")),
 }
+
+
+def _fleet(tmp: Path, text: str) -> list[str]:
+    """A config with the given fleets, and a run aimed at the fleet `rack`."""
+    return _host_config(tmp, text) + preset(GOOD, "--target", "rack")(tmp)
 
 
 def _host_config(tmp: Path, text: str) -> list[str]:

@@ -21,12 +21,13 @@ from console.screens.plan import PlanScreen
 from console.screens.sources import LiveSource
 from console.widgets.text import clean, plain
 from runners.atomic import write_atomic
+from runners.config import check_target, fleet_names
 from runners.dryrun import preview
 from runners.events import Event
 from runners.presets import SHIPPED_DIR, Preset, PresetError, load_preset, user_dir
 from runners.session import Session
 from runners.targets.base import HostKeyUnknown, TargetError
-from runners.targets.factory import parse_target, ssh_config_aliases
+from runners.targets.factory import ssh_config_aliases
 from runners.trust import trust_host
 
 RECENT_FILE = "recent_targets.json"
@@ -163,6 +164,10 @@ class PresetsScreen(Screen[None]):
             if target not in seen:
                 seen.add(target)
                 options.append((plain(f"{target}  (recent)"), target))
+        for name, hosts in fleet_names().items():
+            if name not in seen:
+                seen.add(name)
+                options.append((plain(f"{name}  (fleet: {', '.join(hosts)})"), name))
         for alias in ssh_config_aliases():
             if alias not in seen:
                 seen.add(alias)
@@ -289,7 +294,7 @@ class PresetsScreen(Screen[None]):
             return None
         target = self.chosen_target(preset)
         try:
-            parse_target(target)
+            check_target(target)
         except ValueError as exc:
             self.show_error(str(exc))
             return None

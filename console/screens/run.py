@@ -31,6 +31,7 @@ from console.screens.sources import (
 )
 from console.widgets.banner import VerdictBanner
 from console.widgets.cells_table import CellsTable
+from console.widgets.hosts_line import HostsLine
 from console.widgets.progress import ProgressView
 from console.widgets.run_header import RunHeader
 from console.widgets.run_log import RunLog
@@ -100,6 +101,7 @@ class RunScreen(Screen[None]):
     def compose(self) -> ComposeResult:
         yield RunHeader(self.source.mode, id="run-header")
         yield VerdictBanner(id="banner")
+        yield HostsLine(id="hosts")
         yield ProgressView(id="progress")
         yield self.panel
         with Horizontal(id="run-bottom"):
@@ -244,6 +246,8 @@ class RunScreen(Screen[None]):
             self._show_tables()
         if changes.log_new:
             self.query_one("#log", RunLog).show_new(model, changes.log_new)
+        if changes.hosts:
+            self.query_one("#hosts", HostsLine).show(model)
         if changes.progress:
             self.query_one("#progress", ProgressView).show(model.progress)
         status = self.panel.status()
@@ -333,8 +337,8 @@ class RunScreen(Screen[None]):
         if session is None or self.model.finished is not None:
             return
         question = (
-            f"Cancel run {session.record.run_id} on {session.target.name}? Its process "
-            f"group gets TERM, then KILL after a grace period."
+            f"Cancel run {session.record.run_id} on {session.target.name}? Its processes "
+            f"get TERM, then KILL after a grace period (a Slurm job: scancel)."
         )
 
         def answered(yes: bool | None) -> None:

@@ -64,6 +64,10 @@ class RunHeader(Static):
             lock = Text.assemble(
                 ("lock ", "dim"), clean(h.lock), " held by ", holder_text(h.holder)
             )
+        elif h.fleet:
+            lock = Text("locks: each host takes its own (the hosts lines show them)", style="dim")
+        elif model.job.job_id:
+            lock = Text("lock: each cell takes its node's lock when Slurm runs it", style="dim")
         else:
             lock = Text("lock: not taken yet", style="dim")
         env = params_label(h.env) or "(no variables)"

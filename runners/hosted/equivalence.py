@@ -21,11 +21,15 @@ from analysis.logits import InputError
 from runners.atomic import write_atomic
 
 
-def write_pair_metrics(root: Path, result: PairResult) -> Path:
-    """The pair's metrics file (seed section 2.2) under root; the one writer, console or host."""
+def write_pair_metrics(root: Path, result: PairResult, hosts: dict[str, str] | None = None) -> Path:
+    """The pair's metrics file (seed section 2.2) under root; the one writer, console or host.
+
+    hosts: the fleet host that ran each side (mode -> host), written beyond section 2.2."""
     path = metrics_path(root, result.kv_aligned, result.seed)
     stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     doc = metrics_document(result, stamp)
+    if hosts:
+        doc["hosts"] = dict(hosts)
     write_atomic(path, json.dumps(doc, indent=2, allow_nan=False, ensure_ascii=False) + "\n")
     return path
 

@@ -14,6 +14,7 @@ import asyncio
 import json
 import sys
 from collections.abc import Callable
+from dataclasses import field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, ClassVar
@@ -53,6 +54,7 @@ from runners.events import (
     ArtifactFetched,
     ArtifactHeld,
     CellFinished,
+    CellRequeued,
     Error,
     Event,
     RunFinished,
@@ -71,6 +73,7 @@ from runners.kind import (
     KindPrinter,
     failure_text,
 )
+from runners.plan import PlannedCell
 from runners.presets import PresetError
 from runners.progress import Meter
 from runners.record import RUN_JSON, RunRecord, read_events
@@ -111,6 +114,8 @@ class PairVerdict(Event):
     first_fail: dict[str, Any] | None
     metrics_path: str
     precision: dict[str, Any] | None = None
+    # Which host ran each side (mode -> host) in a fleet run; {} on one host.
+    hosts: dict[str, str] = field(default_factory=dict)
 
 
 @event
@@ -135,8 +140,8 @@ def _write_json(path: Path, obj: Any) -> None:
     write_atomic(path, json.dumps(obj, indent=2, allow_nan=False, ensure_ascii=False) + "\n")
 
 
-def write_pair(root: Path, result: PairResult) -> None:
-    write_pair_metrics(root, result)
+def write_pair(root: Path, result: PairResult, hosts: dict[str, str] | None = None) -> None:
+    write_pair_metrics(root, result, hosts)
 
 
 def write_summary(
@@ -270,6 +275,7 @@ class EquivalenceJudge(Judge):
                 self.pairs.setdefault(key, {})[p["mode"]] = cell.index
         self.judged: dict[tuple[int, int], PairVerdict | PairUnjudged] = {}
         self.failed_artifacts: dict[int, list[ArtifactFailed]] = {}
+        self.hosts: dict[int, str] = {}  # cell -> the fleet host that ran it
 
     @property
     def thresholds(self) -> dict[str, float]:
@@ -280,6 +286,11 @@ class EquivalenceJudge(Judge):
     def on_event(self, event: Event) -> None:
         if isinstance(event, PairVerdict | PairUnjudged):
             self.judged[(event.kv_aligned, event.seed)] = event
+        elif isinstance(event, CellFinished) and event.host:
+            self.hosts[event.cell] = event.host
+        elif isinstance(event, CellRequeued):
+            self.failed_artifacts.pop(event.cell, None)
+            self.hosts.pop(event.cell, None)
         elif isinstance(event, ArtifactFailed):
             self.failed_artifacts.setdefault(event.cell, []).append(event)
 
@@ -294,6 +305,7 @@ class EquivalenceJudge(Judge):
                 continue
             if not all(self._side_home(c) for c in sides.values()):
                 continue
+            hosts = {m: self.hosts[c] for m, c in sides.items() if c in self.hosts}
             meter = Meter("judge", f"kv_aligned={kv} seed={seed}", "tokens", self.ctx.progress)
             on_token = threadsafe(meter.update)
 
@@ -301,7 +313,7 @@ class EquivalenceJudge(Judge):
                 if self.ctx.host is not None:
                     result = await self._judge_on_host(kv, seed)
                 else:
-                    result = await asyncio.to_thread(self._judge, kv, seed, on_token)
+                    result = await asyncio.to_thread(self._judge, kv, seed, hosts, on_token)
             except ConnectionLost:
                 raise  # judged once the link is back
             except (ValueError, TargetError) as exc:
@@ -326,6 +338,7 @@ class EquivalenceJudge(Judge):
                     first_fail=result.first_fail,
                     metrics_path=f"metrics/kv_aligned_{kv}/seed_{seed}_metrics.json",
                     precision=result.precision,
+                    hosts=hosts,
                 )
             )
 
@@ -346,12 +359,16 @@ class EquivalenceJudge(Judge):
         return None
 
     def _judge(
-        self, kv: int, seed: int, on_token: Callable[[int, int], None] | None = None
+        self,
+        kv: int,
+        seed: int,
+        hosts: dict[str, str] | None = None,
+        on_token: Callable[[int, int], None] | None = None,
     ) -> PairResult:
         # A pair comes home at a time: its two sides are read at once where there are cores.
         workers = min(2, judge_workers())
         result = judge_pair(self.ctx.local_dir, kv, seed, self.thresholds, workers, on_token)
-        write_pair(self.ctx.local_dir, result)
+        write_pair(self.ctx.local_dir, result, hosts)
         return result
 
     async def _judge_on_host(self, kv: int, seed: int) -> PairResult:
@@ -501,6 +518,10 @@ class EquivalencePrinter(KindPrinter):
             f"verdict kv_aligned={event.kv_aligned} seed={event.seed}: {event.verdict}  "
             + " ".join(f"{k}={_num(m[k])}" for k in METRICS_SHOWN if k in m)
         ]
+        if event.hosts:
+            lines.append(
+                "  hosts: " + ", ".join(f"{mode} on {h}" for mode, h in sorted(event.hosts.items()))
+            )
         if event.precision:
             lines.append(f"  precision: {precision_text(event.precision)}")
         if m.get("diverged_at_token") is not None:
@@ -567,6 +588,19 @@ class EquivalenceKind(Kind):
 
     def exit_code(self, word: str) -> int:
         return VERDICT_EXIT.get(word, super().exit_code(word))
+
+    def together(self, cells: list[PlannedCell]) -> list[list[int]]:
+        """Both sides of a pair (one kv_aligned, one seed: prefill and decode) on one host: a
+        pair compared across two machines would judge the machines, not the modes."""
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        for c in cells:
+            key = (
+                tuple(c.params.get(k) for k in ("kv_aligned", "seed"))
+                if set(PAIR_KEYS) <= set(c.params)
+                else ("cell", c.index)
+            )
+            groups.setdefault(key, []).append(c.index)
+        return list(groups.values())
 
     def check(self, data: dict[str, Any], source: str, options: frozenset[str]) -> None:
         matrix = data["matrix"]

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
+from runners.events import CellFinished, Event
 from runners.plan import RunPlan
 from runners.targets.base import Target, TargetError
+
+if TYPE_CHECKING:
+    from runners.follower import RunFollower
+    from runners.kind import Ending
 
 HOLDER_KEYS = ("run_id", "user", "console_host", "preset", "started_at", "pgid")
 
@@ -30,9 +35,21 @@ class NotStartedError(TargetError):
 
 @dataclass(frozen=True, slots=True)
 class Started:
-    """A run is going on the target: its holder record (with the process group, when it has one)."""
+    """A run is going on the target: its holder record (with the process group, when it has one).
+
+    events: what to say instead of "lock acquired" when the launcher took no lock at the start
+    (a batch scheduler: each task takes its node's lock when it runs)."""
 
     holder: dict[str, Any]
+    events: tuple[Event, ...] = ()
+
+
+@dataclass(slots=True)
+class Outcome:
+    """How a run the launcher watched ended: the ending, and the cells it ended for them."""
+
+    ending: Ending
+    cells: list[CellFinished] = field(default_factory=list)
 
 
 class Launcher(Protocol):
@@ -54,4 +71,19 @@ class Launcher(Protocol):
 
     async def cancel(self, plan: RunPlan, grace_s: float) -> str:
         """TERM the run's processes, KILL after the grace; returns the outcome word."""
+        ...
+
+    def progress_files(self, plan: RunPlan) -> list[str]:
+        """The files the launcher's scripts write each cell's start and end to."""
+        ...
+
+    async def watch(self, plan: RunPlan) -> list[Event]:
+        """What changed since the last call that the launcher alone knows (a scheduler's state
+        of each cell); called every few seconds while the run goes on."""
+        ...
+
+    async def outcome(self, plan: RunPlan, follower: RunFollower) -> Outcome | None:
+        """Once alive() says no process of the run is left: how it ended, when the launcher
+        knows better than the run's own files (a scheduler that killed cells); None: the
+        session judges the ending from the files, as for a detached run."""
         ...

@@ -10,13 +10,17 @@ every trace line is credited to the cell that wrote it.
 from __future__ import annotations
 
 import shlex
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from runners.launchers.base import LockBusyError, NotStartedError, Started
+from runners.events import Event
+from runners.launchers.base import LockBusyError, NotStartedError, Outcome, Started
 from runners.plan import RunPlan, TraceFile, cell_dir_name
 from runners.targets.base import Target, TargetError
+
+if TYPE_CHECKING:
+    from runners.follower import RunFollower
 
 LOCK_BUSY = 75
 
@@ -230,6 +234,15 @@ class DetachedLauncher:
         """The run's live processes, zombies left out."""
         result = await self.target.run(pids_command(plan.run_id))
         return [int(w) for w in result.stdout.split() if w.isdigit()]
+
+    def progress_files(self, plan: RunPlan) -> list[str]:
+        return [f"{plan.run_dir}/progress.jsonl"]
+
+    async def watch(self, plan: RunPlan) -> list[Event]:
+        return []
+
+    async def outcome(self, plan: RunPlan, follower: RunFollower) -> Outcome | None:
+        return None
 
     async def cancel(self, plan: RunPlan, grace_s: float) -> str:
         result = await self.target.run(cancel_script(plan.run_dir, plan.run_id, grace_s))

@@ -12,14 +12,48 @@ from runners.targets.base import Target
 from runners.targets.local import LocalTarget
 from runners.targets.ssh import SshTarget
 
-ACCEPTED_FORMS = "'local', 'ssh://[user@]host[:port]', or a host or alias from ~/.ssh/config"
+ACCEPTED_FORMS = (
+    "'local', 'ssh://[user@]host[:port]', a host or alias from ~/.ssh/config, "
+    "'slurm://LOGIN-HOST[/PARTITION]', or several hosts as 'a,b' (a fleet)"
+)
+SLURM = "slurm://"
+# A Slurm login node named so is this machine: sbatch runs here, not over SSH.
+LOCAL_NAMES = ("local", "localhost", "127.0.0.1")
+_PARTITION = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 _USER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*\$?")
 
 
-def parse_target(spec: str, *, connect_timeout: float = 10.0, keepalive: float = 5.0) -> Target:
-    """The target a spec names; ValueError naming the spec and the accepted forms when it is bad."""
+def slurm_spec(spec: str) -> tuple[str, str] | None:
+    """slurm://LOGIN[/PARTITION] as (the login node's target spec, partition or ""), or None
+    when spec is not a Slurm URL. LOGIN is local/localhost (sbatch here) or an SSH host."""
     text = spec.strip()
+    if not text.startswith(SLURM):
+        return None
+    rest = text[len(SLURM) :]
+    login, _, partition = rest.partition("/")
+    if not login:
+        raise _bad(spec, "no login host (slurm://localhost/PARTITION runs sbatch here)")
+    if "/" in partition or (partition and not _PARTITION.fullmatch(partition)):
+        raise _bad(spec, f"{partition!r} is not a partition name")
+    if login in LOCAL_NAMES:
+        return "local", partition
+    # With a port it is an ssh:// URL; else a host, user@host or alias as ssh_config knows it.
+    login_spec = f"ssh://{login}" if ":" in login else login
+    parse_target(login_spec)  # the same checks as any SSH target
+    return login_spec, partition
+
+
+def parse_target(spec: str, *, connect_timeout: float = 10.0, keepalive: float = 5.0) -> Target:
+    """The target a spec names; ValueError naming the spec and the accepted forms when it is bad.
+
+    For a Slurm URL this is its login node (where sbatch, squeue and scancel run)."""
+    text = spec.strip()
+    slurm = slurm_spec(text)
+    if slurm is not None:
+        text = slurm[0]
+    if "," in text:
+        raise _bad(spec, "a list of hosts is a fleet, not one target")
     if text == "local":
         return LocalTarget()
     if text.startswith("ssh://"):
