@@ -18,12 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as dt
-import getpass
 import math
 import re
 import shlex
-import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -72,15 +69,13 @@ from runners.session import (
     NOT_RECORDED,
     POLL_S,
     Session,
-    _fresh_dir,
     by_id_link,
     link_by_id,
-    new_run_id,
+    new_record,
     ship_reference,
 )
 from runners.targets.base import ConnectionLost, Target, TargetError
 from runners.targets.factory import parse_target
-from runners.templates import render_plain
 
 WAIT_S = 2.0  # between looks at a busy host's lock (fleet.busy = "wait")
 CANCEL_MARK = "cancel"  # in the local run directory: `tracedeck cancel` asked; start nothing more
@@ -333,26 +328,8 @@ class FleetSession(Session):
                 f"with --target {target_spec!r}: a cluster's scheduler places the cells itself; "
                 "give its login node as the target (slurm://LOGIN/PARTITION), not a fleet"
             )
-        date = dt.date.today().isoformat()
-        rel = render_plain(preset.section("artifacts")["dir"], {"date": date, "name": preset.name})
-        record = RunRecord(
-            run_id=new_run_id(preset.name),
-            preset=preset.name,
-            kind=preset.kind,
-            source=preset.source,
-            overrides=preset.overrides,
-            preset_data=preset.data,
-            target=target_spec,
-            remote_dir="",
-            lock="",
-            local_dir=str(_fresh_dir(out_dir / rel)),
-            started_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            user=getpass.getuser(),
-            console_host=socket.gethostname(),
-            date=date,
-            extra={FLEET: {"hosts": list(hosts), "members": []}},
-            options=sorted(preset.options),
-        )
+        extra = {FLEET: {"hosts": list(hosts), "members": []}}
+        record = new_record(preset, target_spec, out_dir, lock="", extra=extra)
         fleet = cls(record, preset, hosts, emit)
         fleet.by_id = by_id_link(out_dir, record.run_id)
         return fleet

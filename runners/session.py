@@ -118,6 +118,38 @@ def link_by_id(link: Path, local_dir: Path) -> None:
     link.symlink_to(os.path.relpath(local_dir, link.parent), target_is_directory=True)
 
 
+def new_record(
+    preset: Preset,
+    target_spec: str,
+    out_dir: Path,
+    *,
+    lock: str,
+    extra: dict[str, Any] | None = None,
+) -> RunRecord:
+    """The record of a run about to launch: a new id, a fresh local directory named by the
+    preset's artifacts.dir (-2, -3 when taken), who and where from."""
+    date = dt.date.today().isoformat()
+    rel = render_plain(preset.section("artifacts")["dir"], {"date": date, "name": preset.name})
+    return RunRecord(
+        run_id=new_run_id(preset.name),
+        preset=preset.name,
+        kind=preset.kind,
+        source=preset.source,
+        overrides=preset.overrides,
+        preset_data=preset.data,
+        target=target_spec,
+        remote_dir="",
+        lock=lock,
+        local_dir=str(_fresh_dir(out_dir / rel)),
+        started_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        user=getpass.getuser(),
+        console_host=socket.gethostname(),
+        date=date,
+        extra=extra or {},
+        options=sorted(preset.options),
+    )
+
+
 def new_run_id(preset_name: str) -> str:
     now = dt.datetime.now()
     return f"{now:%Y%m%d-%H%M%S}-{preset_name}-{secrets.token_hex(2)}"
@@ -220,25 +252,7 @@ class Session:
         target = parse_target(
             target_spec, connect_timeout=tgt["connect_timeout_s"], keepalive=tgt["keepalive_s"]
         )
-        date = dt.date.today().isoformat()
-        rel = render_plain(preset.section("artifacts")["dir"], {"date": date, "name": preset.name})
-        record = RunRecord(
-            run_id=new_run_id(preset.name),
-            preset=preset.name,
-            kind=preset.kind,
-            source=preset.source,
-            overrides=preset.overrides,
-            preset_data=preset.data,
-            target=target_spec,
-            remote_dir="",
-            lock=host_lock(target_spec, tgt["lock"]),
-            local_dir=str(_fresh_dir(out_dir / rel)),
-            started_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            user=getpass.getuser(),
-            console_host=socket.gethostname(),
-            date=date,
-            options=sorted(preset.options),
-        )
+        record = new_record(preset, target_spec, out_dir, lock=host_lock(target_spec, tgt["lock"]))
         session = cls(record, preset, target, emit)
         session.by_id = by_id_link(out_dir, record.run_id)
         return session

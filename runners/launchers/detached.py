@@ -42,23 +42,25 @@ RUN_PIDS = r"""run_pids() {
 }
 """
 
-RUN_SH = r"""#!/bin/sh
-# Written by tracedeck: runs detached (setsid) and holds the host lock through fd 9.
-cd {run_dir}
-mkdir -p artifacts  # {{out}}: there when the first cell starts; below it is the engine's
-export TRACEDECK_RUN_ID={run_id}
-now() {{ date +%s.%N; }}
-ev() {{ printf '%s\n' "$1" >> progress.jsonl; }}
-sizes() {{
-  for f in {traces}; do
+
+def cell_helpers(traces: str) -> str:
+    """Shell functions every launcher's script runs cells with: sizes (of the shared trace
+    files `traces`, shell words) and reap_cell (a cell's leftover processes, TERM then KILL)."""
+    return CELL_HELPERS.replace("@TRACES@", traces)
+
+
+# A process a cell leaves behind (a daemon, a child that left the group) would hold the GPU
+# and the lock after its cell: reap_cell TERMs it, then KILLs, and says how many there were.
+CELL_HELPERS = (
+    r"""sizes() {
+  for f in @TRACES@; do
     [ -f "$f" ] && printf '%s\t%s\n' "$(stat -c %s "$f" 2>/dev/null || echo 0)" "$f"
   done
   return 0
-}}
-{run_pids}
-# A process a cell leaves behind (a daemon, a child that left the group) would hold the GPU
-# and the lock after its cell: TERM it, then KILL, and say how many there were.
-reap_cell() {{
+}
+"""
+    + RUN_PIDS
+    + r"""reap_cell() {
   left=$(run_pids "TRACEDECK_CELL=$TRACEDECK_RUN_ID/$1")
   [ -z "$left" ] && return 0
   echo "$left" > "cells/$1/leftover"
@@ -69,8 +71,18 @@ reap_cell() {{
   done
   kill -KILL $(run_pids "TRACEDECK_CELL=$TRACEDECK_RUN_ID/$1") 2>/dev/null
   return 0
-}}
-run_cell() {{
+}
+"""
+)
+
+RUN_SH = r"""#!/bin/sh
+# Written by tracedeck: runs detached (setsid) and holds the host lock through fd 9.
+cd {run_dir}
+mkdir -p artifacts  # {{out}}: there when the first cell starts; below it is the engine's
+export TRACEDECK_RUN_ID={run_id}
+now() {{ date +%s.%N; }}
+ev() {{ printf '%s\n' "$1" >> progress.jsonl; }}
+{cell_helpers}run_cell() {{
   ev "{{\"e\":\"start\",\"cell\":\"$1\",\"t\":$(now)}}"
   TRACEDECK_CELL="$TRACEDECK_RUN_ID/$1" bash "cells/$1/cmd.sh" > "cells/$1/stdout.log" \
     2> "cells/$1/stderr.log" < /dev/null
@@ -115,10 +127,9 @@ def run_script(plan: RunPlan) -> str:
         )
     body += [f"run_cell {cell_dir_name(c.index)}" for c in plan.cells]
     return RUN_SH.format(
-        run_pids=RUN_PIDS,
+        cell_helpers=cell_helpers(" ".join(_shell_word(t) for t in plan.traces if t.cell is None)),
         run_dir=shlex.quote(plan.run_dir),
         run_id=shlex.quote(plan.run_id),
-        traces=" ".join(_shell_word(t) for t in plan.traces if t.cell is None),
         body="\n".join(body),
     )
 

@@ -28,7 +28,7 @@ from runners.cells import SETUP_CELL, CellState, cell_name
 from runners.events import CellFinished, Event, JobSubmitted, SchedulerState
 from runners.kind import SCHEDULER_KILLS, Ending
 from runners.launchers.base import NotStartedError, Outcome, Started
-from runners.launchers.detached import RUN_PIDS, _shell_word, holder_path
+from runners.launchers.detached import _shell_word, cell_helpers, holder_path
 from runners.plan import SETUP, RunPlan
 from runners.targets.base import Target, TargetError
 
@@ -50,26 +50,7 @@ export TRACEDECK_RUN_ID={run_id}
 cell=${{1:-$(printf '%03d' "${{SLURM_ARRAY_TASK_ID:?not an array task}}")}}
 now() {{ date +%s.%N; }}
 ev() {{ printf '%s\n' "$1" >> "cells/$cell/progress.jsonl"; }}
-sizes() {{
-  for f in {traces}; do
-    [ -f "$f" ] && printf '%s\t%s\n' "$(stat -c %s "$f" 2>/dev/null || echo 0)" "$f"
-  done
-  return 0
-}}
-{run_pids}
-reap_cell() {{
-  left=$(run_pids "TRACEDECK_CELL=$TRACEDECK_RUN_ID/$1")
-  [ -z "$left" ] && return 0
-  echo "$left" > "cells/$1/leftover"
-  kill -TERM $left 2>/dev/null
-  i=0
-  while [ -n "$(run_pids "TRACEDECK_CELL=$TRACEDECK_RUN_ID/$1")" ] && [ $i -lt 20 ]; do
-    sleep 0.1; i=$((i+1))
-  done
-  kill -KILL $(run_pids "TRACEDECK_CELL=$TRACEDECK_RUN_ID/$1") 2>/dev/null
-  return 0
-}}
-# Slurm TERMs the job when it kills it (time limit, preemption, scancel): the cell then ends
+{cell_helpers}# Slurm TERMs the job when it kills it (time limit, preemption, scancel): the cell then ends
 # without an "end" line, and the scheduler's word says why.
 stopping=
 trap 'stopping=1' TERM
@@ -174,8 +155,7 @@ def job_script(
         directives="\n".join(lines),
         run_dir=shlex.quote(plan.run_dir),
         run_id=shlex.quote(plan.run_id),
-        traces=" ".join(_shell_word(t) for t in shared),
-        run_pids=RUN_PIDS,
+        cell_helpers=cell_helpers(" ".join(_shell_word(t) for t in shared)),
         lock=shlex.quote(plan.lock),
         holder=shlex.quote(holder_path(plan.lock)),
         console_host=shlex.quote(orjson.dumps(str(holder.get("console_host", ""))).decode()),
