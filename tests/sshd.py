@@ -10,6 +10,7 @@ import pwd
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -184,10 +185,13 @@ keep=/run/tracedeck-ns-$$
 mkdir -p "$keep"
 mount --bind /tmp "$keep"
 mount -t tmpfs -o size=256m tracedeck-tmp /tmp
-case "$1" in /tmp/*)
-  mkdir -p "$1"
-  mount --bind "$keep${1#/tmp}" "$1";;
-esac
+while [ "$1" != -- ]; do
+  case "$1" in /tmp/*)
+    mkdir -p "$1"
+    mount --bind "$keep${1#/tmp}" "$1";;
+  esac
+  shift
+done
 umount -l "$keep"
 rmdir "$keep" 2>/dev/null || true
 shift
@@ -197,8 +201,11 @@ exec "$@"
 
 def own_tmp(shared: Path) -> list[str]:
     """The wrap for start_sshd that gives a "host" its own /tmp while it shares `shared` (the
-    tests' base directory, where the home directory all hosts share lives)."""
-    return ["unshare", "-m", "sh", "-c", _OWN_TMP, "sh", str(shared)]
+    tests' base directory, where the home directory all hosts share lives) and this checkout
+    and its Python (a CI clone may lie under /tmp: the cells run its .venv's python)."""
+    keep = {shared.resolve(), Path(__file__).resolve().parent.parent, Path(sys.prefix).resolve()}
+    paths = sorted(str(p) for p in keep)  # a parent before what lies under it
+    return ["unshare", "-m", "sh", "-c", _OWN_TMP, "sh", *paths, "--"]
 
 
 def start_host(d: Path, trusted: SshServer, shared: Path) -> SshServer:
