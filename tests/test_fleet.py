@@ -530,3 +530,22 @@ def test_prune_keeps_a_live_fleet_run_and_then_deletes_every_host_s_part(
     assert gone.returncode == 0, gone.stdout + gone.stderr
     assert f"(and gpu-a:{runs}/{run_id})" in gone.stdout
     assert not local_dir.exists() and not (runs / run_id).exists()
+
+
+def test_a_second_console_on_a_live_fleet_run_only_reads_its_record(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    preset = lines_preset(tmp_path, cells=4, lines=40, pause=0.05)
+    out = tmp_path / "out"
+    env = cli_env(fleet.home.path)
+    console = spawn("run", str(preset), "--target", "gpu-a,gpu-b", "--out", str(out), env=env)
+    local_dir = wait_for(lambda: run_dirs(out), what="run dir")[0]
+    wait_for(lambda: any(e["type"] == "output" for e in events(local_dir)), what="output")
+    second = tracedeck("attach", str(local_dir), env=env)
+    stdout, stderr = console.communicate(timeout=120)
+    assert console.returncode == 0 and second.returncode == 0, stdout + stderr + second.stderr
+    assert "another console follows this run" in second.stderr
+    assert "RESULT: PASS (exit 0)" in stdout and "RESULT: PASS (exit 0)" in second.stdout
+    evts = events(local_dir)
+    assert [e["type"] for e in evts].count("run_finished") == 1
+    assert lines_by_cell(evts) == expected(4, 40)  # each line once: one writer
