@@ -21,7 +21,6 @@ import contextlib
 import math
 import re
 import shlex
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -51,7 +50,7 @@ from runners.follower import RunFollower
 from runners.kind import Ending, JudgeContext
 from runners.launchers.base import LockBusyError, NotStartedError
 from runners.launchers.detached import DetachedLauncher, parse_holder
-from runners.plan import RunPlan, build_plan, cell_scripts, plan_document
+from runners.plan import RunPlan, build_plan, cell_scripts, interpreter, plan_document
 from runners.presets import Preset
 from runners.record import (
     EVENTS,
@@ -72,6 +71,7 @@ from runners.session import (
     by_id_link,
     link_by_id,
     new_record,
+    resolve_dir,
     ship_reference,
 )
 from runners.targets.base import ConnectionLost, Target, TargetError
@@ -611,21 +611,11 @@ class FleetSession(Session):
     async def _host_dirs(self, host: Host) -> tuple[str, str, str]:
         if host.dirs is None:
             tgt = self.preset.section("target")
-            workdir = await self._resolve_on(host, tgt["workdir"], "target.workdir")
-            runs = await self._resolve_on(host, tgt["runs"], "target.runs")
-            python = tgt["python"] or (sys.executable if host.target.name == "local" else "python3")
+            workdir = await resolve_dir(host.target, tgt["workdir"], "target.workdir")
+            runs = await resolve_dir(host.target, tgt["runs"], "target.runs")
+            python = interpreter(host.target.name, tgt["python"])
             host.dirs = (workdir, runs, python)
         return host.dirs
-
-    async def _resolve_on(self, host: Host, path: str, key: str) -> str:
-        q = shlex.quote(path)
-        result = await host.target.run(f"cd && mkdir -p {q} && cd {q} && pwd")
-        if result.exit_status != 0:
-            raise TargetError(
-                f"{key} {path!r} is not usable: {result.stderr.strip()}; set {key} to a "
-                "writable directory"
-            )
-        return result.stdout.strip()
 
     async def _lock_free(self, host: Host) -> bool:
         """A waiting host: is its lock free now? (Says who holds it while it is not.)"""

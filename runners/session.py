@@ -118,6 +118,18 @@ def link_by_id(link: Path, local_dir: Path) -> None:
     link.symlink_to(os.path.relpath(local_dir, link.parent), target_is_directory=True)
 
 
+async def resolve_dir(target: Target, path: str, key: str) -> str:
+    """An absolute path on the target, made when missing: absolute as written; `~`, `~/x` and
+    relative paths under the target's home (the login user's, on the local target $HOME)."""
+    result = await target.run(dir_command(path, create=True))
+    if result.exit_status != 0:
+        raise TargetError(
+            f"{target.name}: {key} {path!r} is not usable: "
+            f"{result.stderr.strip()}; set {key} to a writable directory"
+        )
+    return result.stdout.strip()
+
+
 def new_record(
     preset: Preset,
     target_spec: str,
@@ -406,15 +418,7 @@ class Session:
         )
 
     async def _resolve_dir(self, path: str, key: str) -> str:
-        """An absolute path on the target: absolute as written; `~`, `~/x` and relative paths
-        under the target's home (the login user's, on the local target $HOME)."""
-        result = await self.target.run(dir_command(path, create=True))
-        if result.exit_status != 0:
-            raise TargetError(
-                f"{self.target.name}: {key} {path!r} is not usable: "
-                f"{result.stderr.strip()}; set {key} to a writable directory"
-            )
-        return result.stdout.strip()
+        return await resolve_dir(self.target, path, key)
 
     async def _ship_reference(self, pkg: str) -> None:
         await ship_reference(self.target, pkg)

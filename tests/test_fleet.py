@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -549,3 +550,24 @@ def test_a_second_console_on_a_live_fleet_run_only_reads_its_record(
     evts = events(local_dir)
     assert [e["type"] for e in evts].count("run_finished") == 1
     assert lines_by_cell(evts) == expected(4, 40)  # each line once: one writer
+
+
+def test_tilde_runs_dir_is_under_each_host_s_login_home(fleet: Fleet, tmp_path: Path) -> None:
+    """target.runs = "~/x" means x under the login home on every host, as on one host (never a
+    directory named "~")."""
+    name = f"td-fleet-test-{os.getpid()}-{tmp_path.name}"
+    home = Path("~" + fleet.home.server.user).expanduser()
+    preset = lines_preset(tmp_path, cells=2, lines=2, pause=0.01)
+    try:
+        done = tracedeck(
+            "run", str(preset), "--target", "gpu-a,gpu-b", "--out", str(tmp_path / "out"),
+            "--set", f'target.runs="~/{name}"', env=cli_env(fleet.home.path),
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        [local_dir] = run_dirs(tmp_path / "out")
+        dirs = {m["run_dir"] for m in members(local_dir)}
+        run_id = record_of(local_dir)["run_id"]
+        assert dirs and all(d.startswith(f"{home}/{name}/{run_id}/") for d in dirs), dirs
+        assert not (home / "~").exists()
+    finally:
+        shutil.rmtree(home / name, ignore_errors=True)
