@@ -520,7 +520,7 @@ class FleetSession(Session):
         """One host's part: follow its batch (after an attach), then take batches until the
         queue is empty and no other host's work could come back to it."""
         member = host.active
-        if member is not None and not member.ended:
+        if member is not None and not member.ended and await self._connect(host):
             await self._follow_member(host, member)
         while host.state not in OUT:
             if self._stopping():
@@ -743,6 +743,8 @@ class FleetSession(Session):
                 message=f"{host.spec}: the run in {plan.run_dir} ended without finishing "
                 f"(remote crash or killed outside tracedeck); runner.err: {tail}",
                 where=plan.run_dir,
+                # its cells are requeued or end lost (HOST_LOST): never a verdict of its own
+                affects_verdict=False,
             ),
         )
         return "crashed"

@@ -655,3 +655,37 @@ def test_a_host_whose_runs_dir_cannot_be_made_fails_alone_naming_the_dir(
     assert "gpu-a: host failed" in done.stdout and runs in done.stdout, done.stdout
     assert done.returncode == 0, done.stdout + done.stderr
     assert_run_gone(local_dir, lock_free_on=lock_free_on(fleet))
+
+
+def test_a_host_s_batch_killed_while_no_console_follows_is_rerun_on_attach(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    preset = lines_preset(tmp_path, cells=4, lines=40, pause=0.05)
+    out = tmp_path / "out"
+    env = cli_env(fleet.home.path)
+    console = spawn("run", str(preset), "--target", "gpu-a,gpu-b", "--out", str(out), env=env)
+    local_dir = wait_for(lambda: run_dirs(out), what="run dir")[0]
+    wait_for(
+        lambda: (
+            {e.get("host") for e in events(local_dir) if e["type"] == "output"}
+            == {"gpu-a", "gpu-b"}
+        ),
+        what="output from both hosts",
+    )
+    console.send_signal(signal.SIGKILL)
+    console.communicate(timeout=30)
+    [part] = [m for m in members(local_dir) if m["host"] == "gpu-a"]
+    # gpu-a's run dies while nobody watches: its runner's group, then anything that escaped
+    os.killpg(int(Path(part["run_dir"], "pgid").read_text()), signal.SIGKILL)
+    kill_member(part["member"])
+    attach = tracedeck("attach", str(local_dir), env=env)
+    assert "Traceback" not in attach.stderr, attach.stderr
+    evts = events(local_dir)
+    assert attach.returncode == 0, attach.stdout + attach.stderr
+    assert "RESULT: PASS (exit 0)" in attach.stdout
+    assert "connection lost" not in attach.stdout  # attach connects; no link was lost
+    assert sorted(e["cell"] for e in evts if e["type"] == "cell_requeued") == [0, 1]
+    finals = {e["cell"]: e["state"] for e in evts if e["type"] == "cell_finished"}
+    assert finals == {0: "passed", 1: "passed", 2: "passed", 3: "passed"}
+    assert [e["type"] for e in evts].count("run_finished") == 1
+    assert_run_gone(local_dir, lock_free_on=lock_free_on(fleet))
