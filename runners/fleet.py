@@ -520,7 +520,7 @@ class FleetSession(Session):
         """One host's part: follow its batch (after an attach), then take batches until the
         queue is empty and no other host's work could come back to it."""
         member = host.active
-        if member is not None and not member.ended:
+        if member is not None and not member.ended and await self._connect(host):
             await self._follow_member(host, member)
         while host.state not in OUT:
             if self._stopping():
@@ -559,6 +559,9 @@ class FleetSession(Session):
             if await self._reconnect_host(host, str(exc)):
                 return True
             self._lose_host(host, str(exc))
+            return False
+        except TargetError as exc:  # a host key or a login refused: no retry mends it
+            self._fail_host(host, str(exc))
             return False
 
     async def _start_member(self, host: Host, groups: list[list[int]]) -> Member | None:
@@ -601,12 +604,20 @@ class FleetSession(Session):
             return None
         except (NotStartedError, TargetError, OSError) as exc:
             self._give_back(groups)
-            self._host_emit(host, Error(message=f"{host.spec}: {exc}", where=host.spec))
-            self._set_state(host, FAILED, str(exc))
+            self._fail_host(host, str(exc))
             return None
         self._host_emit(host, LockAcquired(lock=host.lock, holder=started.holder))
         self._set_state(host, RUNNING, f"cells {', '.join(str(c + 1) for c in cells)}")
         return member
+
+    def _fail_host(self, host: Host, message: str) -> None:
+        """A host that cannot take cells this run; its cells go to the others. Not a verdict:
+        a run whose cells all ran elsewhere passes, and one whose cells no host could take
+        ends HOST_LOST (exit 3)."""
+        self._host_emit(
+            host, Error(message=f"{host.spec}: {message}", where=host.spec, affects_verdict=False)
+        )
+        self._set_state(host, FAILED, message)
 
     async def _host_dirs(self, host: Host) -> tuple[str, str, str]:
         if host.dirs is None:
@@ -732,6 +743,8 @@ class FleetSession(Session):
                 message=f"{host.spec}: the run in {plan.run_dir} ended without finishing "
                 f"(remote crash or killed outside tracedeck); runner.err: {tail}",
                 where=plan.run_dir,
+                # its cells are requeued or end lost (HOST_LOST): never a verdict of its own
+                affects_verdict=False,
             ),
         )
         return "crashed"

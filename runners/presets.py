@@ -398,18 +398,22 @@ def _check_scheduler(target: dict[str, Any], source: str) -> None:
                 f"{line!r}: one sbatch option per item, starting with -- (e.g. --qos=high)",
             )
         option = line.split("=", 1)[0].split()[0]
-        if option in SBATCH_OWN:
+        # sbatch takes any unambiguous prefix of an option (--arr=0 is --array=0)
+        own = sorted(o for o in SBATCH_OWN if o.startswith(option)) if len(option) > 2 else []
+        if own:
             raise PresetError(
                 source,
                 f"target.sbatch[{i}]",
-                f"{option} is set by tracedeck (the array, its files and directory are how it "
-                "follows the cells); remove it",
+                f"{option}{'' if option == own[0] else ' is ' + own[0] + ','} is set by "
+                "tracedeck (the array, its name, files and directory are how it follows the "
+                "cells); remove it",
             )
 
 
 # sbatch options tracedeck sets itself: another value would hide the cells from it.
 SBATCH_OWN = frozenset(
     {"--array", "--output", "--error", "--chdir", "--wrap", "--parsable", "--open-mode"}
+    | {"--job-name"}  # a console that died before writing slurm/job_id finds the job by it
     | {"--dependency", "--kill-on-invalid-dep", "--input", "--requeue", "--no-requeue"}
 )
 

@@ -332,6 +332,16 @@ CASES: dict[str, Case] = {
         2,
         names(P, "target.sbatch[0]", "--array", "set by tracedeck"),
     ),
+    "preset sbatch line abbreviating an option tracedeck owns": Case(
+        preset(GOOD + '[target]\nsbatch = ["--qos=high", "--arr=0"]\n'),
+        2,
+        names(P, "target.sbatch[1]", "--arr is --array, is set by tracedeck"),
+    ),
+    "preset sbatch line renaming the job": Case(
+        preset(GOOD + '[target]\nsbatch = ["--job=mine"]\n'),
+        2,
+        names(P, "target.sbatch[0]", "--job-name", "set by tracedeck"),
+    ),
     "preset sbatch line with a newline": Case(
         preset(GOOD + '[target]\nsbatch = ["--qos=a\\nrm -rf /"]\n'),
         2,

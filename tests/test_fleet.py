@@ -19,7 +19,7 @@ import orjson
 import pytest
 from faults import assert_run_gone, record_of
 from runhelp import cli_env, events, live_processes, run_dirs, spawn, tracedeck, wait_for
-from sshd import Fleet
+from sshd import Fleet, SshServer
 
 pytestmark = pytest.mark.ssh
 
@@ -571,3 +571,121 @@ def test_tilde_runs_dir_is_under_each_host_s_login_home(fleet: Fleet, tmp_path: 
         assert not (home / "~").exists()
     finally:
         shutil.rmtree(home / name, ignore_errors=True)
+
+
+# -- a broken world: hosts that cannot be used ---------------------------------------------------
+
+
+def test_a_host_that_does_not_resolve_is_lost_and_the_others_run_every_cell(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    preset = lines_preset(tmp_path, cells=4, lines=2, pause=0.01, attempts=1)
+    done = tracedeck(
+        "run", str(preset), "--target", "gpu-a,nosuchhost.invalid", "--out", str(tmp_path / "out"),
+        env=cli_env(fleet.home.path),
+    )  # fmt: skip
+    assert "Traceback" not in done.stderr, done.stderr
+    [local_dir] = run_dirs(tmp_path / "out")
+    evts = events(local_dir)
+    assert hosts_of(evts) == {0: "gpu-a", 1: "gpu-a", 2: "gpu-a", 3: "gpu-a"}
+    assert [e["state"] for e in evts if e["type"] == "cell_finished"] == ["passed"] * 4
+    states = {e["host"]: e["state"] for e in evts if e["type"] == "host_state"}
+    assert states["nosuchhost.invalid"] == "lost"
+    assert "nosuchhost.invalid: lost" in done.stdout
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert_run_gone(local_dir, lock_free_on=lock_free_on(fleet))
+
+
+def test_a_host_with_an_unknown_host_key_is_refused_and_named_while_others_run(
+    fleet: Fleet, impostor: SshServer, tmp_path: Path
+) -> None:
+    fleet.home.add_alias("evil", impostor.port)  # its key is in no known_hosts
+    preset = lines_preset(tmp_path, cells=4, lines=2, pause=0.01, attempts=1)
+    done = tracedeck(
+        "run", str(preset), "--target", "gpu-a,evil", "--out", str(tmp_path / "out"),
+        env=cli_env(fleet.home.path),
+    )  # fmt: skip
+    assert "Traceback" not in done.stderr, done.stderr
+    [local_dir] = run_dirs(tmp_path / "out")
+    evts = events(local_dir)
+    assert set(hosts_of(evts).values()) == {"gpu-a"}
+    assert [e["state"] for e in evts if e["type"] == "cell_finished"] == ["passed"] * 4
+    assert not any(e.get("host") == "evil" for e in evts if e["type"] == "host_assigned")
+    states = {e["host"]: (e["state"], e["message"]) for e in evts if e["type"] == "host_state"}
+    assert states["evil"][0] in ("lost", "failed"), states
+    assert "evil" in done.stdout and "host key" in done.stdout.lower(), done.stdout
+    assert "run: tracedeck trust evil" in done.stdout  # what to do
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert_run_gone(local_dir, lock_free_on=lock_free_on(fleet))
+    # no host usable at all: never a pass, every cell said, exit 3 with one run_finished
+    none = tracedeck(
+        "run", str(preset), "--target", "evil,nosuchhost.invalid", "--out", str(tmp_path / "none"),
+        env=cli_env(fleet.home.path),
+    )  # fmt: skip
+    assert none.returncode == 3, none.stdout + none.stderr
+    assert "RESULT: HOST_LOST (exit 3)" in none.stdout
+    [none_dir] = run_dirs(tmp_path / "none")
+    evts = events(none_dir)
+    assert [e["state"] for e in evts if e["type"] == "cell_finished"] == ["skipped"] * 4
+    assert [e["type"] for e in evts].count("run_finished") == 1
+
+
+def test_a_host_whose_runs_dir_cannot_be_made_fails_alone_naming_the_dir(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """target.runs on each host's own /tmp; on gpu-a a file stands where the directory goes."""
+    runs = f"/tmp/td-runs-{tmp_path.name}"
+    assert ssh(fleet, "gpu-a", f"echo x > {runs}").returncode == 0
+    preset = lines_preset(tmp_path, cells=4, lines=2, pause=0.01, attempts=1)
+    try:
+        done = tracedeck(
+            "run", str(preset), "--target", "gpu-a,gpu-b", "--out", str(tmp_path / "out"),
+            "--set", f'target.runs="{runs}"', env=cli_env(fleet.home.path),
+        )  # fmt: skip
+    finally:
+        ssh(fleet, "gpu-a", f"rm -rf {runs}")
+        ssh(fleet, "gpu-b", f"rm -rf {runs}")
+    assert "Traceback" not in done.stderr, done.stderr
+    [local_dir] = run_dirs(tmp_path / "out")
+    evts = events(local_dir)
+    assert hosts_of(evts) == {0: "gpu-b", 1: "gpu-b", 2: "gpu-b", 3: "gpu-b"}
+    assert [e["state"] for e in evts if e["type"] == "cell_finished"] == ["passed"] * 4
+    states = {e["host"]: (e["state"], e["message"]) for e in evts if e["type"] == "host_state"}
+    assert states["gpu-a"][0] == "failed" and runs in states["gpu-a"][1], states
+    assert "gpu-a: host failed" in done.stdout and runs in done.stdout, done.stdout
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert_run_gone(local_dir, lock_free_on=lock_free_on(fleet))
+
+
+def test_a_host_s_batch_killed_while_no_console_follows_is_rerun_on_attach(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    preset = lines_preset(tmp_path, cells=4, lines=40, pause=0.05)
+    out = tmp_path / "out"
+    env = cli_env(fleet.home.path)
+    console = spawn("run", str(preset), "--target", "gpu-a,gpu-b", "--out", str(out), env=env)
+    local_dir = wait_for(lambda: run_dirs(out), what="run dir")[0]
+    wait_for(
+        lambda: (
+            {e.get("host") for e in events(local_dir) if e["type"] == "output"}
+            == {"gpu-a", "gpu-b"}
+        ),
+        what="output from both hosts",
+    )
+    console.send_signal(signal.SIGKILL)
+    console.communicate(timeout=30)
+    [part] = [m for m in members(local_dir) if m["host"] == "gpu-a"]
+    # gpu-a's run dies while nobody watches: its runner's group, then anything that escaped
+    os.killpg(int(Path(part["run_dir"], "pgid").read_text()), signal.SIGKILL)
+    kill_member(part["member"])
+    attach = tracedeck("attach", str(local_dir), env=env)
+    assert "Traceback" not in attach.stderr, attach.stderr
+    evts = events(local_dir)
+    assert attach.returncode == 0, attach.stdout + attach.stderr
+    assert "RESULT: PASS (exit 0)" in attach.stdout
+    assert "connection lost" not in attach.stdout  # attach connects; no link was lost
+    assert sorted(e["cell"] for e in evts if e["type"] == "cell_requeued") == [0, 1]
+    finals = {e["cell"]: e["state"] for e in evts if e["type"] == "cell_finished"}
+    assert finals == {0: "passed", 1: "passed", 2: "passed", 3: "passed"}
+    assert [e["type"] for e in evts].count("run_finished") == 1
+    assert_run_gone(local_dir, lock_free_on=lock_free_on(fleet))

@@ -307,3 +307,68 @@ def test_prune_keeps_a_run_slurm_still_holds(slurm_cluster: SlurmCluster, tmp_pa
     gone = tracedeck("prune", "--out", str(out), "--keep", "0", "--yes", env=env)
     assert gone.returncode == 0, gone.stdout + gone.stderr
     assert not local_dir.exists() and not remote.exists()
+
+
+# -- a hostile operator, a broken world ------------------------------------------------------------
+
+
+def test_scancel_from_outside_tracedeck_is_cancelled_per_cell_never_a_pass(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    env = env_for(slurm_cluster, tmp_path)
+    out = tmp_path / "out"
+    console = spawn("run", str(sleepy(tmp_path)), "--target", TARGET, "--out", str(out), env=env)
+    local_dir = wait_for(lambda: run_dirs(out), what="run dir")[0]
+    until(slurm_cluster, local_dir, lambda: running(local_dir, {0, 1}), "both tasks running")
+    [job] = slurm_jobs(record_of(local_dir))
+    slurm_cluster.run("scancel", job)  # the operator's own scancel, not `tracedeck cancel`
+    stdout, stderr = console.communicate(timeout=90)
+    assert console.returncode == 130, stdout + stderr
+    assert "RESULT: CANCELLED (exit 130)" in stdout
+    ends = {e["cell"]: e for e in events(local_dir) if e["type"] == "cell_finished"}
+    assert {c: e["state"] for c, e in ends.items()} == {0: "cancelled", 1: "cancelled"}
+    assert_run_gone(local_dir, slurm_env=slurm_cluster.env)
+
+
+def test_a_cell_that_exits_non_zero_in_its_task_fails_the_run_exit_1(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    preset = sleepy(tmp_path, sleep=0)
+    preset.write_text(preset.read_text().replace("echo cell {n} done", "exit $(( {n} + 4 ))"))
+    done = tracedeck(
+        "run", str(preset), "--target", TARGET, "--out", str(tmp_path / "out"),
+        env=env_for(slurm_cluster, tmp_path),
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "RESULT: FAIL (exit 1)" in done.stdout
+    [local_dir] = run_dirs(tmp_path / "out")
+    ends = {e["cell"]: e for e in events(local_dir) if e["type"] == "cell_finished"}
+    assert {c: (e["state"], e["exit_code"]) for c, e in ends.items()} == {
+        0: ("failed", 5),
+        1: ("failed", 6),
+    }
+    assert_run_gone(local_dir, slurm_env=slurm_cluster.env)
+
+
+def test_attach_finds_the_job_by_name_when_its_id_was_never_written(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """The console died between sbatch and writing slurm/job_id: attach finds the job by its
+    name, follows it to its end, and leaves nothing in the queue."""
+    env = env_for(slurm_cluster, tmp_path)
+    out = tmp_path / "out"
+    console = spawn(
+        "run", str(sleepy(tmp_path, sleep=3)), "--target", TARGET, "--out", str(out), env=env
+    )
+    local_dir = wait_for(lambda: run_dirs(out), what="run dir")[0]
+    wait_for(lambda: any(e["type"] == "job_submitted" for e in events(local_dir)), what="the job")
+    console.send_signal(signal.SIGKILL)
+    console.communicate(timeout=30)
+    [job] = slurm_jobs(record_of(local_dir))
+    (Path(record_of(local_dir)["remote_dir"]) / "slurm" / "job_id").unlink()
+    attach = tracedeck("attach", str(local_dir), env=env)
+    assert attach.returncode == 0, attach.stdout + attach.stderr
+    assert "RESULT: PASS (exit 0)" in attach.stdout
+    lines = [line for e in events(local_dir) if e["type"] == "output" for line in e["lines"]]
+    assert sorted(lines) == ["cell 1 done", "cell 1 up", "cell 2 done", "cell 2 up"]
+    assert job not in slurm_cluster.jobs()
