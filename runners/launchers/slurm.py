@@ -282,7 +282,7 @@ class SlurmLauncher:
                     f"squeue -h -o %F -n {shlex.quote(job_name(plan.run_id))}",
                     timeout=QUERY_TIMEOUT_S,
                 )
-                ids = sorted({w for w in found.stdout.split() if w.isdigit()})
+                ids = sorted({w for w in found.stdout.split() if w.isdigit()}, key=int)
                 if not ids:
                     return []
                 self.job_id = ids[-1]
