@@ -3,6 +3,7 @@ default lock) while all share the home directory, each reached through a cuttabl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -155,9 +156,19 @@ def kill_member(member: str) -> int:
     killed = 0
     for pid, _, env in live_processes():
         if marker in env:
-            os.kill(pid, signal.SIGKILL)
-            killed += 1
+            with contextlib.suppress(ProcessLookupError):  # it ended between the scan and now
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
     return killed
+
+
+def end_if_left(console: subprocess.Popen[str], local_dir: Path, env: dict[str, str]) -> None:
+    """After a test failed midway: stop its console and cancel its run, so that its hosts'
+    locks are not held into the next test."""
+    if console.poll() is None:
+        console.kill()
+        console.communicate(timeout=30)
+        tracedeck("cancel", str(local_dir), "--grace", "1", env=env)
 
 
 # -- B3.67 over two hosts --------------------------------------------------------------------
@@ -284,16 +295,15 @@ def lose_gpu_a(fleet: Fleet, local_dir: Path) -> None:
 def test_a_host_lost_mid_run_gives_its_cells_to_the_others(fleet: Fleet, tmp_path: Path) -> None:
     preset = lines_preset(tmp_path, cells=4, lines=30, pause=0.05, attempts=1)
     out = tmp_path / "out"
-    console = spawn(
-        "run", str(preset), "--target", "gpu-a,gpu-b", "--out", str(out),
-        env=cli_env(fleet.home.path),
-    )  # fmt: skip
+    env = cli_env(fleet.home.path)
+    console = spawn("run", str(preset), "--target", "gpu-a,gpu-b", "--out", str(out), env=env)
     local_dir = wait_for(lambda: run_dirs(out), what="run dir")[0]
     try:
         lose_gpu_a(fleet, local_dir)
         stdout, stderr = console.communicate(timeout=120)
     finally:
         fleet.proxies["gpu-a"].resume()
+        end_if_left(console, local_dir, env)
     assert console.returncode == 0, stdout + stderr
     evts = events(local_dir)
     requeued = sorted(e["cell"] for e in evts if e["type"] == "cell_requeued")
@@ -312,9 +322,10 @@ def test_a_host_lost_mid_run_gives_its_cells_to_the_others(fleet: Fleet, tmp_pat
 def test_without_requeue_a_lost_host_s_cells_are_lost_exit_3(fleet: Fleet, tmp_path: Path) -> None:
     preset = lines_preset(tmp_path, cells=4, lines=30, pause=0.05, attempts=1)
     out = tmp_path / "out"
+    env = cli_env(fleet.home.path)
     console = spawn(
         "run", str(preset), "--target", "gpu-a,gpu-b", "--out", str(out),
-        "--set", "fleet.requeue=false", env=cli_env(fleet.home.path),
+        "--set", "fleet.requeue=false", env=env,
     )  # fmt: skip
     local_dir = wait_for(lambda: run_dirs(out), what="run dir")[0]
     try:
@@ -322,6 +333,7 @@ def test_without_requeue_a_lost_host_s_cells_are_lost_exit_3(fleet: Fleet, tmp_p
         stdout, stderr = console.communicate(timeout=120)
     finally:
         fleet.proxies["gpu-a"].resume()
+        end_if_left(console, local_dir, env)
     assert console.returncode == 3, stdout + stderr
     assert "RESULT: HOST_LOST (exit 3)" in stdout
     evts = events(local_dir)
