@@ -45,7 +45,6 @@ from runners.events import (
     RunFinished,
     RunStarted,
 )
-from runners.exits import EXIT_INFRA
 from runners.follower import RunFollower
 from runners.kind import Ending, JudgeContext
 from runners.launchers.base import LockBusyError, NotStartedError
@@ -65,7 +64,6 @@ from runners.session import (
     ALIVE_EVERY_S,
     CANCEL_GRACE_S,
     DISCONNECTED,
-    NOT_RECORDED,
     POLL_S,
     Session,
     by_id_link,
@@ -926,15 +924,7 @@ class FleetSession(Session):
         else:
             ending = Ending("done")
         await self._advance()
-        try:
-            result = await asyncio.to_thread(self.judge.finish, ending)
-        except OSError as exc:
-            where = exc.filename or self.local_dir
-            result = RunFinished(
-                verdict=NOT_RECORDED,
-                exit_code=EXIT_INFRA,
-                summary={"error": f"cannot write the run's documents in {where}: {exc.strerror}"},
-            )
+        result = await self._judged_end(ending)
         result.summary = {**result.summary, "hosts": self._host_summary()}
         self.emit(result)
 

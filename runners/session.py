@@ -687,16 +687,21 @@ class Session:
         await self.judge.advance()
         if self.preset.section("judge")["fetch_held"]:
             await follower.fetch_held()
+        self.emit(await self._judged_end(ending))
+
+    async def _judged_end(self, ending: Ending) -> RunFinished:
+        """The judge's verdict on the run, its documents written (a thread: they may be large);
+        NOT_RECORDED (exit 3) when this machine cannot write them."""
+        assert self.judge is not None
         try:
-            result = await asyncio.to_thread(self.judge.finish, ending)
+            return await asyncio.to_thread(self.judge.finish, ending)
         except OSError as exc:
             where = exc.filename or self.local_dir
-            result = RunFinished(
+            return RunFinished(
                 verdict=NOT_RECORDED,
                 exit_code=EXIT_INFRA,
                 summary={"error": f"cannot write the run's documents in {where}: {exc.strerror}"},
             )
-        self.emit(result)
 
     async def fetch_held(self) -> int:
         """Bring home every artifact judged on the target and not fetched yet; how many."""
