@@ -162,6 +162,22 @@ def kill_member(member: str) -> int:
     return killed
 
 
+def start_on_both(
+    preset: Path, out: Path, env: dict[str, str]
+) -> tuple[subprocess.Popen[str], Path]:
+    """A console running `preset` over gpu-a and gpu-b, once both hosts' cells print."""
+    console = spawn("run", str(preset), "--target", "gpu-a,gpu-b", "--out", str(out), env=env)
+    local_dir = wait_for(lambda: run_dirs(out), what="run dir")[0]
+    wait_for(
+        lambda: (
+            {e.get("host") for e in events(local_dir) if e["type"] == "output"}
+            == {"gpu-a", "gpu-b"}
+        ),
+        what="output from both hosts",
+    )
+    return console, local_dir
+
+
 def end_if_left(console: subprocess.Popen[str], local_dir: Path, env: dict[str, str]) -> None:
     """After a test failed midway: stop its console and cancel its run, so that its hosts'
     locks are not held into the next test."""
@@ -424,15 +440,7 @@ def test_console_killed_then_attach_finishes_a_fleet_run(fleet: Fleet, tmp_path:
     preset = lines_preset(tmp_path, cells=4, lines=30, pause=0.05)
     out = tmp_path / "out"
     env = cli_env(fleet.home.path)
-    console = spawn("run", str(preset), "--target", "gpu-a,gpu-b", "--out", str(out), env=env)
-    local_dir = wait_for(lambda: run_dirs(out), what="run dir")[0]
-    wait_for(
-        lambda: (
-            {e.get("host") for e in events(local_dir) if e["type"] == "output"}
-            == {"gpu-a", "gpu-b"}
-        ),
-        what="output from both hosts",
-    )
+    console, local_dir = start_on_both(preset, out, env)
     console.send_signal(signal.SIGKILL)
     console.communicate(timeout=30)
     attach = tracedeck("attach", str(local_dir), env=env)
@@ -447,15 +455,7 @@ def test_cancel_stops_every_host_s_part(fleet: Fleet, tmp_path: Path) -> None:
     preset = lines_preset(tmp_path, cells=4, lines=200, pause=0.05)
     out = tmp_path / "out"
     env = cli_env(fleet.home.path)
-    console = spawn("run", str(preset), "--target", "gpu-a,gpu-b", "--out", str(out), env=env)
-    local_dir = wait_for(lambda: run_dirs(out), what="run dir")[0]
-    wait_for(
-        lambda: (
-            {e.get("host") for e in events(local_dir) if e["type"] == "output"}
-            == {"gpu-a", "gpu-b"}
-        ),
-        what="output from both hosts",
-    )
+    console, local_dir = start_on_both(preset, out, env)
     cancel = tracedeck("cancel", str(local_dir), "--grace", "1", env=env)
     assert cancel.returncode == 0, cancel.stdout + cancel.stderr
     stdout, stderr = console.communicate(timeout=60)
@@ -520,15 +520,7 @@ def test_prune_keeps_a_live_fleet_run_and_then_deletes_every_host_s_part(
     preset = lines_preset(tmp_path, cells=4, lines=400, pause=0.05)
     out, runs = tmp_path / "out", tmp_path / "remote"
     env = cli_env(fleet.home.path)
-    console = spawn("run", str(preset), "--target", "gpu-a,gpu-b", "--out", str(out), env=env)
-    local_dir = wait_for(lambda: run_dirs(out), what="run dir")[0]
-    wait_for(
-        lambda: (
-            {e.get("host") for e in events(local_dir) if e["type"] == "output"}
-            == {"gpu-a", "gpu-b"}
-        ),
-        what="output from both hosts",
-    )
+    console, local_dir = start_on_both(preset, out, env)
     console.send_signal(signal.SIGKILL)  # no console follows it now: only its hosts say live
     console.communicate(timeout=30)
     run_id = record_of(local_dir)["run_id"]
@@ -675,15 +667,7 @@ def test_a_host_s_batch_killed_while_no_console_follows_is_rerun_on_attach(
     preset = lines_preset(tmp_path, cells=4, lines=40, pause=0.05)
     out = tmp_path / "out"
     env = cli_env(fleet.home.path)
-    console = spawn("run", str(preset), "--target", "gpu-a,gpu-b", "--out", str(out), env=env)
-    local_dir = wait_for(lambda: run_dirs(out), what="run dir")[0]
-    wait_for(
-        lambda: (
-            {e.get("host") for e in events(local_dir) if e["type"] == "output"}
-            == {"gpu-a", "gpu-b"}
-        ),
-        what="output from both hosts",
-    )
+    console, local_dir = start_on_both(preset, out, env)
     console.send_signal(signal.SIGKILL)
     console.communicate(timeout=30)
     [part] = [m for m in members(local_dir) if m["host"] == "gpu-a"]
