@@ -147,21 +147,176 @@ def normalize_record(record: dict[str, Any], line_no: int, file: str) -> dict[st
     return out
 
 
-def recomputed_mismatch(record: dict[str, Any]) -> bool | None:
-    """B3.12's rule from the line's own indices, or None when it carries none.
+# Indices a line carries, by what they must equal: the logical last index is tokens_total - 1
+# (seeds 001 and 003); the physical index is the row read from the hidden buffer.
+LOGICAL_INDEX_FIELDS = ("logical_last_index", "expected_last_index", "token_index", "pos_id")
+PHYSICAL_INDEX_FIELDS = ("used_index", "hidden_token_index_used")
+# Logits are float32: seed 003's lines put row r of the logits buffer at r * vocab * 4 bytes
+# (104656896 = 204 * 128256 * 4), and B3.11's fix writes decode's row at the logical index.
+LOGITS_BYTES = 4
+# What a line may note about its indices (a row keeps the first few).
+INDEX_NOTES = 3
 
-    A single-token buffer's only valid physical index is 0; a sequence buffer (or a B3.11
-    line, with no buffer kind) must read the logical last index.
+
+def logical_index(record: dict[str, Any]) -> int:
+    """The logical last index, from tokens_total alone (never from the line's own claim)."""
+    return int(record["tokens_total"]) - 1
+
+
+def physical_index(record: dict[str, Any]) -> int:
+    """B3.12: a single-token buffer's only valid physical row is 0; a sequence buffer (or a
+    B3.11 line, with no buffer kind) must read the logical last index."""
+    return 0 if record.get("readout_buffer_kind") == "single_token" else logical_index(record)
+
+
+def recomputed_mismatch(record: dict[str, Any]) -> bool | None:
+    """B3.12's rule recomputed from tokens_total and the buffer kind, or None when the line
+    names no physical index it read."""
+    used = next((record[k] for k in PHYSICAL_INDEX_FIELDS if k in record), None)
+    total = record.get("tokens_total")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (used, total)):
+        return None
+    return used != physical_index(record)
+
+
+def index_problems(record: dict[str, Any]) -> list[str]:
+    """Every index the line carries against what tokens_total and the buffer kind make it:
+    logical fields (tokens_total - 1) and the logits row; the physical rule is
+    recomputed_mismatch's. Whatever the engine's readout_mismatch flag says."""
+    logical = logical_index(record)
+    out = [
+        f"{key} {record[key]} != tokens_total - 1 = {logical}"
+        for key in LOGICAL_INDEX_FIELDS
+        if key in record and record[key] != logical
+    ]
+    offset, vocab = record.get("logits_offset_bytes"), record.get("vocab")
+    if offset is not None and vocab:
+        want = logical * vocab * LOGITS_BYTES
+        if offset != want:
+            out.append(
+                f"logits_offset_bytes {offset} is not the logical row {logical} "
+                f"({logical} x vocab {vocab} x {LOGITS_BYTES} bytes = {want})"
+            )
+    return out
+
+
+def _printed_error(x: float) -> float:
+    """Half a unit in the sixth significant digit of x: how far %g (the engine's printf) may
+    have moved it."""
+    if x == 0:
+        return 0.0
+    return 0.5 * 10 ** (math.floor(math.log10(abs(x))) - 5)
+
+
+def gap_tolerance(top1: float, top2: float, gap: float) -> float:
+    """How far a printed gap may be from printed top1 - top2 for an honest engine.
+
+    Each of the three numbers is printed with six significant digits (seed 003's lines, the
+    engine's %g), so each is off by at most half a unit in its sixth digit; the engine may
+    subtract in float32 (one rounding, 2^-24 of the larger operand). The sum of those bounds
+    is the tolerance: seed 003's three lines are off by 1.6e-5, 3e-5 and 4.9e-5 against
+    1.0e-4, 1.0e-4 and 1.0e-4; a gap off by more is not the difference of those logits.
     """
-    used = record.get("used_index", record.get("hidden_token_index_used"))
-    if not isinstance(used, int) or isinstance(used, bool):
-        return None
-    if record.get("readout_buffer_kind") == "single_token":
-        return used != 0
-    expected = record.get("logical_last_index", record.get("expected_last_index"))
-    if not isinstance(expected, int) or isinstance(expected, bool):
-        return None
-    return used != expected
+    scale = max(abs(top1), abs(top2))
+    return (
+        _printed_error(top1)
+        + _printed_error(top2)
+        + _printed_error(gap)
+        + scale * 2.0**-24
+        + 1e-12 * (scale + 1.0)
+    )
+
+
+def _refuse(file: str, line_no: int, message: str, key: str) -> TraceError:
+    return TraceError(
+        file,
+        line_no,
+        message,
+        hint="the line contradicts itself: the engine's trace cannot be believed; fix the "
+        "engine's readout trace",
+        key=key,
+    )
+
+
+def check_consistency(record: dict[str, Any], line_no: int, file: str) -> None:
+    """Refuse a line whose numbers contradict each other (top-1/top-2, gap, the row's stats,
+    its two physical indices, its hidden offset)."""
+    t1, t2 = record.get("top1_logit"), record.get("top2_logit")
+    if "top2_id" in record and record["top2_id"] == record["top1_id"]:
+        raise _refuse(file, line_no, f"top2_id {record['top2_id']} is top1_id", "top2_id")
+    if record["gap"] < 0:
+        raise _refuse(file, line_no, f"gap {record['gap']} is negative", "gap")
+    if t1 is not None and t2 is not None:
+        if t1 < t2:
+            raise _refuse(file, line_no, f"top1_logit {t1} is below top2_logit {t2}", "top1_logit")
+        tol = gap_tolerance(t1, t2, record["gap"])
+        if abs(record["gap"] - (t1 - t2)) > tol:
+            raise _refuse(
+                file,
+                line_no,
+                f"gap {record['gap']} is not top1_logit - top2_logit = {t1 - t2:.6g} "
+                f"(off by {abs(record['gap'] - (t1 - t2)):.3g}; six printed digits allow "
+                f"{tol:.3g})",
+                "gap",
+            )
+    top_max = record.get("logits_max")
+    if t1 is not None and top_max is not None:
+        tol = _printed_error(t1) + _printed_error(top_max)
+        if abs(t1 - top_max) > tol:
+            raise _refuse(
+                file,
+                line_no,
+                f"top1_logit {t1} is not the row's max, logits_max {top_max}",
+                "top1_logit",
+            )
+    low = record.get("logits_min")
+    if t2 is not None and low is not None and t2 < low:
+        raise _refuse(file, line_no, f"top2_logit {t2} is below logits_min {low}", "top2_logit")
+    for prefix in ("hidden", "rms", "logits"):
+        lo, mean, hi = (record.get(f"{prefix}_{k}") for k in ("min", "mean", "max"))
+        if lo is not None and hi is not None and lo > hi:
+            raise _refuse(file, line_no, f"{prefix}_min {lo} > {prefix}_max {hi}", f"{prefix}_min")
+        if mean is not None and ((lo is not None and mean < lo) or (hi is not None and mean > hi)):
+            raise _refuse(
+                file,
+                line_no,
+                f"{prefix}_mean {mean} is outside [{prefix}_min, {prefix}_max] = [{lo}, {hi}]",
+                f"{prefix}_mean",
+            )
+    used = [(k, record[k]) for k in PHYSICAL_INDEX_FIELDS if k in record]
+    if len(used) == 2 and used[0][1] != used[1][1]:
+        raise _refuse(
+            file,
+            line_no,
+            f"used_index {used[0][1]} contradicts hidden_token_index_used {used[1][1]} "
+            "(both are the physical row read)",
+            "hidden_token_index_used",
+        )
+    stride, offset = record.get("hidden_stride_bytes"), record.get("hidden_offset_bytes")
+    if used and stride is not None and offset is not None and offset != used[0][1] * stride:
+        raise _refuse(
+            file,
+            line_no,
+            f"hidden_offset_bytes {offset} is not {used[0][0]} {used[0][1]} x "
+            f"hidden_stride_bytes {stride} = {used[0][1] * stride}",
+            "hidden_offset_bytes",
+        )
+    alloc = record.get("hidden_alloc_bytes")
+    if stride and offset is not None and alloc is not None and offset + stride > alloc:
+        raise _refuse(
+            file,
+            line_no,
+            f"hidden_offset_bytes {offset} + stride {stride} lies past hidden_alloc_bytes {alloc}",
+            "hidden_offset_bytes",
+        )
+    seq_len = record.get("seq_len")
+    if seq_len is not None and seq_len > record["tokens_total"]:
+        raise _refuse(
+            file,
+            line_no,
+            f"seq_len {seq_len} exceeds tokens_total {record['tokens_total']}",
+            "seq_len",
+        )
 
 
 def validate_record(record: Any, line_no: int, file: str = "") -> dict[str, Any]:
@@ -210,6 +365,11 @@ def validate_record(record: Any, line_no: int, file: str = "") -> dict[str, Any]
                     hint="the token id and vocab size disagree; check the model and the trace",
                     key=key,
                 )
+    if record["tokens_total"] < 1:
+        raise TraceError(
+            file, line_no, "tokens_total 0: a readout needs at least one token", key="tokens_total"
+        )
+    check_consistency(record, line_no, file)
     return record
 
 
@@ -237,6 +397,8 @@ class _Prompt:
     tokens_total: int = 0  # of the prompt's last line: its next decode line has one more
     prefill_tokens_total: int = 0
     disagreements: int = 0  # lines whose readout_mismatch flag contradicts their indices
+    index_lines: int = 0  # lines whose indices contradict tokens_total (index_problems)
+    index_notes: list[str] = field(default_factory=list)  # the first few, with their line
     top1_seq: list[int] = field(default_factory=list)
     gap_seq: list[float] = field(default_factory=list)
 
@@ -260,9 +422,14 @@ class _Prompt:
                 f"the engine's readout_mismatch flag contradicts its own indices on "
                 f"{self.disagreements} line(s) (B3.12 rule recomputed)"
             )
+        if self.index_lines:
+            notes.append(
+                f"indices contradict tokens_total on {self.index_lines} line(s): "
+                + "; ".join(self.index_notes)
+            )
         if collapsed:
             notes.append(f"collapsed: decode top-1 stuck on {decode0_top1} for {steps} steps")
-        if self.mismatches:
+        if self.mismatches or self.index_lines:
             verdict: str | None = VERDICT_NO_OK
         elif not steps:
             verdict = None
@@ -284,6 +451,7 @@ class _Prompt:
             "top1_seq": list(self.top1_seq),
             "gap_seq": list(self.gap_seq),
             "readout_mismatch_count": self.mismatches,
+            "index_problem_lines": self.index_lines,
             "collapsed": collapsed,
             "verdict": verdict,
             "note": "; ".join(notes),
@@ -291,9 +459,10 @@ class _Prompt:
 
 
 # A fact is the compact account of one trace line, all a row needs:
-# ["p", line, top1_id, gap, mismatch, step, prompt name or None, tokens_total, disagrees]
-# for a prefill_last line, ["d", line, top1_id, gap, mismatch, step, prompt index,
-# tokens_total, disagrees] for a decode line (the prompt its tokens_total continues).
+# ["p", line, top1_id, gap, mismatch, step, prompt name or None, tokens_total, disagrees,
+# index problems] for a prefill_last line, ["d", line, top1_id, gap, mismatch, step, prompt
+# index, tokens_total, disagrees, index problems] for a decode line (the prompt it continues).
+# Runs recorded before index problems were checked have 9 elements.
 Fact = list[Any]
 
 
@@ -306,6 +475,7 @@ class ReadoutAggregator:
 
     def __init__(self) -> None:
         self._prompts: list[_Prompt] = []
+        self.facts: list[Fact] = []  # every fact applied, in order
 
     def feed_line(self, raw: bytes | str, line_no: int, file: str = "") -> list[dict[str, Any]]:
         """Parse one line, fold it in, and return the rows it changed."""
@@ -331,6 +501,7 @@ class ReadoutAggregator:
         recomputed = recomputed_mismatch(record)
         disagrees = int(recomputed is not None and recomputed != engine_flag)
         mismatch = int(engine_flag or bool(recomputed))
+        problems = index_problems(record)[:INDEX_NOTES]
         total = record["tokens_total"]
         if record["phase"] == PHASE_PREFILL_LAST:
             step = record.get("step", 0)
@@ -345,6 +516,7 @@ class ReadoutAggregator:
                 named,
                 total,
                 disagrees,
+                problems,
             ]
         index = self._continued(record, line_no, file)
         prompt = self._prompts[index]
@@ -379,6 +551,7 @@ class ReadoutAggregator:
             index,
             total,
             disagrees,
+            problems,
         ]
 
     def _continued(self, record: dict[str, Any], line_no: int, file: str) -> int:
@@ -393,9 +566,29 @@ class ReadoutAggregator:
                 key="phase",
             )
         total = record["tokens_total"]
-        for index in range(len(self._prompts) - 1, -1, -1):
-            if self._prompts[index].tokens_total + 1 == total:
-                return index
+        found = [i for i, p in enumerate(self._prompts) if p.tokens_total + 1 == total]
+        # What tells prompts at the same tokens_total apart: the line's prompt name, then its
+        # step (the prompt's next step). Never a guess: still ambiguous is refused.
+        named, step = record.get("prompt"), record.get("step")
+        if len(found) > 1 and named is not None:
+            found = [i for i in found if self._prompts[i].name == named] or found[-1:]
+        if len(found) > 1 and step is not None:
+            found = [i for i in found if self._prompts[i].last_step + 1 == step] or found
+        if len(found) > 1:
+            which = ", ".join(
+                f"{self._prompts[i].name!r} (line {self._prompts[i].line})" for i in found
+            )
+            raise TraceError(
+                file,
+                line_no,
+                f"decode line with tokens_total {total} continues {len(found)} prompts: "
+                f"{which}; it cannot be told which",
+                hint="the lines carry nothing that tells these prompts apart: the engine must "
+                "write each line's prompt name (or distinct steps) when prompts interleave",
+                key="tokens_total",
+            )
+        if found:
+            return found[0]
         last = self._prompts[-1]
         raise TraceError(
             file,
@@ -410,7 +603,9 @@ class ReadoutAggregator:
 
     def apply(self, fact: Fact, file: str = "") -> int:
         """Fold one fact in; returns the index of the prompt row it changed."""
-        phase, line_no, top1, gap, mismatch, step, who, total, disagrees = fact
+        self.facts.append(fact)
+        phase, line_no, top1, gap, mismatch, step, who, total, disagrees = fact[:9]
+        problems = [f"line {line_no}: {p}" for p in (fact[9] if len(fact) > 9 else [])]
         if phase == "p":
             self._prompts.append(
                 _Prompt(
@@ -424,6 +619,8 @@ class ReadoutAggregator:
                     tokens_total=total,
                     prefill_tokens_total=total,
                     disagreements=disagrees,
+                    index_lines=int(bool(problems)),
+                    index_notes=problems[:INDEX_NOTES],
                 )
             )
             return len(self._prompts) - 1
@@ -434,6 +631,10 @@ class ReadoutAggregator:
         prompt.gap_seq.append(gap)
         prompt.mismatches += mismatch
         prompt.disagreements += disagrees
+        if problems:
+            prompt.index_lines += 1
+            room = INDEX_NOTES - len(prompt.index_notes)
+            prompt.index_notes.extend(problems[: max(room, 0)])
         return who
 
     def row(self, index: int) -> dict[str, Any]:
@@ -471,8 +672,12 @@ def _cell(value: Any) -> str:
     return str(value).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
 
 
-def format_table(rows: list[dict[str, Any]], verdict: str) -> str:
-    """The seeds' readout table as markdown, with the mismatch count and the overall verdict."""
+def format_table(rows: list[dict[str, Any]], verdict: str, reason: str | None = None) -> str:
+    """The seeds' readout table as markdown, with the mismatch count and the overall verdict.
+
+    verdict and reason: the run's (a run with refused lines is NO OK whatever its rows say);
+    reason defaults to the rows' own.
+    """
     lines = [
         "| Prompt | prefill_last_top1 | decode0_top1 | readout_mismatch | verdict |",
         "| --- | --- | --- | --- | --- |",
@@ -490,18 +695,54 @@ def format_table(rows: list[dict[str, Any]], verdict: str) -> str:
     total = sum(row["readout_mismatch_count"] for row in rows)
     lines.append("")
     lines.append(f"`readout_mismatch=true` count: **{total}**")
-    lines.append(f"Verdict: **{verdict}** — {_cell(overall(rows)[1])}")
+    why = overall(rows)[1] if reason is None else reason
+    lines.append(f"Verdict: **{verdict}** — {_cell(why)}")
     return "\n".join(lines) + "\n"
 
 
-def to_json(rows: list[dict[str, Any]], verdict: str) -> dict[str, Any]:
+def to_json(rows: list[dict[str, Any]], verdict: str, reason: str | None = None) -> dict[str, Any]:
     """The table as a JSON-ready dict (for ``--json``)."""
     return {
         "verdict": verdict,
-        "reason": overall(rows)[1],
+        "reason": overall(rows)[1] if reason is None else reason,
         "readout_mismatch_count": sum(row["readout_mismatch_count"] for row in rows),
         "prompts": rows,
     }
+
+
+def fact_key(fact: Fact) -> tuple[Any, ...]:
+    """What a fact says about its line, without the name a judge gave its prompt."""
+    named = fact[6] if fact[0] == "d" else None
+    return (*fact[:6], named, *fact[7:9], tuple(fact[9]) if len(fact) > 9 else ())
+
+
+def kept_facts(lines: Iterable[bytes], file: str) -> list[Fact]:
+    """The facts of every line that can be judged, as a live judge folds them (a line that
+    cannot be judged is left out, as the live judge leaves it out and reports it)."""
+    agg = ReadoutAggregator()
+    for line_no, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            agg.apply(agg.fact(orjson.loads(raw), line_no, file), file)
+        except (orjson.JSONDecodeError, TraceError):
+            continue
+    return agg.facts
+
+
+def compare_kept(followed: list[Fact], kept: list[Fact]) -> str:
+    """'' when a kept copy of a trace says what was followed live; else what differs."""
+    a, b = [fact_key(f) for f in followed], [fact_key(f) for f in kept]
+    if a == b:
+        return ""
+    first = next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+    line = (a[first] if first < len(a) else b[first])[1]
+    return (
+        f"{len(a)} line(s) judged live, {len(b)} judged from the kept copy; they differ from "
+        f"line {line} on"
+    )
 
 
 def analyze_trace(path: str | Path) -> ReadoutAggregator:

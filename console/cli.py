@@ -590,6 +590,7 @@ def _analyze_forms() -> str:
 def cmd_analyze(args: argparse.Namespace) -> int:
     from console.headless import ProgressShow
     from runners.record import RUN_JSON, RunRecord
+    from runners.rejudge import guard_record
 
     path: Path = args.path
     kinds = _kinds()
@@ -600,6 +601,11 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         problem = _output_problem(path, args.output)
         if problem:
             _err(f"--output {args.output}: {problem}")
+            return EXIT_USAGE
+    said = guard_record(path, args)  # a run's recorded verdict is never rewritten
+    if said:
+        _err(said.removeprefix("note: "))
+        if not said.startswith("note: "):
             return EXIT_USAGE
     args.progress = ProgressShow(sys.stderr).show  # long judging, drawn on stderr
     if args.kind is not None:

@@ -28,7 +28,7 @@ def rec(phase: str, step: int, top1: int, mismatch: bool = False, **extra: Any) 
         "tokens_total": 10 + step + (phase == "decode"),
         "top1_id": top1,
         "top1_logit": 12.5,
-        "top2_id": 18,
+        "top2_id": 18 if top1 != 18 else 19,
         "top2_logit": 11.0,
         "gap": 1.5,
         "readout_mismatch": mismatch,
@@ -486,4 +486,6 @@ def test_the_engines_flag_is_checked_against_its_own_indices(tmp_path: Path) -> 
     assert row["readout_mismatch_count"] == 1 and row["verdict"] == "NO OK"
     assert "contradicts its own indices on 1 line(s)" in row["note"]
     assert recomputed_mismatch({"readout_buffer_kind": "seq", "used_index": 3}) is None
-    assert recomputed_mismatch({"used_index": 204, "logical_last_index": 204}) is False
+    # The rule comes from tokens_total, never from the line's own logical index.
+    assert recomputed_mismatch({"used_index": 204, "tokens_total": 205}) is False
+    assert recomputed_mismatch({"used_index": 100, "logical_last_index": 100, "tokens_total": 205})

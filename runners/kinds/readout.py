@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -19,11 +20,13 @@ from analysis.readout import (
     ReadoutAggregator,
     TraceError,
     analyze_trace,
+    compare_kept,
     format_table,
+    kept_facts,
     overall,
     to_json,
 )
-from runners.events import Event, RunFinished, TraceBatch, event
+from runners.events import ArtifactFetched, Error, Event, RunFinished, TraceBatch, event
 from runners.exits import EXIT_FAIL, EXIT_INFRA, EXIT_PASS, EXIT_USAGE
 from runners.kind import ENGINE_ERROR, Digest, Ending, Judge, JudgeContext, Kind, KindPrinter
 from runners.presets import PresetError
@@ -132,20 +135,64 @@ class ReadoutJudge(Judge):
         prefills = sum(1 for fact in (event.digest or {}).get("facts", []) if fact[0] == "p")
         self.named[event.file] = self.named.get(event.file, 0) + prefills
 
+    def kept_problems(self) -> list[str]:
+        """Followed traces whose kept copy (the fetched artifact) says something else than the
+        lines judged live: an engine that rewrote or truncated its trace after writing it."""
+        out: list[str] = []
+        fetched = {rel for paths in self.fetched.values() for rel in paths}
+        for file, table in self.book.tables.items():
+            rel = kept_name(file, fetched)
+            if rel is None:
+                continue
+            path = self.ctx.local_dir / rel
+            try:
+                with open(path, "rb") as fh:
+                    kept = kept_facts(fh, file)
+            except OSError as exc:
+                out.append(f"{path}: the kept trace cannot be read ({exc.strerror})")
+                continue
+            differs = compare_kept(table.facts, kept)
+            if differs:
+                out.append(
+                    f"{path}: the kept trace is not what the engine wrote while it ran ({differs}): "
+                    "the engine rewrote or truncated its trace; its verdict cannot stand"
+                )
+        return out
+
     def verdict(self, ending: Ending) -> RunFinished:
         rows = list(self.book.rows().values())
-        verdict = overall(rows)[0]
-        ok = verdict == VERDICT_OK and self.cells_ok() and not self.errors
-        summary = {**to_json(rows, verdict), "errors": [e.message for e in self.errors]}
+        verdict, reason = overall(rows)
+        errors = [e.message for e in self.errors] + self.kept_problems()
+        ok = verdict == VERDICT_OK and self.cells_ok() and not errors
+        if errors:
+            reason = f"{len(errors)} problem(s) with the trace: {errors[0]}; rows: {reason}"
+        elif verdict == VERDICT_OK and not ok:
+            reason = f"not every cell passed ({self.cell_states()}); rows: {reason}"
+        word = VERDICT_OK if ok else VERDICT_NO_OK
         engine = self.engine_errors()
+        if engine:
+            word, reason = ENGINE_ERROR, f"{engine[0]}; rows: {reason}"
+        summary = {**to_json(rows, word, reason), "errors": errors}
         if engine:
             summary["engine_errors"] = engine
             return RunFinished(verdict=ENGINE_ERROR, exit_code=EXIT_INFRA, summary=summary)
-        return RunFinished(
-            verdict=VERDICT_OK if ok else VERDICT_NO_OK,
-            exit_code=EXIT_PASS if ok else EXIT_FAIL,
-            summary=summary,
-        )
+        return RunFinished(verdict=word, exit_code=EXIT_PASS if ok else EXIT_FAIL, summary=summary)
+
+    def finish(self, ending: Ending) -> RunFinished:
+        """The run's word in its summary too: a cut-short run never shows its rows' OK."""
+        result = super().finish(ending)
+        if result.summary.get("verdict") != result.verdict:
+            summary = dict(result.summary)
+            summary["reason"] = f"the run ended {result.verdict}; " + str(summary.get("reason"))
+            summary["verdict"] = result.verdict
+            result = RunFinished(result.verdict, result.exit_code, summary)
+        return result
+
+
+def kept_name(file: str, fetched: set[str]) -> str | None:
+    """The fetched artifact (relative to the run's directory) that is a followed file's copy."""
+    names = [rel for rel in fetched if file == rel or file.endswith("/" + rel)]
+    return max(names, key=len) if names else None
 
 
 class ReadoutPrinter(KindPrinter):
@@ -160,7 +207,9 @@ class ReadoutPrinter(KindPrinter):
     def final(self, event: RunFinished) -> list[str]:
         if "prompts" not in event.summary:
             return []
-        return ["", format_table(event.summary["prompts"], event.summary["verdict"]).rstrip()]
+        summary = event.summary
+        table = format_table(summary["prompts"], event.verdict, summary.get("reason"))
+        return ["", table.rstrip()]
 
 
 def _row_line(r: dict[str, Any]) -> str:
@@ -200,9 +249,11 @@ class ReadoutKind(Kind):
         return path.is_file()
 
     def analyze_help(self) -> str:
-        return "a readout trace .jsonl (B3.11/B3.12)"
+        return "a readout trace .jsonl (B3.11/B3.12) or a readout run's directory"
 
     def analyze(self, path: Path, args: argparse.Namespace) -> int:
+        if path.is_dir():
+            return analyze_run_dir(path, args)
         if getattr(args, "output", None) is not None:
             print(
                 f"tracedeck: {self.name} analyze writes no file; --output is not used",
@@ -222,3 +273,91 @@ class ReadoutKind(Kind):
 
 
 KIND = ReadoutKind()
+
+
+# ---------------------------------------------------------------- a run's directory, again
+
+
+def _feed_kept(run_dir: Path, problems: list[str]) -> Callable[[Judge, list[Event]], None]:
+    """Feed a rebuilt judge every kept trace's lines, each as from the cell that wrote it."""
+
+    def feed(judge: Judge, events: list[Event]) -> None:
+        batches = [e for e in events if isinstance(e, TraceBatch)]
+        fetched = {e.path for e in events if isinstance(e, ArtifactFetched)}
+        for file in dict.fromkeys(e.file for e in batches):
+            rel = kept_name(file, fetched)
+            if rel is None:
+                problems.append(
+                    f"{file}: followed live but never fetched home ([artifacts] fetch does not "
+                    "name it), so its lines cannot be judged again"
+                )
+                continue
+            spans = sorted((e.first_line, e.last_line, e.cell) for e in batches if e.file == file)
+            try:
+                lines = (run_dir / rel).read_bytes().splitlines(keepends=True)
+            except OSError as exc:
+                problems.append(f"{run_dir / rel}: the kept trace cannot be read ({exc.strerror})")
+                continue
+            cell = spans[0][2] if spans else -2
+            for n, raw in enumerate(lines, start=1):
+                cell = next((c for a, b, c in spans if a <= n <= b), cell)
+                digest = judge.take_lines(cell, file, [raw], n, 0)
+                for message, where in digest.errors:
+                    judge.fold(Error(message=message, where=where))
+            assert isinstance(judge, ReadoutJudge)
+            recorded = [
+                f for e in batches if e.file == file for f in (e.digest or {}).get("facts", [])
+            ]
+            differs = compare_kept(recorded, judge.book.table(file).facts)
+            if differs and recorded:
+                judge.fold(
+                    Error(
+                        message=f"{run_dir / rel}: the kept trace is not what was judged while "
+                        f"the run ran ({differs}): the trace was rewritten after it was written",
+                        where=rel,
+                    )
+                )
+
+    return feed
+
+
+def analyze_run_dir(path: Path, args: argparse.Namespace) -> int:
+    """Judge a finished readout run again from the trace it kept; print both verdicts."""
+    from runners.rejudge import is_run_dir, rejudge
+
+    if not is_run_dir(path):
+        print(
+            f"tracedeck: {path}: a directory; pass a readout trace .jsonl or a readout run's "
+            "directory (it holds run.json)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    problems: list[str] = []
+    try:
+        again = rejudge(path, _feed_kept(path, problems))
+    except (OSError, ValueError) as exc:
+        print(f"tracedeck: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if problems:
+        for p in problems:
+            print(f"tracedeck: {p}", file=sys.stderr)
+        print(f"tracedeck: {path}: not re-judged (nothing was written)", file=sys.stderr)
+        return EXIT_USAGE
+    result, recorded = again.result, again.recorded
+    said = recorded.verdict if recorded is not None else "(none: the run never finished)"
+    if args.json:
+        doc = {**result.summary, "verdict": result.verdict, "recorded_verdict": said}
+        print(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode())
+    else:
+        print(format_table(result.summary["prompts"], result.verdict, result.summary["reason"]))
+        for err in result.summary.get("errors") or []:
+            print(f"error: {err}")
+        print(f"recorded verdict: {said}")
+        print(f"re-judged from the kept trace: {result.verdict}")
+    if recorded is not None and recorded.verdict != result.verdict:
+        print(
+            f"tracedeck: {path}: the run recorded {recorded.verdict}, its kept trace judges "
+            f"{result.verdict}; the record is left as it is",
+            file=sys.stderr,
+        )
+    return result.exit_code

@@ -1,0 +1,75 @@
+"""Command line: ``python -m runners.reference COMMAND ...``; the commands are found, not listed.
+
+A command is a module of this package that defines ``add_arguments(parser)`` and ``run(args)``
+at top level; its docstring's first line is its help. Listing the commands reads the sources
+only, so ``--help`` never waits for torch.
+
+Exit status: 0 done, 1 engine failure (traceback), 2 bad flags or environment, 3 device missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def commands() -> dict[str, str]:
+    """Command name -> one-line help, from the sources (no import, so no torch)."""
+    found: dict[str, str] = {}
+    for path in sorted(HERE.glob("*.py")):
+        if path.stem.startswith("_"):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+        if {"add_arguments", "run"} <= defined:
+            doc = (ast.get_docstring(tree) or "").strip().splitlines()
+            found[path.stem] = doc[0] if doc else ""
+    return found
+
+
+def _usage(known: dict[str, str]) -> str:
+    lines = ["usage: python -m runners.reference COMMAND [flags]", "", "commands:"]
+    lines += [f"  {name:<14} {doc}" for name, doc in known.items()]
+    lines += ["", "python -m runners.reference COMMAND --help shows a command's flags."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    known = commands()
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage(known))
+        return 0 if args else 2
+    name = args[0]
+    if name not in known:
+        print(f"error: unknown command {name!r}\n\n{_usage(known)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"runners.reference.{name}")
+    from runners.reference.runtime import DeviceError, UsageError
+
+    parser = argparse.ArgumentParser(
+        prog=f"python -m runners.reference {name}", description=known[name]
+    )
+    module.add_arguments(parser)
+    parsed = parser.parse_args(args[1:])
+    try:
+        module.run(parsed)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except DeviceError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 3
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr, flush=True)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
