@@ -55,7 +55,8 @@ class RowBook:
         """Apply a digest or a legacy row; returns the keys of the rows that changed."""
         if isinstance(event, ReadoutRow):
             key = row_key(event.row)
-            self.legacy[key] = dict(event.row)
+            # rows recorded before index problems were counted had none counted
+            self.legacy[key] = {"index_problem_lines": 0, **event.row}
             return [key]
         if not isinstance(event, TraceBatch) or not event.digest:
             return []
