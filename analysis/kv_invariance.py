@@ -71,6 +71,12 @@ BASE_FLOWS = ("single", "incremental")
 CHUNK_FLOWS = ("chunk8", "chunk33")
 KNOWN_FLOWS = (*BASE_FLOWS, *CHUNK_FLOWS, "alone")
 REFERENCE_FLOW = "single"
+# The seed's deterministic policy: the KV length presented to attention is a multiple of
+# FATTN_KQ_STRIDE, and the mask's rows are padded to GGML_KQ_MASK_PAD.
+FATTN_KQ_STRIDE, GGML_KQ_MASK_PAD = 256, 64
+DETERMINISTIC = "GGML_DETERMINISTIC"
+# A cell's dtype parameter (the reference engine's --dtype) -> the dtype its result names.
+DTYPE_PARAMS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # dtype name -> (bytes per element, how values are read)
 DTYPES: dict[str, tuple[int, str]] = {
     "float32": (4, "f4"),
@@ -408,13 +414,115 @@ def judge_flows(
     return CellResult(point, DIFFERS, detail=detail)
 
 
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def check_done_claims(
+    meta: dict[str, Any],
+    point: dict[str, int],
+    shape: tuple[int, int, int],
+    dtype: str,
+    params: dict[str, Any] | None,
+    deterministic: bool | None,
+    where: str,
+) -> None:
+    """A DONE result's preconditions and shape, derived from the bytes and the cell's
+    parameters, never taken from the engine: a claim that contradicts them is an error.
+
+    - KV length: the point's kv is the KV the last token sees; the policy presents a multiple of
+      256, so a DONE at a kv that is not one is a run that should have aborted;
+    - mask: without a mask the last token attends to every cell of its view, so every cell must
+      be a written token (positions == kv); with one, no more than kv; the mask's row padding
+      is the seed's 64 and the KV stride 256 wherever the result names them;
+    - heads: H is what the bytes hold (flows.bin's size over flows x B x D x the dtype's size,
+      which shape and flow_bytes must already match); H must be a whole number of KV-head
+      groups (a multiple of gqa), and equal the cell's `heads` and the result's heads/kv_heads;
+    - dtype and deterministic mode: as the cell ran them.
+    """
+    kv, gqa = point["kv"], point["gqa"]
+    if kv % FATTN_KQ_STRIDE:
+        raise ResultError(
+            where,
+            f"status DONE at kv={kv}, which is not a multiple of FATTN_KQ_STRIDE "
+            f"({FATTN_KQ_STRIDE}): the deterministic policy cannot hold there, so the engine "
+            "must abort with PRECONDITION; a DONE here is not believed",
+        )
+    policy = meta.get("policy")
+    if policy is not None and not isinstance(policy, dict):
+        raise ResultError(where, f"'policy' must be an object; got {policy!r}")
+    policy = policy or {}
+    for key, want in (("kv_stride", FATTN_KQ_STRIDE), ("mask_pad", GGML_KQ_MASK_PAD)):
+        if key in policy and policy[key] != want:
+            raise ResultError(
+                where, f"policy.{key} is {policy[key]!r}; the seed's policy is {want}"
+            )
+    # (pad_mask says nothing about a cell without a mask: no mask was built)
+    for key in ("pad_kv", "pad_mask") if point["mask"] else ("pad_kv",):
+        if key in policy and policy[key] is not True:
+            raise ResultError(
+                where,
+                f"status DONE with policy.{key} {policy[key]!r}: a run that did not pad cannot "
+                "satisfy the policy, so it must abort with PRECONDITION",
+            )
+    positions = meta.get("positions")
+    if positions is not None:
+        p = _int(positions)
+        if p is None or p < 1 or p > kv:
+            raise ResultError(where, f"positions {positions!r} is not a token count in 1..kv={kv}")
+        if not point["mask"] and p != kv:
+            raise ResultError(
+                where,
+                f"positions {p} with the mask off and kv={kv}: without a mask the last token "
+                f"attends to all {kv} cells of its view, so {kv - p} of them were never written",
+            )
+    heads = shape[1]
+    if heads % gqa:
+        raise ResultError(
+            where,
+            f"the bytes hold H={heads} heads, not a multiple of gqa={gqa} (query heads per KV "
+            "head): the result hides or invents heads",
+        )
+    for key, want in (("heads", heads), ("kv_heads", heads // gqa)):
+        if key in meta and meta[key] != want:
+            raise ResultError(where, f"{key} is {meta[key]!r}; the bytes hold {want}")
+    params = params or {}
+    planned = _int(params.get("heads"))
+    if "heads" in params and planned != heads:
+        raise ResultError(
+            where, f"the bytes hold H={heads} heads; the cell ran --heads {params['heads']}"
+        )
+    ran = DTYPE_PARAMS.get(str(params.get("dtype")), params.get("dtype"))
+    if "dtype" in params and ran != dtype:
+        raise ResultError(where, f"dtype {dtype}; the cell ran --dtype {params['dtype']}")
+    said = meta.get("deterministic")
+    if deterministic is not None and said is not None and bool(said) != deterministic:
+        raise ResultError(
+            where,
+            f"the result says deterministic={said!r}, but the cell ran with {DETERMINISTIC}"
+            f"={'1' if deterministic else 'unset'}",
+        )
+    if deterministic is False or said is False:
+        raise ResultError(
+            where,
+            f"status DONE without deterministic mode ({DETERMINISTIC}=1): the seed's "
+            "invariance holds under it only",
+        )
+
+
 def judge_cell_dir(
-    cell_dir: Path, expect: dict[str, int] | None = None, chunk_tests: bool | None = None
+    cell_dir: Path,
+    expect: dict[str, int] | None = None,
+    chunk_tests: bool | None = None,
+    params: dict[str, Any] | None = None,
+    deterministic: bool | None = None,
 ) -> CellResult:
     """A cell's verdict from its directory; a result that cannot be judged is UNJUDGED, located.
 
     expect: the grid point the cell was planned as (None: take the result's own).
     chunk_tests: whether the cell ran with RUN_KVCACHE_CHUNK_TESTS=1 (None: the result says).
+    params: the cell's parameters (heads, dtype), deterministic: whether it ran with
+    GGML_DETERMINISTIC=1 (None: unknown, e.g. a tree handed to analyze).
     """
     where = str(cell_dir / RESULT)
     fallback = expect or parse_point_dir(cell_dir.name) or {}
@@ -434,6 +542,7 @@ def judge_cell_dir(
         if status != "DONE":
             raise ResultError(where, f"status {status!r} is neither DONE nor PRECONDITION")
         flows, dtype, shape = load_flows(cell_dir, meta, point, chunk_tests)
+        check_done_claims(meta, point, shape, dtype, params, deterministic, where)
         check_finite(flows, dtype, shape, str(cell_dir / FLOWS))
         result = judge_flows(point, flows, dtype, shape)
     except ResultError as exc:
@@ -474,6 +583,55 @@ def parse_point_dir(name: str) -> dict[str, int] | None:
 # ---------------------------------------------------------------- the run
 
 
+# The seed's acceptance grid (seed 002, criterion 1): D x KV x B x GQA x mask x ALiBi, sinks
+# off: 96 points. The sinks-on smoke cells come on top ("96+").
+SEED_AXES: dict[str, tuple[int, ...]] = {
+    "d": (64, 128, 256),
+    "kv": (256, 1024),
+    "b": (1, 8),
+    "gqa": (1, 2),
+    "mask": (0, 1),
+    "alibi": (0, 1),
+    "sinks": (0,),
+}
+SEED_POINTS = math.prod(len(v) for v in SEED_AXES.values())
+
+
+def coverage(cells: list[CellResult]) -> dict[str, Any]:
+    """What the cells judged BITWISE_EQUAL cover of the seed's grid: how many of its points,
+    which axis values and flows never were, so a pass says what it covered."""
+    equal = [
+        c for c in cells if c.verdict == BITWISE_EQUAL and all(k in c.point for k in POINT_KEYS)
+    ]
+    points = {tuple(int(c.point[k]) for k in POINT_KEYS) for c in equal}
+    seed = {p for p in points if all(v in SEED_AXES[k] for k, v in zip(POINT_KEYS, p, strict=True))}
+    missing = {
+        k: [v for v in SEED_AXES[k] if all(p[i] != v for p in seed)]
+        for i, k in enumerate(POINT_KEYS)
+    }
+    flows = sorted({f for c in equal for f in c.detail.get("flows") or []})
+    return {
+        "seed_points": SEED_POINTS,
+        "covered": len(seed),
+        "outside_seed_grid": len(points - seed),
+        "never_covered": {k: v for k, v in missing.items() if v},
+        "flows": flows,
+        "flows_never_compared": [f for f in (*BASE_FLOWS, *CHUNK_FLOWS) if f not in flows],
+    }
+
+
+def coverage_text(cov: dict[str, Any]) -> str:
+    text = f"they cover {cov['covered']} of the seed's {cov['seed_points']} grid points"
+    gaps = [f"{k} {'/'.join(str(v) for v in vs)}" for k, vs in cov["never_covered"].items()]
+    if gaps:
+        text += f" (never covered: {', '.join(gaps)})"
+    if cov["outside_seed_grid"]:
+        text += f", plus {cov['outside_seed_grid']} point(s) outside it"
+    if cov["flows_never_compared"]:
+        text += f"; flows never compared: {', '.join(cov['flows_never_compared'])}"
+    return text
+
+
 def global_verdict(
     cells: list[CellResult], problems: list[tuple[str, str]] | None = None
 ) -> tuple[str, str]:
@@ -502,7 +660,9 @@ def global_verdict(
         )
     if not cells:
         return FAIL_INVARIANCE, "no cell was judged: nothing shows invariance"
-    return PASS_INVARIANCE, f"all {len(cells)} cell(s) bitwise equal"
+    return PASS_INVARIANCE, (
+        f"all {len(cells)} cell(s) bitwise equal; " + coverage_text(coverage(cells))
+    )
 
 
 def _names(cells: list[CellResult], limit: int = 2) -> str:
@@ -533,6 +693,7 @@ def summarize(
         "reason": reason,
         "counts": counts,
         "first_fail": first_fail(cells),
+        "coverage": coverage(cells),
         "cells": [c.to_json() for c in cells],
         "problems": [{"class": k, "why": w} for k, w in problems or []],
         "notes": list(notes or []),

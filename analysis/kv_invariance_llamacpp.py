@@ -127,6 +127,8 @@ class Backend:
     states: dict[tuple[int, int, int], str] = field(default_factory=dict)
     current: tuple[int, int, int] | None = None
     pending: tuple[int, int, int] | None = None  # (D, N, H) of a single-shot q line
+    incremental: set[tuple[int, int, int]] = field(default_factory=set)  # cells with N=1 seen
+    odd: list[str] = field(default_factory=list)  # graphs outside the test's grid
     outcome: str = "running"  # running | ok | fail | skipped | error
     error: str = ""
     policy: str = ""  # a shape assert that aborted the test inside this backend
@@ -156,10 +158,18 @@ class LlamaCppBook:
         return backend
 
     def wants(self, fact: list[Any]) -> bool:
-        """Does the fact change anything? (Only one q and one k line per cell do: a digest keeps
-        a backend's ~10^4 [kvci] lines down to those.)"""
+        """Does the fact change anything? (Only a cell's single-shot q and k lines and its first
+        incremental q line do: a digest keeps a backend's ~10^4 [kvci] lines down to those.)"""
         if fact[0] == "q":
-            return int(fact[2]) > 1
+            if int(fact[2]) > 1:
+                return True
+            last = self.backends[-1] if self.backends else None
+            return (
+                last is not None
+                and last.outcome == "running"
+                and last.current is not None
+                and last.current not in last.incremental
+            )
         if fact[0] == "k":
             last = self.backends[-1] if self.backends else None
             return (
@@ -176,22 +186,34 @@ class LlamaCppBook:
             d, n, h = int(fact[1]), int(fact[2]), int(fact[3])
             if n > 1:  # a single-shot graph: a new cell begins, so the one before passed
                 b = self.open()
-                if b.current is not None and b.states.get(b.current) == "running":
-                    b.states[b.current] = "equal"
+                _close(b)
                 b.current, b.pending = None, (d, n, h)
+            elif self.backends:
+                current = self.backends[-1].current
+                if current is not None:
+                    self.backends[-1].incremental.add(current)
         elif word == "k":
             b = self.open()
             if b.pending is not None and int(fact[1]) == b.pending[1] and int(fact[2]) > 0:
                 d, n, h = b.pending
-                cell = (d, n, max(1, h // int(fact[2])))
+                hkv = int(fact[2])
+                cell = (d, n, h // hkv)
+                if h % hkv or h != HEADS or cell not in GRID:
+                    b.odd.append(
+                        f"a graph with q ne=[{d},{n},{h},1] and k ne=[{d},{n},{hkv},1] is not a "
+                        f"cell of the test's grid (D 128/256, KV 256/1024, {HEADS} heads, "
+                        "gqa 1/2)"
+                    )
+                    b.pending = None
+                    return
                 b.states[cell] = "running"
                 b.current, b.pending = cell, None
         elif word == "fail_cell":
             b = self.open()
             b.name = str(fact[1])
             cell = (int(fact[2]), int(fact[3]), int(fact[4]))
-            if b.current is not None and b.current != cell and b.states.get(b.current) == "running":
-                b.states[b.current] = "equal"
+            if b.current != cell:
+                _close(b)
             b.states[cell] = "differs"
             b.reported = str(fact[5]) if len(fact) > 5 else ""
             b.current = None
@@ -205,9 +227,9 @@ class LlamaCppBook:
             if b.error:
                 b.outcome = "error"
             else:
-                for cell in GRID:
-                    if b.states.get(cell) != "differs":
-                        b.states[cell] = "equal"
+                # [OK] vouches for nothing by itself: a cell is equal only when its single-shot
+                # and incremental graphs were seen run (the test compares right after them).
+                _close(b)
                 b.outcome = "ok"
             b.current = None
         elif word == "skip_init":
@@ -281,11 +303,20 @@ class LlamaCppBook:
             for cell in GRID:
                 cells.append(self._cell(b, cell, exit_code, fatal))
         ok = [b for b in self.backends if b.outcome == "ok"]
+        threw = [b for b in self.backends if b.outcome == "error"]
         if self.passed is not None and self.passed != len(ok):
-            notes.append(
+            said = (
                 f"the test says 'Backends passed: {self.passed}'; {len(ok)} backend(s) ran every "
                 f"cell bitwise equal"
             )
+            # The test counts a backend that threw as passed (read from its source); any other
+            # count contradicts its own lines.
+            if self.passed == len(ok) + len(threw):
+                notes.append(said)
+            else:
+                problems.append(("output", f"{said}: its count contradicts its own lines"))
+        for b in self.backends:
+            problems += [("output", f"backend {b.label}: {text}") for text in b.odd[:3]]
         ran = [b for b in self.backends if b.outcome != "skipped"]
         if not ran:
             why = self.none or "the test printed no [OK], [FAIL] or [kvci] line"
@@ -331,6 +362,19 @@ class LlamaCppBook:
             )
         if state == "error":
             return unjudged(p, "engine", f"the backend threw: {b.error}", b.label)
+        if state == "no_incremental":
+            why = (
+                "its single-shot graph was seen but no incremental graph ([kvci] q ne=[D,1,H,1]) "
+                "followed it: the comparison was never seen run"
+            )
+            return unjudged(p, "output", why, b.label)
+        if state is None and b.outcome == "ok":
+            why = (
+                f"the test printed [OK] {b.label}, but no [kvci] line shows this cell run (its "
+                f"single-shot q ne=[{cell[0]},{cell[1]},{HEADS},1] and k lines, then incremental "
+                "ones): a cell not seen judged is never taken as equal"
+            )
+            return unjudged(p, "output", why, b.label)
         if state == "running" and b.policy:
             record = {"rule": "llama.cpp assert", "message": b.policy, "fix": POLICY_FIX}
             result = precondition_result(p, record)
@@ -351,6 +395,13 @@ class LlamaCppBook:
         return unjudged(
             p, "engine", f"not reached: the test ended (exit {exit_code}){fatal}", b.label
         )
+
+
+def _close(b: Backend) -> None:
+    """The backend's current cell ended without a [FAIL]: equal once both its graphs were seen."""
+    if b.current is not None and b.states.get(b.current) == "running":
+        b.states[b.current] = "equal" if b.current in b.incremental else "no_incremental"
+    b.current = None
 
 
 def read_log(text: str) -> LlamaCppBook:

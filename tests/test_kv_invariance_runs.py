@@ -76,12 +76,16 @@ def test_smoke_passes_locally_and_analyze_rejudges_the_tree(tmp_path: Path) -> N
     assert done.returncode == 0, done.stdout + done.stderr
     assert local_dir is not None
     check_smoke_passes(local_dir, done.stdout)
-    (local_dir / SUMMARY).unlink()
+    recorded = (local_dir / SUMMARY).read_bytes()
     again = tracedeck("analyze", str(local_dir), "--json", env=cli_env(home))
     assert again.returncode == 0, again.stderr
     summary = json.loads(again.stdout)
     assert summary["global_verdict"] == "PASS_INVARIANCE" and len(summary["cells"]) == 4
-    assert json.loads((local_dir / SUMMARY).read_text())["global_verdict"] == "PASS_INVARIANCE"
+    # the run's own summary stays as the run wrote it (issue 20 item 14); analyze's goes beside
+    assert (local_dir / SUMMARY).read_bytes() == recorded
+    (wrote,) = summary["wrote"]
+    assert Path(wrote).parent.name.startswith(local_dir.name + ".analyze-")
+    assert json.loads(Path(wrote).read_text())["global_verdict"] == "PASS_INVARIANCE"
     replay = tracedeck("replay", str(local_dir), "--headless", env=cli_env(home))
     assert replay.returncode == 0 and replay.stdout == done.stdout
 

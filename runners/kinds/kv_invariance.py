@@ -31,6 +31,7 @@ import orjson
 
 from analysis.kv_invariance import (
     CHUNK_GATE,
+    DETERMINISTIC,
     EXIT_PRECONDITION,
     FAIL_INVARIANCE,
     FORMAT,
@@ -76,8 +77,8 @@ from runners.kind import (
     failure_text,
 )
 from runners.presets import PresetError
-from runners.record import EVENTS, RUN_JSON, read_events
-from runners.templates import TemplateError, template_fields
+from runners.record import EVENTS, RUN_JSON, RunRecord, read_events
+from runners.templates import TemplateError, render_plain, template_fields
 
 SOURCES = ("reference", "llamacpp")
 
@@ -234,7 +235,12 @@ class KvInvarianceJudge(Judge):
             if not set(cell.artifacts) <= self.fetched.get(index, set()):
                 return None  # still coming home
             result = await asyncio.to_thread(
-                judge_cell_dir, self.ctx.local_dir / rel, point, chunk_gate(cell.env)
+                judge_cell_dir,
+                self.ctx.local_dir / rel,
+                point,
+                chunk_gate(cell.env),
+                cell.params,
+                str(cell.env.get(DETERMINISTIC, "")) == "1",
             )
             result.where = rel
             return result
@@ -521,8 +527,24 @@ def _analyze(path: Path) -> tuple[list[CellResult], list[tuple[str, str]], list[
     if path.is_file():
         return _log_results(path)
     cells = []
+    planned = _planned_cells(path)
     for folder in find_cells(path):
-        cells.append(judge_cell_dir(folder))
+        # A run directory's cells are judged as the run judged them: against the point, the
+        # parameters and the environment each was planned with.
+        cell = planned.get(str(folder.relative_to(path)))
+        if cell is None:
+            cells.append(judge_cell_dir(folder))
+        else:
+            env = cell.get("env") or {}
+            cells.append(
+                judge_cell_dir(
+                    folder,
+                    point_of(cell["params"]),
+                    chunk_gate(env),
+                    cell["params"],
+                    str(env.get(DETERMINISTIC, "")) == "1",
+                )
+            )
         cells[-1].where = str(folder.relative_to(path))
     problems: list[tuple[str, str]] = []
     notes: list[str] = []
@@ -533,6 +555,30 @@ def _analyze(path: Path) -> tuple[list[CellResult], list[tuple[str, str]], list[
         notes += told
     cells += _planned_without_result(path, cells)
     return cells, problems, notes
+
+
+def _planned_cells(root: Path) -> dict[str, dict[str, Any]]:
+    """A run directory's reference cells by the directory their result is fetched into."""
+    plan = root / "plan.json"
+    if not (root / RUN_JSON).is_file() or not plan.is_file():
+        return {}
+    try:
+        record = RunRecord.load(root)
+        doc = orjson.loads(plan.read_bytes())
+    except (OSError, ValueError, TypeError):
+        return {}
+    fetch = record.preset_data.get("artifacts", {}).get("fetch") or []
+    folder = result_dir(fetch)
+    out: dict[str, dict[str, Any]] = {}
+    for cell in doc.get("cells") or []:
+        params = cell.get("params") or {}
+        if folder is None or not all(k in params for k in POINT_KEYS):
+            continue
+        try:
+            out[str(PurePosixPath(render_plain(folder, params)))] = cell
+        except (KeyError, ValueError, TemplateError):
+            continue
+    return out
 
 
 def _log_results(log: Path) -> tuple[list[CellResult], list[tuple[str, str]], list[str]]:
