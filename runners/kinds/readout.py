@@ -163,14 +163,15 @@ class ReadoutJudge(Judge):
     def verdict(self, ending: Ending) -> RunFinished:
         rows = list(self.book.rows().values())
         verdict, reason = overall(rows)
-        errors = [e.message for e in self.errors] + self.kept_problems()
+        engine = self.engine_errors()
+        # (a crashed cell's trace may never have been fetched again: its copy is not compared)
+        errors = [e.message for e in self.errors] + ([] if engine else self.kept_problems())
         ok = verdict == VERDICT_OK and self.cells_ok() and not errors
         if errors:
             reason = f"{len(errors)} problem(s) with the trace: {errors[0]}; rows: {reason}"
         elif verdict == VERDICT_OK and not ok:
             reason = f"not every cell passed ({self.cell_states()}); rows: {reason}"
         word = VERDICT_OK if ok else VERDICT_NO_OK
-        engine = self.engine_errors()
         if engine:
             word, reason = ENGINE_ERROR, f"{engine[0]}; rows: {reason}"
         summary = {**to_json(rows, word, reason), "errors": errors}
