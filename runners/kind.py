@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from analysis.compare_items import cell_items
+from analysis.run_compare import Item
 from runners.cells import CellState, cell_name
 from runners.events import (
     ArtifactFetched,
@@ -342,6 +344,15 @@ class Kind:
 
     def analyze(self, path: Path, args: argparse.Namespace) -> int:
         raise NotImplementedError(f"kind {self.name!r} has no analyze")
+
+    # -- tracedeck diff, --junit ---------------------------------------------------------------
+
+    def compare_items(
+        self, events: list[dict[str, Any]], summary: dict[str, Any] | None
+    ) -> list[Item]:
+        """The run's judged items (pairs, cells, prompts, shards) rebuilt from its recorded
+        events, for a diff and a JUnit report; by default its cells and their exit states."""
+        return cell_items(events)
 
 
 def tone(kind_name: str, word: str | None) -> str:
