@@ -205,7 +205,7 @@ def dsa_items(events: Events, summary: dict[str, Any] | None) -> list[Item]:
             streams.setdefault(folder, TraceStream()).apply(e["file"], e["digest"])
     judged = {t["dir"]: t for t in (summary or {}).get("traces", []) if isinstance(t, dict)}
     out = []
-    for folder in sorted(set(streams) | set(judged)):
+    for folder in sorted(set(streams) | set(judged), key=_rel):
         stream = streams.get(folder) or TraceStream()
         t = judged.get(folder, {})
         word = t.get("verdict") or "UNJUDGED"
@@ -229,14 +229,17 @@ def dsa_items(events: Events, summary: dict[str, Any] | None) -> list[Item]:
                 metrics[f"{name}.{q}"] = value
         where = f"{ff.get('file')}:{ff.get('line')}" if ff.get("file") else ""
         failing = ["invalid"] if stream.invalid else []
-        out.append(Item("trace", folder, word, PASS if ok else FAIL, metrics, failing, text, where))
+        where = _rel(where)
+        out.append(
+            Item("trace", _rel(folder), word, PASS if ok else FAIL, metrics, failing, text, where)
+        )
         for file, records in sorted(stream.files.items()):
             first_here = ff if ff.get("file") == file else {}
             bad = bool(first_here) or not ok and records == 0
             out.append(
                 Item(
                     "shard",
-                    file,
+                    _rel(file),
                     "INVALID" if bad else "OK",
                     FAIL if bad else PASS,
                     {"records": records},
@@ -245,3 +248,8 @@ def dsa_items(events: Events, summary: dict[str, Any] | None) -> list[Item]:
                 )
             )
     return out
+
+
+def _rel(path: str) -> str:
+    """A trace path as the run's artifacts name it (the run's own directory differs per run)."""
+    return path.split("/artifacts/", 1)[-1]

@@ -18,6 +18,10 @@ from runners.record import EVENTS, RunRecord, iter_events
 # they are shown; "unknown" and empty values say nothing and are left out.
 ENGINE_FIELDS = ("git_commit", "engine", "engine_version", "torch_version", "device")
 VERSION_EVENT = "engine_version"
+# The engine's JSON documents that carry its identity: B3.67 metadata.json (seed 000), the 03C
+# result.json, a DSA summary.json; small ones only (they are read whole).
+IDENTITY_FILES = ("metadata.json", "result.json", "summary.json")
+IDENTITY_MAX_BYTES = 1 << 20
 
 
 def load_side(local_dir: Path) -> RunSide:
@@ -65,7 +69,7 @@ def identity(
     out: dict[str, str] = {}
     version = next((e for e in events if e["type"] == VERSION_EVENT), None)
     if version is not None:
-        out["engine version"] = version.get("version", "") or "-"
+        out["engine version"] = version.get("version") or f"unknown ({version.get('error')})"
     for name, value in engine_metadata(local, events).items():
         out[f"engine {name}" if name != "engine" else "engine"] = value
     data = record.preset_data
@@ -85,11 +89,13 @@ def identity(
 
 
 def engine_metadata(local: Path, events: list[dict[str, Any]]) -> dict[str, str]:
-    """The engine's identity from the first metadata.json that came home (seed 000: every
-    cell's metadata carries git_commit); values that differ across cells are all named."""
+    """The engine's identity from the JSON documents that came home (seed 000: every cell's
+    metadata.json carries git_commit); values that differ across cells are all named."""
     seen: dict[str, list[str]] = {}
     for e in events:
-        if e["type"] != "artifact" or not e["path"].endswith("metadata.json"):
+        if e["type"] != "artifact" or e["path"].rsplit("/", 1)[-1] not in IDENTITY_FILES:
+            continue
+        if e.get("size", 0) > IDENTITY_MAX_BYTES:
             continue
         try:
             meta = json.loads((local / e["path"]).read_text())

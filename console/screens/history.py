@@ -103,6 +103,20 @@ def scan_runs(out_dir: Path) -> list[RunEntry]:
     return entries
 
 
+def previous_run(entries: list[RunEntry], entry: RunEntry) -> RunEntry | None:
+    """The newest finished run of the same preset and target started before `entry`."""
+    for other in entries:  # newest first
+        if (
+            other.started < entry.started
+            and other.preset == entry.preset
+            and other.target == entry.target
+            and other.verdict is not None
+            and not other.problem
+        ):
+            return other
+    return None
+
+
 class HistoryScreen(Screen[None]):
     """Enter opens a run (finished: instant replay; unfinished: reattach); r replays it paced."""
 
@@ -111,6 +125,9 @@ class HistoryScreen(Screen[None]):
         Binding("r", "replay", "Replay at speed"),
         Binding("s", "focus_speed", "Speed"),
         Binding("f5", "rescan", "Rescan"),
+        Binding("m", "mark", "Mark as A"),
+        Binding("c", "compare", "Compare A with this"),
+        Binding("l", "compare_last", "vs last of preset"),
     ]
 
     class Scanned(Message):
@@ -122,6 +139,7 @@ class HistoryScreen(Screen[None]):
         super().__init__()
         self.out_dir = out_dir
         self.entries: list[RunEntry] = []
+        self.marked: RunEntry | None = None  # run A of a comparison
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="history-bar"):
@@ -224,6 +242,44 @@ class HistoryScreen(Screen[None]):
         speed = self.query_one("#speed", Select).value
         value = float(speed) if isinstance(speed, int | float) else 1.0
         self.app.push_screen(RunScreen(ReplaySource(entry.local_dir, speed=value)))
+
+    # -- comparing two runs (console/screens/compare.py) -------------------------------------
+
+    def _say(self, text: str, style: str = "dim") -> None:
+        self.query_one("#history-status", Static).update(plain(text, style))
+
+    def action_mark(self) -> None:
+        entry = self.selected()
+        if entry is None or entry.problem:
+            return
+        self.marked = entry
+        self._say(f"A = {entry.run_id}; move to another run and press c to compare", "bold")
+
+    def action_compare(self) -> None:
+        entry = self.selected()
+        if entry is None or entry.problem:
+            return
+        if self.marked is None:
+            self._say("mark run A first (m), then compare it with the run under the cursor (c)")
+            return
+        self._open_compare(self.marked, entry)
+
+    def action_compare_last(self) -> None:
+        """The run under the cursor against the run of the same preset on the same target
+        that came before it."""
+        entry = self.selected()
+        if entry is None or entry.problem:
+            return
+        before = previous_run(self.entries, entry)
+        if before is None:
+            self._say(f"no earlier finished run of {entry.preset} on {entry.target}", "yellow")
+            return
+        self._open_compare(before, entry)
+
+    def _open_compare(self, a: RunEntry, b: RunEntry) -> None:
+        from console.screens.compare import CompareScreen
+
+        self.app.push_screen(CompareScreen(a.local_dir, b.local_dir))
 
     def action_focus_speed(self) -> None:
         self.query_one("#speed", Select).focus()
