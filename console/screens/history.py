@@ -125,9 +125,9 @@ class HistoryScreen(Screen[None]):
         Binding("r", "replay", "Replay at speed"),
         Binding("s", "focus_speed", "Speed"),
         Binding("f5", "rescan", "Rescan"),
-        Binding("m", "mark", "Mark as A"),
-        Binding("c", "compare", "Compare A with this"),
-        Binding("l", "compare_last", "vs last of preset"),
+        Binding("m", "mark", "Mark A"),
+        Binding("c", "compare", "Compare"),
+        Binding("l", "compare_last", "vs last"),
     ]
 
     class Scanned(Message):
@@ -206,8 +206,8 @@ class HistoryScreen(Screen[None]):
         count = len(self.entries)
         self.query_one("#history-status", Static).update(
             Text(
-                f"{count} run(s). Enter: open (finished: results; unfinished: reattach and "
-                f"follow). r: replay at the chosen speed.",
+                f"{count} run(s). Enter: open (or reattach). r: replay at speed. "
+                f"m, c: compare two runs; l: with the last of its preset.",
                 style="dim",
             )
         )
