@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
         "With no command, opens the console.",
     )
     sub = parser.add_subparsers(dest="command")
-    from console import ci_cmd, diff_cmd
+    from console import ci_cmd, diff_cmd, history_cmd
 
     run = sub.add_parser("run", help="run a preset headless")
     run.add_argument("preset", help="preset name (see `tracedeck presets`) or path to a .toml")
@@ -177,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     trust.add_argument("--yes", action="store_true", help="trust without asking")
 
     diff_cmd.add_parser(sub)
+    history_cmd.add_parser(sub)
 
     ui = sub.add_parser("ui", help="open the console (the default)")
     ui.add_argument("--out", type=Path)
@@ -200,6 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "trust": cmd_trust,
         "ui": cmd_ui,
         "diff": _diff,
+        "history": _history,
     }[command]
     try:
         return handler(args)
@@ -214,6 +216,12 @@ def _diff(args: argparse.Namespace) -> int:
     from console.diff_cmd import cmd_diff
 
     return cmd_diff(args)
+
+
+def _history(args: argparse.Namespace) -> int:
+    from console.history_cmd import cmd_history
+
+    return cmd_history(args)
 
 
 def _err(message: str) -> None:

@@ -10,7 +10,7 @@ import orjson
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal
+from textual.containers import Horizontal, VerticalScroll
 from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Label, Select, Static
@@ -103,6 +103,17 @@ def scan_runs(out_dir: Path) -> list[RunEntry]:
     return entries
 
 
+def trend_text(out_dir: Path, preset: str, target: str, last: int = 10) -> list[str]:
+    """The trends of a preset's last runs on a target, as lines (analysis.trends)."""
+    from analysis.trends import trend_lines, trends
+    from runners.run_history import preset_runs
+
+    sides, skipped = preset_runs(out_dir, preset, target, last)
+    if not sides:
+        return [f"no finished run of {preset} on {target}", *skipped]
+    return [*trend_lines(trends(sides)), *skipped]
+
+
 def previous_run(entries: list[RunEntry], entry: RunEntry) -> RunEntry | None:
     """The newest finished run of the same preset and target started before `entry`."""
     for other in entries:  # newest first
@@ -128,12 +139,23 @@ class HistoryScreen(Screen[None]):
         Binding("m", "mark", "Mark A"),
         Binding("c", "compare", "Compare"),
         Binding("l", "compare_last", "vs last"),
+        Binding("t", "trends", "Trends"),
     ]
+
+    DEFAULT_CSS = """
+    HistoryScreen #history-trends { height: auto; max-height: 50%; display: none; padding: 0 1; }
+    HistoryScreen #history-trends.shown { display: block; }
+    """
 
     class Scanned(Message):
         def __init__(self, entries: list[RunEntry]) -> None:
             super().__init__()
             self.entries = entries
+
+    class TrendsRead(Message):
+        def __init__(self, lines: list[str]) -> None:
+            super().__init__()
+            self.lines = lines
 
     def __init__(self, out_dir: Path) -> None:
         super().__init__()
@@ -151,6 +173,7 @@ class HistoryScreen(Screen[None]):
                 id="speed",
             )
         yield DataTable(id="runs", cursor_type="row", zebra_stripes=True)
+        yield VerticalScroll(Static("", id="trends-text", markup=False), id="history-trends")
         yield Static("", id="history-status", markup=False)
         yield Footer()
 
@@ -280,6 +303,33 @@ class HistoryScreen(Screen[None]):
         from console.screens.compare import CompareScreen
 
         self.app.push_screen(CompareScreen(a.local_dir, b.local_dir))
+
+    # -- trends of the selected run's preset (analysis/trends.py) ----------------------------
+
+    def action_trends(self) -> None:
+        pane = self.query_one("#history-trends")
+        entry = self.selected()
+        if pane.has_class("shown") or entry is None or entry.problem:
+            pane.remove_class("shown")
+            return
+        pane.add_class("shown")
+        self.query_one("#trends-text", Static).update(
+            Text(f"reading the runs of {entry.preset} ...", style="dim")
+        )
+        self.run_worker(self._trends(entry), group="trends", exclusive=True, exit_on_error=False)
+
+    async def _trends(self, entry: RunEntry) -> None:
+        lines = await asyncio.to_thread(trend_text, self.out_dir, entry.preset, entry.target)
+        self.post_message(self.TrendsRead(lines))
+
+    def on_history_screen_trends_read(self, message: TrendsRead) -> None:
+        text = Text()
+        for n, line in enumerate(message.lines):
+            style = "bold yellow" if line.startswith("DRIFT:") or "DRIFTING" in line else ""
+            text.append_text(plain(line, style))
+            if n < len(message.lines) - 1:
+                text.append("\n")
+        self.query_one("#trends-text", Static).update(text)
 
     def action_focus_speed(self) -> None:
         self.query_one("#speed", Select).focus()
