@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from analysis.dsa_stream import TraceStream
-from analysis.equivalence import EXPECTED_DRIFT, failing_metrics, pair_verdict
+from analysis.equivalence import EXPECTED_DRIFT, THRESHOLDS, failing_metrics, pair_verdict
 from analysis.kv_invariance import BITWISE_EQUAL, point_label
 from analysis.readout import VERDICT_OK, ReadoutAggregator
 from analysis.run_compare import DRIFT, FAIL, PASS, Item
@@ -108,6 +108,12 @@ def _pair_item(key: str, e: dict[str, Any]) -> Item:
     tone = DRIFT if word == EXPECTED_DRIFT else (PASS if not failing else FAIL)
     if word == EXPECTED_DRIFT:
         failing = []  # kv_aligned=0: drift is allowed, no metric fails
+    elif tone == PASS:
+        # A pass under thresholds the operator loosened is not the seed's pass: shown like drift.
+        past_seed = [m for m, _, _ in failing_metrics(e["metrics"], THRESHOLDS)]
+        if past_seed:
+            tone, word = DRIFT, f"{word} (loosened)"
+            text = f"passes only under loosened thresholds: {', '.join(past_seed)} past the seed's"
     return Item("pair", key, word, tone, metrics, failing, text, where)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from runners.exits import EXIT_USAGE
 
@@ -55,14 +56,17 @@ def write_reports(args: argparse.Namespace, local_dir: Path) -> bool:
     return True
 
 
-def after_run(args: argparse.Namespace, local_dir: Path, code: int) -> int:
-    """Once a headless run has ended: its reports, then the operator's [notify] command."""
-    wrote = write_reports(args, local_dir)
+def after_run(args: argparse.Namespace, session: Any, code: int) -> int:
+    """Once a headless run has ended, however it ended (a verdict, a host that could not be
+    reached, a busy lock): its reports, then the operator's [notify] command."""
     from runners.config import ConfigError, load_config
     from runners.notify import run_notify
-    from runners.record import RunRecord
+    from runners.record import RUN_JSON
     from runners.run_view import load_side
 
+    local = Path(session.local_dir)
+    recorded = (local / RUN_JSON).is_file()
+    wrote = write_reports(args, local) if recorded else False
     try:
         config = load_config()
     except ConfigError as exc:
@@ -70,17 +74,16 @@ def after_run(args: argparse.Namespace, local_dir: Path, code: int) -> int:
         return code
     if not (config.get("notify") or {}).get("command"):
         return code
-    try:
-        side = load_side(local_dir)
-        run_id, preset, verdict = side.run_id, side.preset, side.verdict or "NOT_FINISHED"
-    except (FileNotFoundError, ValueError, KeyError, TypeError):
-        record = RunRecord.load(local_dir)
-        run_id, preset, verdict = record.run_id, record.preset, "NOT_FINISHED"
-    report = (
-        args.summary_md
-        if wrote and args.summary_md
-        else (args.junit if wrote and args.junit else local_dir)
-    )
+    run_id, preset = session.record.run_id, session.record.preset
+    verdict = "NOT_STARTED"  # the launch failed before the run had a record of its end
+    if recorded:
+        try:
+            verdict = load_side(local).verdict or "NOT_FINISHED"
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            verdict = "NOT_FINISHED"
+    report: Path | str = local if recorded else "-"
+    if wrote:
+        report = args.summary_md or args.junit or local
     problem = run_notify(config, [run_id, preset, verdict, str(code), str(report)])
     if problem:
         _err(problem)

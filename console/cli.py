@@ -254,19 +254,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     except (PresetError, ValueError) as exc:
         _err(str(exc))
         return EXIT_USAGE
+    from console.ci_cmd import after_run
+
     try:
         code = asyncio.run(_launch_and_follow(session))
     except PresetError as exc:
         _err(str(exc))
-        return EXIT_USAGE
+        code = EXIT_USAGE
     except TargetError as exc:
-        return _infra_error(exc)
+        code = _infra_error(exc)
     except OSError as exc:
         _err(f"{exc.filename or session.local_dir}: {exc.strerror or exc}")
-        return EXIT_INFRA
-    from console.ci_cmd import after_run
-
-    return after_run(args, Path(session.local_dir), code)
+        code = EXIT_INFRA
+    return after_run(args, session, code)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -231,3 +231,22 @@ def test_notify_command_hears_of_a_failed_headless_run(runs: Runs, tmp_path: Pat
         str(summary),
     ]
     assert "NO OK (exit 1)" in summary.read_text()
+
+
+def test_notify_hears_of_a_run_that_never_reached_its_host(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    config = home / ".config" / "tracedeck" / "config.toml"
+    config.parent.mkdir(parents=True)
+    script = tmp_path / "notify.py"
+    script.write_text(NOTIFY_SCRIPT)
+    heard = tmp_path / "heard.txt"
+    command = shlex.join([sys.executable, str(script), str(heard)])
+    config.write_text(f"[notify]\ncommand = {json.dumps(command)}\n")
+    done = tracedeck(
+        "run", "b3_67_smoke", "--target", "ssh://127.0.0.1:1", "--out", str(tmp_path / "out"),
+        env=cli_env(home),
+    )  # fmt: skip
+    assert done.returncode == 3, done.stdout + done.stderr
+    run_id, preset, verdict, code, report = heard.read_text().splitlines()
+    assert run_id.endswith(tuple("0123456789abcdef")) and "-b3_67_smoke-" in run_id
+    assert (preset, verdict, code, report) == ("b3_67_smoke", "NOT_STARTED", "3", "-")

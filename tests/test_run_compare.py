@@ -61,6 +61,14 @@ def test_a_recorded_pass_its_metrics_contradict_is_a_failure() -> None:
     assert item.failing == ["p99_abs_diff", "max_abs_diff"]
 
 
+def test_a_pass_under_loosened_thresholds_is_not_the_seeds_pass() -> None:
+    event = pair(0, "PASS_EQUIV", max_abs=0.004)
+    event["thresholds"] = {**THRESHOLDS, "p99_abs_diff_max": 0.01}
+    [item] = equivalence_items([event])
+    assert item.tone == "drift" and item.verdict == "PASS_EQUIV (loosened)"
+    assert "p99_abs_diff past the seed's" in item.first_fail
+
+
 def test_a_metric_crossing_its_threshold_is_named() -> None:
     a = side([pair(0, "PASS_EQUIV", 0.001), pair(1, "PASS_EQUIV", 0.0)])
     b = side([pair(0, "FAIL_EQUIV", 0.004, top1=0.9), pair(1, "PASS_EQUIV", 0.0)], run_id="b")
