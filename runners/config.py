@@ -25,7 +25,10 @@ DEFAULT_LOCK = "/tmp/tracedeck.lock"
 HOST_KEYS = {"lock": str}
 FLEET_KEYS = ("hosts",)
 SECTIONS = ("hosts", "fleets", "notify")
-NOTIFY_KEYS = {"command": str, "timeout_s": (int, float)}
+NOTIFY_KEYS: dict[str, tuple[Any, str]] = {
+    "command": (str, "a string (a shell command line)"),
+    "timeout_s": ((int, float), "a number of seconds"),
+}
 # A relative lock would depend on each console's directory: two runs could share the GPU.
 LOCK_RULE = "must be an absolute path (every console must take the same lock)"
 
@@ -77,16 +80,16 @@ def _check_notify(path: Path, notify: dict[str, Any]) -> None:
     for key, value in notify.items():
         if key not in NOTIFY_KEYS:
             raise ConfigError(f"{path}: notify.{key}: unknown key; known: {', '.join(NOTIFY_KEYS)}")
-        if isinstance(value, bool) or not isinstance(value, NOTIFY_KEYS[key]):
-            raise ConfigError(
-                f"{path}: notify.{key}: must be a {'string' if key == 'command' else 'number'}"
-            )
-    if "command" in notify and not notify["command"].strip():
+        expected, words = NOTIFY_KEYS[key]
+        if isinstance(value, bool) or not isinstance(value, expected):
+            raise ConfigError(f"{path}: notify.{key}: must be {words}")
+    command = notify.get("command")
+    if notify and command is None:
+        raise ConfigError(f"{path}: notify.command: missing; name the command to run")
+    if command is not None and not command.strip():
         raise ConfigError(f"{path}: notify.command: must not be empty (or leave [notify] out)")
     if "timeout_s" in notify and not 0 < notify["timeout_s"] <= 3600:
         raise ConfigError(f"{path}: notify.timeout_s: must be between 0 and 3600 seconds")
-    if notify and "command" not in notify:
-        raise ConfigError(f"{path}: notify.command: missing; name the command to run")
 
 
 def _check_fleet(path: Path, name: str, fleet: Any, hosts: dict[str, Any]) -> None:
