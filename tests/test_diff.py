@@ -250,3 +250,21 @@ def test_notify_hears_of_a_run_that_never_reached_its_host(tmp_path: Path) -> No
     run_id, preset, verdict, code, report = heard.read_text().splitlines()
     assert run_id.endswith(tuple("0123456789abcdef")) and "-b3_67_smoke-" in run_id
     assert (preset, verdict, code, report) == ("b3_67_smoke", "NOT_STARTED", "3", "-")
+
+
+def test_analyze_of_a_recorded_run_writes_its_junit(runs: Runs, tmp_path: Path) -> None:
+    local = runs.get("b3_67_smoke", "canary")
+    junit = tmp_path / "analyze.xml"
+    done = tracedeck(
+        "analyze", str(local), "--output", str(tmp_path / "docs"), "--junit", str(junit),
+        env=runs.env(),
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    xmlschema.XMLSchema(str(SCHEMA)).validate(str(junit))
+    assert junit.read_text().count("<failure ") == 1
+    # A bare trace file has no run record to report from: said, and nothing is written.
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("")
+    bare = tracedeck("analyze", str(trace), "--junit", str(tmp_path / "bare.xml"), env=runs.env())
+    assert bare.returncode != 0 and not (tmp_path / "bare.xml").exists()
+    assert "--junit and --summary-md report a recorded run" in bare.stderr
