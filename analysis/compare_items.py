@@ -205,10 +205,15 @@ def dsa_items(events: Events, summary: dict[str, Any] | None) -> list[Item]:
     and a recorded TRACE_OK over invalid records is a failure.
     """
     streams: dict[str, TraceStream] = {}
+    invalid_in: dict[str, int] = {}  # shard -> invalid records
+    first_in: dict[str, dict[str, Any]] = {}  # shard -> its first invalid record
     for e in events:
         if e["type"] == "trace" and e.get("digest") and "serving" not in e["digest"]:
-            folder = e["file"].rsplit("/", 1)[0]
-            streams.setdefault(folder, TraceStream()).apply(e["file"], e["digest"])
+            digest, file = e["digest"], e["file"]
+            streams.setdefault(file.rsplit("/", 1)[0], TraceStream()).apply(file, digest)
+            invalid_in[file] = invalid_in.get(file, 0) + int(digest.get("invalid", 0))
+            if digest.get("first") and file not in first_in:
+                first_in[file] = digest["first"]
     judged = {t["dir"]: t for t in (summary or {}).get("traces", []) if isinstance(t, dict)}
     out = []
     for folder in sorted(set(streams) | set(judged), key=_rel):
@@ -239,18 +244,21 @@ def dsa_items(events: Events, summary: dict[str, Any] | None) -> list[Item]:
         out.append(
             Item("trace", _rel(folder), word, PASS if ok else FAIL, metrics, failing, text, where)
         )
+        problems = [p for p in t.get("problems", []) if isinstance(p, dict)]
         for file, records in sorted(stream.files.items()):
-            first_here = ff if ff.get("file") == file else {}
-            bad = bool(first_here) or not ok and records == 0
+            fail = first_in.get(file) or next((p for p in problems if p.get("file") == file), None)
+            bad = invalid_in.get(file, 0) > 0 or fail is not None
+            line = (fail or {}).get("line")
             out.append(
                 Item(
                     "shard",
                     _rel(file),
                     "INVALID" if bad else "OK",
                     FAIL if bad else PASS,
-                    {"records": records},
-                    first_fail=first_here.get("message", "") if first_here else "",
-                    where=where if first_here else "",
+                    {"records": records, "invalid": invalid_in.get(file, 0)},
+                    ["invalid"] if invalid_in.get(file, 0) else [],
+                    first_fail=str((fail or {}).get("message", "")),
+                    where=f"{_rel(file)}:{line}" if fail and line else "",
                 )
             )
     return out

@@ -21,11 +21,13 @@ SMALL = {
     "b3_67_smoke": ["matrix.seed=[0]", "matrix.kv_aligned=[1]"],
     "kv_invariance_smoke": ["matrix.b=[1]", "matrix.mask=[1]"],
     "b3_11_readout": ['matrix.prompt=["p0_short"]'],
+    "dsa_smoke": [],
 }
 CANARY = {
     "b3_67_smoke": "readout_offset",
     "kv_invariance_smoke": "split_reduction",
     "b3_11_readout": "b3_11",
+    "dsa_smoke": "block_off_by_one",
 }
 ENGINES = {
     ("b3_67_smoke", "pass"): ("abc123", "greta_infer 1.0"),
@@ -154,6 +156,23 @@ def test_readout_b3_11_canary_changes_top1_per_prompt(runs: Runs) -> None:
     assert done.returncode == 1, done.stdout + done.stderr
     assert "REGRESSED prompt p0_short: OK -> NO OK" in done.stdout
     assert "decode0_top1 " in done.stdout and "CROSSED INTO FAILURE" in done.stdout
+
+
+def test_dsa_block_off_by_one_canary_regresses_its_trace_and_shards(runs: Runs) -> None:
+    a = runs.get("dsa_smoke", "pass")
+    b = runs.get("dsa_smoke", "canary")
+    done = diff(runs, a, b, "--json")
+    assert done.returncode == 1, done.stdout + done.stderr
+    doc = json.loads(done.stdout)
+    changes = {(c["class"], c["key"]): c for c in doc["changes"]}
+    trace = changes[("trace", "dsa/block16")]
+    assert trace["change"] == "regressed" and trace["b"]["verdict"] == "TRACE_INVALID"
+    assert trace["b"]["first_fail"] and trace["first_fail_moved"][0] == "-"
+    shards = [c for (klass, _), c in changes.items() if klass == "shard"]
+    assert shards and all(c["a"]["verdict"] == "OK" for c in shards if c["a"])
+    assert any(c["change"] == "regressed" and c["b"]["metrics"]["invalid"] > 0 for c in shards)
+    # The two runs' paths differ (their run directories); the items are matched all the same.
+    assert not [c for c in doc["changes"] if c["change"] in ("new", "gone")]
 
 
 def test_runs_of_different_presets_are_incomparable(runs: Runs) -> None:
