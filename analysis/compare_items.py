@@ -238,12 +238,13 @@ def dsa_items(events: Events, summary: dict[str, Any] | None) -> list[Item]:
                 if isinstance(value, list):  # a bucket's range
                     value = f"{value[0]}..{value[1]}"
                 metrics[f"{name}.{q}"] = value
-        where = f"{ff.get('file')}:{ff.get('line')}" if ff.get("file") else ""
+        where = _rel(f"{ff.get('file')}:{ff.get('line')}") if ff.get("file") else ""
         failing = ["invalid"] if stream.invalid else []
-        where = _rel(where)
-        out.append(
-            Item("trace", _rel(folder), word, PASS if ok else FAIL, metrics, failing, text, where)
+        item = Item(
+            "trace", _rel(folder), word, PASS if ok else FAIL, metrics, failing, text, where
         )
+        item.hists = _hists(stream)
+        out.append(item)
         problems = [p for p in t.get("problems", []) if isinstance(p, dict)]
         for file, records in sorted(stream.files.items()):
             fail = first_in.get(file) or next((p for p in problems if p.get("file") == file), None)
@@ -262,6 +263,23 @@ def dsa_items(events: Events, summary: dict[str, Any] | None) -> list[Item]:
                 )
             )
     return out
+
+
+def _hists(stream: TraceStream) -> dict[str, list[list[float]]]:
+    """The distributions of summary.json 5.3 as [[value, count], ...] (valid records only)."""
+    agg = stream.summary
+    ratios: dict[float, int] = {}
+    for (hit, size), n in agg.ratios.items():
+        if size:
+            key = round(hit / size, 3)
+            ratios[key] = ratios.get(key, 0) + n
+    return {
+        "unique_blocks": [[float(v), int(agg.ub[v])] for v in agg.ub.nonzero()[0].tolist()],
+        "tokens_per_touched_block": [
+            [float(v), int(agg.tpb[v])] for v in agg.tpb.nonzero()[0].tolist()
+        ],
+        "prefix_intersection_ratio": [[k, ratios[k]] for k in sorted(ratios)],
+    }
 
 
 def _rel(path: str) -> str:

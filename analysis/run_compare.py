@@ -33,9 +33,12 @@ class Item:
     failing: list[str] = field(default_factory=list)
     first_fail: str = ""  # one line: where and how it first failed
     where: str = ""  # the token, line or element of the first failure, to tell if it moved
+    # Distributions (name -> [[value, count], ...]) shown overlaid when they shift (DSA).
+    hists: dict[str, list[list[float]]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "hists": self.hists,
             "class": self.klass,
             "key": self.key,
             "verdict": self.verdict,
@@ -294,6 +297,59 @@ def _deltas(x: Item, y: Item, rel_tol: float) -> list[MetricDelta]:
     return out
 
 
+def overlay(
+    a: list[list[float]], b: list[list[float]], bins: int = 8, width: int = 20
+) -> list[str]:
+    """Two distributions ([[value, count], ...]) as bars side by side: the share of each side's
+    count in each value range, A then B."""
+    values = [v for v, _ in a] + [v for v, _ in b]
+    if not values:
+        return []
+    lo, hi = min(values), max(values)
+    whole = all(float(v).is_integer() for v in values)
+    if whole and hi - lo + 1 <= bins:
+        edges = [lo + i for i in range(int(hi - lo) + 2)]
+    else:
+        step = (hi - lo) / bins or 1.0
+        edges = [lo + i * step for i in range(bins + 1)]
+        edges[-1] = hi + (1 if whole else 1e-12)
+
+    def shares(hist: list[list[float]]) -> list[float]:
+        total = sum(c for _, c in hist) or 1
+        out = [0.0] * (len(edges) - 1)
+        for v, c in hist:
+            i = next((k for k in range(len(out)) if v < edges[k + 1]), len(out) - 1)
+            out[i] += c / total
+        return out
+
+    sa, sb = shares(a), shares(b)
+    lines = []
+    for k in range(len(edges) - 1):
+        if whole and edges[k + 1] - edges[k] == 1:
+            label = f"{edges[k]:g}"
+        else:
+            label = f"{edges[k]:.4g}..{edges[k + 1]:.4g}"
+        bar_a = "█" * round(sa[k] * width)
+        bar_b = "█" * round(sb[k] * width)
+        lines.append(
+            f"{label:>14} A {bar_a:<{width}} {sa[k]:6.1%}  B {bar_b:<{width}} {sb[k]:6.1%}"
+        )
+    return lines
+
+
+def shift_lines(c: ItemChange) -> list[str]:
+    """The distributions of an item that moved from A to B, overlaid."""
+    if c.a is None or c.b is None:
+        return []
+    out = []
+    for name in _ordered_keys(c.a.hists, c.b.hists):
+        ha, hb = c.a.hists.get(name, []), c.b.hists.get(name, [])
+        if ha != hb:
+            out.append(f"{name} (share of each run's count, A vs B):")
+            out += overlay(ha, hb)
+    return out
+
+
 def diff_lines(d: RunDiff, show_same: bool = False) -> list[str]:
     """The diff as text, regressions first."""
     lines = [
@@ -324,6 +380,7 @@ def diff_lines(d: RunDiff, show_same: bool = False) -> list[str]:
         lines.append(f"{c.change.upper():<9} {c.klass} {c.key}: {c.verdicts()}")
         for delta in c.deltas:
             lines.append(f"    {delta.text()}")
+        lines += [f"    {line}" for line in shift_lines(c)]
         if c.first_fail_moved:
             lines.append(
                 f"    first fail moved: {c.first_fail_moved[0]} -> {c.first_fail_moved[1]}"

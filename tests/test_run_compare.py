@@ -10,7 +10,7 @@ import xmlschema
 
 from analysis.ci_report import junit_xml, summary_markdown
 from analysis.compare_items import equivalence_items, kv_items
-from analysis.run_compare import ENGINE_SWITCHES, RunSide, compare_runs, diff_lines
+from analysis.run_compare import ENGINE_SWITCHES, RunSide, compare_runs, diff_lines, overlay
 from runners.config import ConfigError, load_config
 
 SCHEMA = Path(__file__).parent / "data" / "junit.xsd"
@@ -171,3 +171,11 @@ def test_notify_config_is_checked(tmp_path: Path) -> None:
         load_config(path)
     path.write_text('[notify]\ncommand = "mail -s tracedeck ops"\ntimeout_s = 30\n')
     assert load_config(path)["notify"]["command"] == "mail -s tracedeck ops"
+
+
+def test_overlay_shows_each_sides_share_per_value() -> None:
+    lines = overlay([[6.0, 1], [7.0, 3]], [[7.0, 1], [8.0, 1]], width=4)
+    assert [line.split()[0] for line in lines] == ["6", "7", "8"]
+    assert lines[1].split() == ["7", "A", "███", "75.0%", "B", "██", "50.0%"]
+    wide = overlay([[0.0, 1], [100.0, 1]], [[50.0, 2]], bins=4)
+    assert len(wide) == 4 and wide[0].split()[0] == "0..25"

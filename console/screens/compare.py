@@ -19,6 +19,7 @@ from analysis.run_compare import (
     SAME,
     RunDiff,
     compare_runs,
+    shift_lines,
 )
 from console.widgets.text import TONE_STYLES, plain
 from runners.run_view import load_side
@@ -45,7 +46,7 @@ class CompareScreen(Screen[None]):
     CompareScreen #compare-head { height: auto; padding: 0 1; }
     CompareScreen #compare-result { height: 1; padding: 0 1; }
     CompareScreen #changes { height: 1fr; }
-    CompareScreen #compare-detail { height: auto; max-height: 8; padding: 0 1; }
+    CompareScreen #compare-detail { height: auto; max-height: 16; padding: 0 1; }
     """
 
     BINDINGS = [
@@ -153,6 +154,9 @@ class CompareScreen(Screen[None]):
         for x in c.deltas:
             text.append("\n")
             text.append_text(plain(f"  {x.text()}", "red" if x.crossed else ""))
+        for line in shift_lines(c):
+            text.append("\n")
+            text.append_text(plain(f"  {line}"))
         if c.first_fail_moved:
             text.append("\n")
             text.append_text(plain(f"  first fail moved: {c.first_fail_moved[0]} -> "))
