@@ -557,8 +557,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     if not args.headless:
         from console.app import run_app
+        from console.ci_cmd import write_reports
 
-        return run_app(replay_dir=args.dir, speed=args.speed or 1.0)
+        code = run_app(replay_dir=args.dir, speed=args.speed or 1.0)
+        return code if write_reports(args, args.dir) else (code or EXIT_USAGE)
     from console.headless import Printer
 
     try:
