@@ -11,10 +11,8 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from analysis.compare_items import cell_items
-from analysis.run_compare import Item
 from runners.cells import CellState, cell_name
 from runners.events import (
     ArtifactFetched,
@@ -28,6 +26,9 @@ from runners.events import (
 )
 from runners.exits import EXIT_FAIL, EXIT_INFRA, EXIT_INTERRUPT, EXIT_PASS
 from runners.plan import PlannedCell
+
+if TYPE_CHECKING:
+    from analysis.run_compare import Item
 
 # section -> key -> (expected type(s), required, default); the same form as runners.presets
 SectionSchema = dict[str, tuple[Any, bool, Any]]
@@ -352,6 +353,8 @@ class Kind:
     ) -> list[Item]:
         """The run's judged items (pairs, cells, prompts, shards) rebuilt from its recorded
         events, for a diff and a JUnit report; by default its cells and their exit states."""
+        from analysis.compare_items import cell_items
+
         return cell_items(events)
 
 

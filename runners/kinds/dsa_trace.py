@@ -20,7 +20,6 @@ from typing import Any
 
 import orjson
 
-from analysis.compare_items import dsa_items
 from analysis.dsa_stats import compare_summary
 from analysis.dsa_stream import SHARD, TraceStream
 from analysis.dsa_tree import (
@@ -280,6 +279,8 @@ class DsaTraceKind(Kind):
     def compare_items(
         self, events: list[dict[str, Any]], summary: dict[str, Any] | None
     ) -> list[Item]:
+        from analysis.compare_items import dsa_items
+
         return dsa_items(events, summary)
 
     sections = {

@@ -21,7 +21,6 @@ from typing import Any, ClassVar
 
 import orjson
 
-from analysis.compare_items import equivalence_items
 from analysis.equivalence import (
     EXPECTED_DRIFT,
     FAIL_GUARDRAIL,
@@ -584,6 +583,8 @@ class EquivalenceKind(Kind):
     def compare_items(
         self, events: list[dict[str, Any]], summary: dict[str, Any] | None
     ) -> list[Item]:
+        from analysis.compare_items import equivalence_items
+
         return equivalence_items(events)
 
     smoke = ("b3_67_smoke", ("matrix.seed=[0]",))

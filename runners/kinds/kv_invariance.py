@@ -29,7 +29,6 @@ from typing import Any, ClassVar
 
 import orjson
 
-from analysis.compare_items import kv_items
 from analysis.kv_invariance import (
     CHUNK_GATE,
     EXIT_PRECONDITION,
@@ -371,6 +370,8 @@ class KvInvarianceKind(Kind):
     def compare_items(
         self, events: list[dict[str, Any]], summary: dict[str, Any] | None
     ) -> list[Item]:
+        from analysis.compare_items import kv_items
+
         return kv_items(events)
 
     smoke = ("kv_invariance_smoke", ())

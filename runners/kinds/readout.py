@@ -13,7 +13,6 @@ from typing import Any, ClassVar
 
 import orjson
 
-from analysis.compare_items import readout_items
 from analysis.readout import (
     VERDICT_NO_OK,
     VERDICT_OK,
@@ -225,6 +224,8 @@ class ReadoutKind(Kind):
     def compare_items(
         self, events: list[dict[str, Any]], summary: dict[str, Any] | None
     ) -> list[Item]:
+        from analysis.compare_items import readout_items
+
         return readout_items(events)
 
 
