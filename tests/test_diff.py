@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import xmlschema
-from runhelp import cli_env, run_dirs, tracedeck
+from runhelp import cli_env, events, run_dirs, tracedeck, write_lines_preset
 
 SCHEMA = Path(__file__).parent / "data" / "junit.xsd"
 
@@ -287,3 +287,19 @@ def test_analyze_of_a_recorded_run_writes_its_junit(runs: Runs, tmp_path: Path) 
     bare = tracedeck("analyze", str(trace), "--junit", str(tmp_path / "bare.xml"), env=runs.env())
     assert bare.returncode != 0 and not (tmp_path / "bare.xml").exists()
     assert "--junit and --summary-md report a recorded run" in bare.stderr
+
+
+def test_a_failing_version_command_is_recorded_and_never_fails_the_run(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    preset = write_lines_preset(tmp_path, lines=1, pause=0)
+    done = tracedeck(
+        "run", str(preset), "--out", str(tmp_path / "out"),
+        "--set", "engine.version_command=\"sh -c 'echo no such engine >&2; exit 5'\"",
+        env=cli_env(home),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "engine:      unknown (exit 5: no such engine)" in done.stdout
+    [local] = run_dirs(tmp_path / "out")
+    [version] = [e for e in events(local) if e["type"] == "engine_version"]
+    assert version["version"] == "" and version["error"] == "exit 5: no such engine"
