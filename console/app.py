@@ -11,6 +11,7 @@ from textual.screen import Screen
 
 from console.heap import freeze_startup
 from console.panels import detail_screens
+from console.screens.compare import CompareScreen
 from console.screens.dialogs import ConfirmDialog, HostKeyDialog
 from console.screens.help import HelpScreen
 from console.screens.history import HistoryScreen
@@ -65,6 +66,7 @@ class TracedeckApp(App[int]):
             ("run", RunScreen),
             *((f"{kind} details", screen) for kind, screen in detail_screens()),
             ("history", HistoryScreen),
+            ("compare", CompareScreen),
             ("help", HelpScreen),
             ("confirm dialog", ConfirmDialog),
             ("host key dialog", HostKeyDialog),

@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
         "With no command, opens the console.",
     )
     sub = parser.add_subparsers(dest="command")
+    from console import ci_cmd, diff_cmd, history_cmd
 
     run = sub.add_parser("run", help="run a preset headless")
     run.add_argument("preset", help="preset name (see `tracedeck presets`) or path to a .toml")
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         "for it (default: the preset's fleet.busy, skip)",
     )
     add_kind_options(run)
+    ci_cmd.add_report_args(run)
 
     plan = sub.add_parser(
         "plan",
@@ -104,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="1 = real time, 10 = ten times faster, 0 = at once (headless default)",
     )
     replay.add_argument("--json", action="store_true")
+    ci_cmd.add_report_args(replay)
 
     analyze = sub.add_parser(
         "analyze", help="judge what a run kind writes (a B3.67 tree, a readout trace, ...)"
@@ -123,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     for kind in _kinds().values():
         kind.add_analyze_args(analyze)
     add_kind_options(analyze)
+    ci_cmd.add_report_args(analyze)
 
     sub.add_parser("presets", help="list shipped and user presets")
 
@@ -172,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     trust.add_argument("host", help="HOST or HOST:PORT")
     trust.add_argument("--yes", action="store_true", help="trust without asking")
 
+    diff_cmd.add_parser(sub)
+    history_cmd.add_parser(sub)
+
     ui = sub.add_parser("ui", help="open the console (the default)")
     ui.add_argument("--out", type=Path)
     return parser
@@ -193,6 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "watch": cmd_watch,
         "trust": cmd_trust,
         "ui": cmd_ui,
+        "diff": _diff,
+        "history": _history,
     }[command]
     try:
         return handler(args)
@@ -201,6 +210,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `tracedeck analyze ... | head`
         sys.stderr.close()
         return 0
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from console.diff_cmd import cmd_diff
+
+    return cmd_diff(args)
+
+
+def _history(args: argparse.Namespace) -> int:
+    from console.history_cmd import cmd_history
+
+    return cmd_history(args)
 
 
 def _err(message: str) -> None:
@@ -233,16 +254,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     except (PresetError, ValueError) as exc:
         _err(str(exc))
         return EXIT_USAGE
+    from console.ci_cmd import after_run
+
     try:
-        return asyncio.run(_launch_and_follow(session))
+        code = asyncio.run(_launch_and_follow(session))
     except PresetError as exc:
         _err(str(exc))
-        return EXIT_USAGE
+        code = EXIT_USAGE
     except TargetError as exc:
-        return _infra_error(exc)
+        code = _infra_error(exc)
     except OSError as exc:
         _err(f"{exc.filename or session.local_dir}: {exc.strerror or exc}")
-        return EXIT_INFRA
+        code = EXIT_INFRA
+    return after_run(args, session, code)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -533,8 +557,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     if not args.headless:
         from console.app import run_app
+        from console.ci_cmd import write_reports
 
-        return run_app(replay_dir=args.dir, speed=args.speed or 1.0)
+        code = run_app(replay_dir=args.dir, speed=args.speed or 1.0)
+        return code if write_reports(args, args.dir) else (code or EXIT_USAGE)
     from console.headless import Printer
 
     try:
@@ -556,7 +582,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
             f"{path}: the last line is incomplete (the console stopped mid-write); "
             f"`tracedeck attach {args.dir}` resumes from the last complete event"
         )
-    return code
+    from console.ci_cmd import write_reports
+
+    return code if write_reports(args, args.dir) else (code or EXIT_USAGE)
 
 
 def add_kind_options(parser: argparse.ArgumentParser) -> None:
@@ -588,6 +616,12 @@ def _analyze_forms() -> str:
 
 
 def cmd_analyze(args: argparse.Namespace) -> int:
+    from console.ci_cmd import reports_for_analyze
+
+    return reports_for_analyze(args, args.path, _analyze(args))
+
+
+def _analyze(args: argparse.Namespace) -> int:
     from console.headless import ProgressShow
     from runners.record import RUN_JSON, RunRecord
     from runners.rejudge import guard_record

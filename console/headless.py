@@ -14,6 +14,7 @@ from runners.events import (
     CellRequeued,
     CellStarted,
     Connection,
+    EngineVersion,
     Error,
     Event,
     HostAssigned,
@@ -125,6 +126,9 @@ class Printer:
                 f"  determinism: profile {event.profile}; {env}",
                 *(f"  note:        {note}" for note in event.notes),
             ]
+        if isinstance(event, EngineVersion):
+            got = event.version or "unknown"
+            return [f"  engine:      {got}" + (f" ({event.error})" if event.error else "")]
         if isinstance(event, LockAcquired):
             h = event.holder
             return [

@@ -6,6 +6,9 @@
     [fleets.rack]                  # `--target rack`: one run's cells spread over these hosts
     hosts = ["gpu1", "gpu2", "ssh://root@10.0.0.7"]
 
+    [notify]                       # run when a headless run ends, with five quoted arguments:
+    command = "notify-team"        # run id, preset, verdict, exit code, report path
+
 The lock belongs to the host, not to a preset: every preset aimed at a host takes that host's
 lock (DEFAULT_LOCK unless configured), so two kinds of run never share one GPU. A preset or a
 `--set target.lock=...` that names another lock is a deliberate choice of the operator.
@@ -21,7 +24,11 @@ from typing import Any
 DEFAULT_LOCK = "/tmp/tracedeck.lock"
 HOST_KEYS = {"lock": str}
 FLEET_KEYS = ("hosts",)
-SECTIONS = ("hosts", "fleets")
+SECTIONS = ("hosts", "fleets", "notify")
+NOTIFY_KEYS: dict[str, tuple[Any, str]] = {
+    "command": (str, "a string (a shell command line)"),
+    "timeout_s": ((int, float), "a number of seconds"),
+}
 # A relative lock would depend on each console's directory: two runs could share the GPU.
 LOCK_RULE = "must be an absolute path (every console must take the same lock)"
 
@@ -65,7 +72,24 @@ def load_config(path: Path | None = None) -> dict[str, Any]:
                 raise ConfigError(f"{path}: hosts.{name}.lock: {LOCK_RULE}, got {value!r}")
     for name, fleet in data.get("fleets", {}).items():
         _check_fleet(path, name, fleet, data.get("hosts", {}))
+    _check_notify(path, data.get("notify", {}))
     return data
+
+
+def _check_notify(path: Path, notify: dict[str, Any]) -> None:
+    for key, value in notify.items():
+        if key not in NOTIFY_KEYS:
+            raise ConfigError(f"{path}: notify.{key}: unknown key; known: {', '.join(NOTIFY_KEYS)}")
+        expected, words = NOTIFY_KEYS[key]
+        if isinstance(value, bool) or not isinstance(value, expected):
+            raise ConfigError(f"{path}: notify.{key}: must be {words}")
+    command = notify.get("command")
+    if notify and command is None:
+        raise ConfigError(f"{path}: notify.command: missing; name the command to run")
+    if command is not None and not command.strip():
+        raise ConfigError(f"{path}: notify.command: must not be empty (or leave [notify] out)")
+    if "timeout_s" in notify and not 0 < notify["timeout_s"] <= 3600:
+        raise ConfigError(f"{path}: notify.timeout_s: must be between 0 and 3600 seconds")
 
 
 def _check_fleet(path: Path, name: str, fleet: Any, hosts: dict[str, Any]) -> None:

@@ -217,6 +217,7 @@ def uses_python(preset: Preset) -> bool:
     engine = preset.section("engine")
     texts = [engine["command"], *engine["setup"], *(str(v) for v in engine["env"].values())]
     texts += [str(v) for v in preset.section("determinism")["env"].values()]
+    texts.append(engine["version_command"])
     return engine["ship_reference"] or any("python" in template_fields(t) for t in texts)
 
 
@@ -370,6 +371,11 @@ def plan_lines(p: Preview) -> list[str]:
     if plan.setup:
         lines.append(
             f"               script {plan.cell_path(-1, 'cmd.sh')}; a failure stops the run"
+        )
+    if engine["version_command"]:
+        lines.append(
+            f"  version:     {engine['version_command']} (in the workdir, before the run; its "
+            "first line names the engine in the record)"
         )
     shared = [t for t in plan.traces if t.cell is None]
     for t in shared:

@@ -76,6 +76,17 @@ class RunStarted(Event):
 
 
 @event
+class EngineVersion(Event):
+    """What the preset's [engine] version_command printed on the target before the run
+    (its first line); error says why there is none (it failed, timed out, printed nothing)."""
+
+    type: ClassVar[str] = "engine_version"
+    command: str
+    version: str
+    error: str = ""
+
+
+@event
 class LockAcquired(Event):
     type: ClassVar[str] = "lock_acquired"
     lock: str

@@ -11,7 +11,7 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from runners.cells import CellState, cell_name
 from runners.events import (
@@ -26,6 +26,9 @@ from runners.events import (
 )
 from runners.exits import EXIT_FAIL, EXIT_INFRA, EXIT_INTERRUPT, EXIT_PASS
 from runners.plan import PlannedCell
+
+if TYPE_CHECKING:
+    from analysis.run_compare import Item
 
 # section -> key -> (expected type(s), required, default); the same form as runners.presets
 SectionSchema = dict[str, tuple[Any, bool, Any]]
@@ -342,6 +345,17 @@ class Kind:
 
     def analyze(self, path: Path, args: argparse.Namespace) -> int:
         raise NotImplementedError(f"kind {self.name!r} has no analyze")
+
+    # -- tracedeck diff, --junit ---------------------------------------------------------------
+
+    def compare_items(
+        self, events: list[dict[str, Any]], summary: dict[str, Any] | None
+    ) -> list[Item]:
+        """The run's judged items (pairs, cells, prompts, shards) rebuilt from its recorded
+        events, for a diff and a JUnit report; by default its cells and their exit states."""
+        from analysis.compare_items import cell_items
+
+        return cell_items(events)
 
 
 def tone(kind_name: str, word: str | None) -> str:

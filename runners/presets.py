@@ -75,6 +75,9 @@ SCHEMA: dict[str, dict[str, tuple[Any, bool, Any]]] = {
         "setup": (list, False, []),
         "ship_reference": (bool, False, False),
         "env": (dict, False, {}),
+        # Prints the engine's version or commit (first line of stdout), run once on the target
+        # in its workdir before the run starts; recorded and shown by `tracedeck diff`.
+        "version_command": (str, False, ""),
     },
     "matrix": {},  # free keys, each a non-empty list of scalars
     "vars": {},  # free keys, each a scalar: operator paths and constants for the templates
@@ -258,6 +261,12 @@ def validate(
 
     known = set(out["matrix"]) | set(out["vars"]) | set(BUILTIN_PLACEHOLDERS)
     _check_placeholders(source, "engine.command", out["engine"]["command"], known)
+    _check_placeholders(
+        source,
+        "engine.version_command",
+        out["engine"]["version_command"],
+        set(out["vars"]) | {"python", "workdir"},
+    )
     # The run's local directory is named before any cell exists: run-wide names only.
     _check_placeholders(source, "artifacts.dir", out["artifacts"]["dir"], {"date", "name"})
     _check_relative(source, "artifacts.dir", out["artifacts"]["dir"])

@@ -30,6 +30,7 @@ from runners.determinism import run_env
 from runners.events import (
     CellFinished,
     Connection,
+    EngineVersion,
     Error,
     Event,
     LockAcquired,
@@ -68,7 +69,7 @@ from runners.reference import SHIPPED_WITH
 from runners.remote_judge import RemoteJudge
 from runners.targets.base import ConnectionLost, Target, TargetError
 from runners.targets.factory import parse_target
-from runners.templates import render_plain
+from runners.templates import render, render_plain
 
 POLL_S = 0.1
 NOT_RECORDED = "NOT_RECORDED"
@@ -78,6 +79,9 @@ DISCONNECTED = "DISCONNECTED"
 REFERENCE_DIR = Path(__file__).resolve().parent / "reference"
 
 __all__ = ["LockBusyError", "Session", "default_out_dir"]
+
+
+VERSION_TIMEOUT_S = 30.0  # [engine] version_command: a version query, not work
 
 
 def default_out_dir() -> Path:
@@ -356,6 +360,9 @@ class Session:
         self.record.save()
 
         self.emit(self._run_started(plan, attached=False, notes=notes))
+        version = await self._engine_version(workdir, python)
+        if version is not None:
+            self.emit(version)
         self.stage = "starting"
         try:
             started = await self.launcher.start(plan)
@@ -381,6 +388,29 @@ class Session:
                 self.emit(event)
         else:
             self.emit(LockAcquired(lock=plan.lock, holder=started.holder))
+
+    async def _engine_version(self, workdir: str, python: str) -> EngineVersion | None:
+        """The engine's identity from [engine] version_command, run in the workdir (None when
+        the preset has none). A failure is recorded, never fatal: it says nothing of results."""
+        template = self.preset.section("engine")["version_command"]
+        if not template:
+            return None
+        values = {**self.preset.section("vars"), "python": python, "workdir": workdir}
+        command = render(template, values)
+        line = f"cd {shlex.quote(workdir)} && {command}"
+        try:
+            done = await self.target.run(line, timeout=VERSION_TIMEOUT_S)
+        except TargetError as exc:
+            return EngineVersion(command=command, version="", error=str(exc))
+        except TimeoutError:
+            why = f"no answer within {VERSION_TIMEOUT_S:g}s"
+            return EngineVersion(command=command, version="", error=why)
+        first = next((ln.strip() for ln in done.stdout.splitlines() if ln.strip()), "")
+        if done.exit_status != 0 or not first:
+            tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
+            why = f"exit {done.exit_status}: {tail[0][:200]}" if done.exit_status else "no output"
+            return EngineVersion(command=command, version=first[:200], error=why)
+        return EngineVersion(command=command, version=first[:200])
 
     async def _place_judging(self, plan: RunPlan) -> list[str]:
         """Judge on the target when the kind can and its python has what that needs ([judge]

@@ -10,7 +10,7 @@ import orjson
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal
+from textual.containers import Horizontal, VerticalScroll
 from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Label, Select, Static
@@ -103,6 +103,31 @@ def scan_runs(out_dir: Path) -> list[RunEntry]:
     return entries
 
 
+def trend_text(out_dir: Path, preset: str, target: str, last: int = 10) -> list[str]:
+    """The trends of a preset's last runs on a target, as lines (analysis.trends)."""
+    from analysis.trends import trend_lines, trends
+    from runners.run_history import preset_runs
+
+    sides, skipped = preset_runs(out_dir, preset, target, last)
+    if not sides:
+        return [f"no finished run of {preset} on {target}", *skipped]
+    return [*trend_lines(trends(sides)), *skipped]
+
+
+def previous_run(entries: list[RunEntry], entry: RunEntry) -> RunEntry | None:
+    """The newest finished run of the same preset and target started before `entry`."""
+    for other in entries:  # newest first
+        if (
+            other.started < entry.started
+            and other.preset == entry.preset
+            and other.target == entry.target
+            and other.verdict is not None
+            and not other.problem
+        ):
+            return other
+    return None
+
+
 class HistoryScreen(Screen[None]):
     """Enter opens a run (finished: instant replay; unfinished: reattach); r replays it paced."""
 
@@ -111,17 +136,32 @@ class HistoryScreen(Screen[None]):
         Binding("r", "replay", "Replay at speed"),
         Binding("s", "focus_speed", "Speed"),
         Binding("f5", "rescan", "Rescan"),
+        Binding("m", "mark", "Mark A"),
+        Binding("c", "compare", "Compare"),
+        Binding("l", "compare_last", "vs last"),
+        Binding("t", "trends", "Trends"),
     ]
+
+    DEFAULT_CSS = """
+    HistoryScreen #history-trends { height: auto; max-height: 50%; display: none; padding: 0 1; }
+    HistoryScreen #history-trends.shown { display: block; }
+    """
 
     class Scanned(Message):
         def __init__(self, entries: list[RunEntry]) -> None:
             super().__init__()
             self.entries = entries
 
+    class TrendsRead(Message):
+        def __init__(self, lines: list[str]) -> None:
+            super().__init__()
+            self.lines = lines
+
     def __init__(self, out_dir: Path) -> None:
         super().__init__()
         self.out_dir = out_dir
         self.entries: list[RunEntry] = []
+        self.marked: RunEntry | None = None  # run A of a comparison
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="history-bar"):
@@ -133,6 +173,7 @@ class HistoryScreen(Screen[None]):
                 id="speed",
             )
         yield DataTable(id="runs", cursor_type="row", zebra_stripes=True)
+        yield VerticalScroll(Static("", id="trends-text", markup=False), id="history-trends")
         yield Static("", id="history-status", markup=False)
         yield Footer()
 
@@ -188,8 +229,8 @@ class HistoryScreen(Screen[None]):
         count = len(self.entries)
         self.query_one("#history-status", Static).update(
             Text(
-                f"{count} run(s). Enter: open (finished: results; unfinished: reattach and "
-                f"follow). r: replay at the chosen speed.",
+                f"{count} run(s). Enter: open (or reattach). r: replay at speed. "
+                f"m, c: compare two runs; l: with the last of its preset.",
                 style="dim",
             )
         )
@@ -224,6 +265,71 @@ class HistoryScreen(Screen[None]):
         speed = self.query_one("#speed", Select).value
         value = float(speed) if isinstance(speed, int | float) else 1.0
         self.app.push_screen(RunScreen(ReplaySource(entry.local_dir, speed=value)))
+
+    # -- comparing two runs (console/screens/compare.py) -------------------------------------
+
+    def _say(self, text: str, style: str = "dim") -> None:
+        self.query_one("#history-status", Static).update(plain(text, style))
+
+    def action_mark(self) -> None:
+        entry = self.selected()
+        if entry is None or entry.problem:
+            return
+        self.marked = entry
+        self._say(f"A = {entry.run_id}; move to another run and press c to compare", "bold")
+
+    def action_compare(self) -> None:
+        entry = self.selected()
+        if entry is None or entry.problem:
+            return
+        if self.marked is None:
+            self._say("mark run A first (m), then compare it with the run under the cursor (c)")
+            return
+        self._open_compare(self.marked, entry)
+
+    def action_compare_last(self) -> None:
+        """The run under the cursor against the run of the same preset on the same target
+        that came before it."""
+        entry = self.selected()
+        if entry is None or entry.problem:
+            return
+        before = previous_run(self.entries, entry)
+        if before is None:
+            self._say(f"no earlier finished run of {entry.preset} on {entry.target}", "yellow")
+            return
+        self._open_compare(before, entry)
+
+    def _open_compare(self, a: RunEntry, b: RunEntry) -> None:
+        from console.screens.compare import CompareScreen
+
+        self.app.push_screen(CompareScreen(a.local_dir, b.local_dir))
+
+    # -- trends of the selected run's preset (analysis/trends.py) ----------------------------
+
+    def action_trends(self) -> None:
+        pane = self.query_one("#history-trends")
+        entry = self.selected()
+        if pane.has_class("shown") or entry is None or entry.problem:
+            pane.remove_class("shown")
+            return
+        pane.add_class("shown")
+        self.query_one("#trends-text", Static).update(
+            Text(f"reading the runs of {entry.preset} ...", style="dim")
+        )
+        self.run_worker(self._trends(entry), group="trends", exclusive=True, exit_on_error=False)
+
+    async def _trends(self, entry: RunEntry) -> None:
+        lines = await asyncio.to_thread(trend_text, self.out_dir, entry.preset, entry.target)
+        self.post_message(self.TrendsRead(lines))
+
+    def on_history_screen_trends_read(self, message: TrendsRead) -> None:
+        text = Text()
+        for n, line in enumerate(message.lines):
+            style = "bold yellow" if line.startswith("DRIFT:") or "DRIFTING" in line else ""
+            text.append_text(plain(line, style))
+            if n < len(message.lines) - 1:
+                text.append("\n")
+        self.query_one("#trends-text", Static).update(text)
 
     def action_focus_speed(self) -> None:
         self.query_one("#speed", Select).focus()

@@ -31,6 +31,7 @@ from analysis.dsa_tree import (
     format_result,
     read_summary,
 )
+from analysis.run_compare import Item
 from runners.events import Event, RunFinished, TraceBatch
 from runners.exits import EXIT_FAIL, EXIT_INFRA, EXIT_PASS, EXIT_USAGE
 from runners.kind import ENGINE_ERROR, Digest, Ending, Judge, JudgeContext, Kind, KindPrinter
@@ -274,6 +275,14 @@ class DsaTraceKind(Kind):
     judge_class = DsaJudge
     pass_word, fail_word = TRACE_OK, TRACE_INVALID
     pass_words = frozenset({TRACE_OK})
+
+    def compare_items(
+        self, events: list[dict[str, Any]], summary: dict[str, Any] | None
+    ) -> list[Item]:
+        from analysis.compare_items import dsa_items
+
+        return dsa_items(events, summary)
+
     sections = {
         "dsa": {
             "topk": (int, False, 2048),  # the engine's index_topk (DSA top-2048 in production)

@@ -47,6 +47,7 @@ from analysis.equivalence_tree import (
 )
 from analysis.logits import InputError
 from analysis.report import report_markdown
+from analysis.run_compare import Item
 from runners.atomic import write_atomic
 from runners.cells import CellState, cell_name
 from runners.events import (
@@ -578,6 +579,14 @@ class EquivalenceKind(Kind):
     # A loosened pass is the operator's choice, not the seed's guardrail: shown like drift.
     drift_words = frozenset({EXPECTED_DRIFT, PASS_GUARDRAIL_LOOSENED})
     host_judging = HOST_JUDGING
+
+    def compare_items(
+        self, events: list[dict[str, Any]], summary: dict[str, Any] | None
+    ) -> list[Item]:
+        from analysis.compare_items import equivalence_items
+
+        return equivalence_items(events)
+
     smoke = ("b3_67_smoke", ("matrix.seed=[0]",))
     options: ClassVar[dict[str, str]] = {
         LOOSE: "B3.67: allow [thresholds] looser than the seed's; every verdict then says so",

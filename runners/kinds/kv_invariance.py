@@ -54,6 +54,7 @@ from analysis.kv_invariance import (
     unjudged,
 )
 from analysis.kv_invariance_llamacpp import LOG_NAME, LlamaCppBook, parse_line, read_log
+from analysis.run_compare import Item
 from runners.atomic import write_atomic
 from runners.cells import CellState, cell_name
 from runners.events import (
@@ -371,6 +372,14 @@ class KvInvarianceKind(Kind):
     judge_class = KvInvarianceJudge
     pass_word, fail_word = PASS_INVARIANCE, FAIL_INVARIANCE
     pass_words = frozenset({PASS_INVARIANCE, "BITWISE_EQUAL"})
+
+    def compare_items(
+        self, events: list[dict[str, Any]], summary: dict[str, Any] | None
+    ) -> list[Item]:
+        from analysis.compare_items import kv_items
+
+        return kv_items(events)
+
     smoke = ("kv_invariance_smoke", ())
     sections: ClassVar[dict[str, dict[str, tuple[Any, bool, Any]]]] = {
         "kv_invariance": {

@@ -26,6 +26,7 @@ from analysis.readout import (
     overall,
     to_json,
 )
+from analysis.run_compare import Item
 from runners.events import ArtifactFetched, Error, Event, RunFinished, TraceBatch, event
 from runners.exits import EXIT_FAIL, EXIT_INFRA, EXIT_PASS, EXIT_USAGE
 from runners.kind import ENGINE_ERROR, Digest, Ending, Judge, JudgeContext, Kind, KindPrinter
@@ -272,6 +273,13 @@ class ReadoutKind(Kind):
         else:
             print(format_table(agg.rows(), verdict))
         return EXIT_PASS if verdict == VERDICT_OK else EXIT_FAIL
+
+    def compare_items(
+        self, events: list[dict[str, Any]], summary: dict[str, Any] | None
+    ) -> list[Item]:
+        from analysis.compare_items import readout_items
+
+        return readout_items(events)
 
 
 KIND = ReadoutKind()

@@ -1,0 +1,113 @@
+"""A recorded run read back as a diff, a JUnit report or a trend sees it (analysis.run_compare).
+
+Reads the run's record (run.json, events.jsonl) and what came home with it (the engine's
+metadata.json files, for its identity); the items are the run kind's own reading of the events.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from analysis.run_compare import RunSide
+from runners.kinds import all_kinds
+from runners.record import EVENTS, RunRecord, iter_events
+
+# The engine's own identity in the metadata it writes (seed 000 2.1: git_commit), in the order
+# they are shown; "unknown" and empty values say nothing and are left out.
+ENGINE_FIELDS = ("git_commit", "engine", "engine_version", "torch_version", "device")
+VERSION_EVENT = "engine_version"
+# The engine's JSON documents that carry its identity: B3.67 metadata.json (seed 000), the 03C
+# result.json, a DSA summary.json; small ones only (they are read whole).
+IDENTITY_FILES = ("metadata.json", "result.json", "summary.json")
+IDENTITY_MAX_BYTES = 1 << 20
+
+
+def load_side(local_dir: Path) -> RunSide:
+    """The run in local_dir as a RunSide; ValueError / FileNotFoundError naming the file."""
+    record = RunRecord.load(local_dir)
+    path = Path(local_dir) / EVENTS
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: the run recorded no events; nothing to compare")
+    events = [e.to_dict() for e in iter_events(path)]
+    kind = all_kinds().get(record.kind)
+    if kind is None:
+        raise ValueError(f"{local_dir}: run kind {record.kind!r} is not known to this tracedeck")
+    started = next((e for e in events if e["type"] == "run_started"), None)
+    finished = next((e for e in reversed(events) if e["type"] == "run_finished"), None)
+    summary = finished["summary"] if finished else None
+    items = kind.compare_items(events, summary)
+    verdict = finished["verdict"] if finished else None
+    problems = []
+    if summary:
+        problems += [str(x) for x in summary.get("engine_errors", [])]
+        problems += [str(x) for x in summary.get("errors", [])]
+        if summary.get("error"):
+            problems.append(str(summary["error"]))
+    matrix = dict(record.preset_data.get("matrix") or {})
+    return RunSide(
+        run_id=record.run_id,
+        preset=record.preset,
+        kind=record.kind,
+        matrix=matrix,
+        verdict=verdict,
+        tone=kind.tone(verdict) if verdict is not None else None,
+        exit_code=finished["exit_code"] if finished else None,
+        items=items,
+        identity=identity(record, started, events, Path(local_dir)),
+        started_at=record.started_at,
+        path=str(local_dir),
+        problems=problems,
+    )
+
+
+def identity(
+    record: RunRecord, started: dict[str, Any] | None, events: list[dict[str, Any]], local: Path
+) -> dict[str, str]:
+    """What the run ran on and with: engine, determinism, host, thresholds, options."""
+    out: dict[str, str] = {}
+    version = next((e for e in events if e["type"] == VERSION_EVENT), None)
+    if version is not None:
+        out["engine version"] = version.get("version") or f"unknown ({version.get('error')})"
+    for name, value in engine_metadata(local, events).items():
+        out[f"engine {name}" if name != "engine" else "engine"] = value
+    data = record.preset_data
+    out["engine command"] = str((data.get("engine") or {}).get("command", ""))
+    if started is not None:
+        out["determinism profile"] = str(started.get("profile", ""))
+        flags = started.get("env") or {}
+        out["determinism flags"] = " ".join(f"{k}={v}" for k, v in sorted(flags.items()))
+    hosts = sorted({e["host"] for e in events if e.get("host")})
+    out["host"] = ", ".join(hosts) if hosts else record.target
+    out["console host"] = record.console_host
+    if data.get("thresholds"):
+        out["thresholds"] = " ".join(f"{k}={v}" for k, v in sorted(data["thresholds"].items()))
+    if record.options:
+        out["options"] = " ".join(f"--{o.replace('_', '-')}" for o in record.options)
+    return {k: v for k, v in out.items() if v != ""}
+
+
+def engine_metadata(local: Path, events: list[dict[str, Any]]) -> dict[str, str]:
+    """The engine's identity from the JSON documents that came home (seed 000: every cell's
+    metadata.json carries git_commit); values that differ across cells are all named."""
+    seen: dict[str, list[str]] = {}
+    for e in events:
+        if e["type"] != "artifact" or e["path"].rsplit("/", 1)[-1] not in IDENTITY_FILES:
+            continue
+        if e.get("size", 0) > IDENTITY_MAX_BYTES:
+            continue
+        try:
+            meta = json.loads((local / e["path"]).read_text())
+        except (OSError, ValueError):
+            continue  # a metadata file that did not stay: the identity is just not known
+        if not isinstance(meta, dict):
+            continue
+        for name in ENGINE_FIELDS:
+            value = meta.get(name)
+            if value in (None, "", "unknown"):
+                continue
+            values = seen.setdefault(name, [])
+            if str(value) not in values:
+                values.append(str(value))
+    return {name: " / ".join(values) for name, values in seen.items()}
