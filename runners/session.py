@@ -288,6 +288,11 @@ class Session:
                 await self._discard(remote=False)
             raise
 
+    async def abandon(self) -> None:
+        """Remove what was made for a launch that never began (an interrupt came first)."""
+        await self._discard(remote=False)
+        await self.target.close()
+
     async def _discard(self, remote: bool) -> None:
         """Remove what this launch made: the local directory, its by-id link, and (remote) the
         run's directory on the target. Only ever this run's own fresh directories."""
