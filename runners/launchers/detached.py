@@ -156,8 +156,13 @@ if ! flock -n 9; then
 fi
 # The runner becomes a child subreaper (kept across exec) where a python can set it: orphans of
 # the run then stay under it. Without one, the environment marker and the lock still find them.
-if {python} -I -S -c "$SUBREAPER" 2>/dev/null; then
-  setsid {python} -I -S -c "$SUBREAPER" {run_dir}/run.sh < /dev/null > runner.out 2> runner.err &
+# A system python first: it starts fast (a version manager's shim can take seconds).
+py=
+for p in /usr/bin/python3 /usr/local/bin/python3 {python}; do
+  if command -v "$p" > /dev/null 2>&1; then py=$p; break; fi
+done
+if [ -n "$py" ]; then
+  setsid "$py" -I -S -c "$SUBREAPER" {run_dir}/run.sh < /dev/null > runner.out 2> runner.err &
 else
   setsid sh {run_dir}/run.sh < /dev/null > runner.out 2> runner.err &
 fi
@@ -169,12 +174,16 @@ echo "TRACEDECK_STARTED $pid"
 """
 
 
-# Run with one argument (run.sh): become a child subreaper, then exec sh on it; with none: only
-# check that this python can (launch.sh falls back to plain sh when it cannot).
+# Run with run.sh as its argument: become a child subreaper (PR_SET_CHILD_SUBREAPER, 36) where
+# the host allows, then exec sh on run.sh whatever happened (the run never depends on it).
 SUBREAPER = (
-    "import ctypes, os, sys\n"
-    "if ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) != 0: raise OSError\n"
-    "if sys.argv[1:]: os.execvp('sh', ['sh', sys.argv[1]])\n"
+    "import os, sys\n"
+    "try:\n"
+    "    import ctypes\n"
+    "    ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)\n"
+    "except Exception:\n"
+    "    pass\n"
+    "os.execvp('sh', ['sh', sys.argv[1]])\n"
 )
 
 
