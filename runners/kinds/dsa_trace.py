@@ -35,6 +35,7 @@ from runners.events import Event, RunFinished, TraceBatch
 from runners.exits import EXIT_FAIL, EXIT_INFRA, EXIT_PASS, EXIT_USAGE
 from runners.kind import ENGINE_ERROR, Digest, Ending, Judge, JudgeContext, Kind, KindPrinter
 from runners.presets import PresetError
+from runners.targets.base import TargetError
 
 SERVING = "serving.jsonl"
 
@@ -535,6 +536,9 @@ def watch_headless(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"tracedeck: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except TargetError as exc:  # the host did not answer, the link dropped: infrastructure
+        print(f"tracedeck: watch {args.dir}: {exc}", file=sys.stderr)
+        return EXIT_INFRA
     for line in printer.final(RunFinished(verdict=result["verdict"], exit_code=0, summary=result)):
         print(line)
     print(f"RESULT: {result['verdict']}")
