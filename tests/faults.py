@@ -7,7 +7,8 @@ marker in its environment, by holding the lock file open, by a working directory
 argument inside the run's directory, and (when the tests run in their own mount namespace, as
 /work/bin/isotest gives them) by having started in this namespace after the run did and not
 being this test's own process: so a process that scrubbed its environment, left the session
-and closed the lock fd is still caught.
+and closed the lock fd is still caught. Processes of other mount namespaces are left out: their
+/tmp paths have the same names but are other files.
 The proxy to cut links lives in sshd.py (CuttableProxy); `small_disk` mounts a tmpfs that fills;
 the `impostor` fixture (conftest.py) is a second sshd with a host key nobody trusted.
 """
@@ -85,11 +86,17 @@ def _descendants(root: int) -> set[int]:
 
 
 def _isolated() -> bool:
-    """Do the tests run in their own mount namespace (isotest), apart from PID 1's?"""
+    """Do the tests run in a mount namespace of their own (isotest), apart from the shell that
+    started them? (PID 1's may not be readable, so the test's own ancestors are asked.)"""
+    mine = os.readlink("/proc/self/ns/mnt")
+    return any(_mnt_ns(pid) not in (None, mine) for pid in _own_lineage())
+
+
+def _mnt_ns(pid: int) -> str | None:
     try:
-        return os.readlink("/proc/self/ns/mnt") != os.readlink("/proc/1/ns/mnt")
+        return os.readlink(f"/proc/{pid}/ns/mnt")
     except OSError:
-        return False
+        return None
 
 
 def stray_processes(record: dict, locks: list[str]) -> list[str]:
@@ -98,7 +105,8 @@ def stray_processes(record: dict, locks: list[str]) -> list[str]:
     run's directory, or (isolated tests) started after the run in this mount namespace."""
     remote = (record.get("remote_dir") or "").rstrip("/")
     lock_paths = {os.path.realpath(lock) for lock in locks if lock}
-    ns = os.readlink("/proc/self/ns/mnt") if _isolated() else None
+    here = os.readlink("/proc/self/ns/mnt")
+    ns = here if _isolated() else None
     since = 0.0
     if ns is not None:
         started = dt.datetime.fromisoformat(record["started_at"]).timestamp() - 1
@@ -114,13 +122,10 @@ def stray_processes(record: dict, locks: list[str]) -> list[str]:
             fields = stat[stat.rfind(b")") + 2 :].split()
             if fields[0] == b"Z":
                 continue
+            if os.readlink(entry / "ns/mnt") != here:
+                continue  # another mount namespace: its /tmp paths are not ours (isotest)
             why = ""
-            if (
-                ns is not None
-                and int(fields[19]) >= since
-                and int(entry.name) not in ours
-                and os.readlink(entry / "ns/mnt") == ns
-            ):
+            if ns is not None and int(fields[19]) >= since and int(entry.name) not in ours:
                 why = "started in this namespace during the run, not by this test"
             paths = [os.readlink(entry / "cwd")]
             with contextlib.suppress(OSError):
@@ -138,6 +143,46 @@ def stray_processes(record: dict, locks: list[str]) -> list[str]:
         except (OSError, IndexError, ValueError):
             continue
     return found
+
+
+def assert_nothing_left(tmp: Path, locks: tuple[str, ...] = ("/tmp/tracedeck.lock",)) -> None:
+    """After a scenario that may or may not have launched: every run recorded under `tmp` is
+    gone (assert_run_gone), no process uses a path under `tmp` or holds one of `locks` (or a
+    lock file under tmp) open, and those locks are free. Checked on the host (/proc, flock)."""
+    for path in sorted(tmp.glob("**/run.json")):
+        try:
+            record = orjson.loads(path.read_bytes())
+        except orjson.JSONDecodeError:
+            continue  # a hand-made broken record (a bad-input case): no run behind it
+        if isinstance(record, dict) and {"run_id", "lock", "started_at"} <= record.keys():
+            assert_run_gone(path.parent)
+    root = str(tmp.resolve())
+    mine = _own_lineage()
+    here = os.readlink("/proc/self/ns/mnt")
+
+    def strays() -> list[str]:
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) in mine:
+                continue
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                stat = (entry / "stat").read_bytes()
+                if stat[stat.rfind(b")") + 2 :].split()[0] == b"Z":
+                    continue
+                if os.readlink(entry / "ns/mnt") != here:
+                    continue  # another mount namespace: same path names, other files
+                paths = [os.readlink(entry / "cwd")]
+                with contextlib.suppress(OSError):
+                    paths += [os.readlink(fd) for fd in (entry / "fd").iterdir()]
+                if any(p in locks or p == root or p.startswith(root + "/") for p in paths):
+                    found.append(f"{entry.name}: {(entry / 'cmdline').read_bytes()[:120]!r}")
+        return found
+
+    deadline = time.monotonic() + 15
+    while (strays() or not all(lock_free(lock) for lock in locks)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not strays(), f"processes left using {tmp}: {strays()}"
+    assert all(lock_free(lock) for lock in locks), f"a lock is still held: {locks}"
 
 
 def run_parts(record: dict) -> tuple[list[str], list[tuple[str, str]]]:

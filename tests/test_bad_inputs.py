@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from dsa_writer import write_trace
+from faults import assert_nothing_left
 
 from console.cli import main
 
@@ -663,3 +664,4 @@ def test_a_bad_input_is_refused_naming_what_is_wrong(
     assert "Traceback" not in text
     for word in case.words(tmp_path):
         assert word in text, f"{word!r} not in: {text}"
+    assert_nothing_left(tmp_path)  # whatever it launched or half-launched is gone, lock free
