@@ -580,14 +580,14 @@ CASES: dict[str, Case] = {
         names("{tmp}/trace/block16/trace_steps_0_2.jsonl:1:", "TRACE_INVALID"),
     ),
     "watch record nested 200000 deep": Case(
-        lambda tmp: _bad_shard(tmp, b'{"x":' + b"[" * 200_000 + b"]" * 200_000 + b"}"),
+        lambda tmp: _bad_shard(tmp, b"", deep=True),
         1,
         names("{tmp}/trace/block16/trace_steps_0_2.jsonl:1:", "TRACE_INVALID"),
     ),
     "analyze record nested 200000 deep": Case(
         lambda tmp: [
             "analyze",
-            _bad_shard(tmp, b'{"x":' + b"[" * 200_000 + b"]" * 200_000 + b"}")[1],
+            _bad_shard(tmp, b"", deep=True)[1],
         ],
         1,
         names("{tmp}/trace/block16/trace_steps_0_2.jsonl:1:", "TRACE_INVALID"),
@@ -611,11 +611,15 @@ def _silent_port() -> int:
     return server.getsockname()[1]
 
 
-def _bad_shard(tmp: Path, line: bytes) -> list[str]:
-    """A finished DSA trace (summary.json there) whose first shard starts with `line`."""
+def _bad_shard(tmp: Path, line: bytes, deep: bool = False) -> list[str]:
+    """A finished DSA trace (summary.json there) whose first shard starts with `line` (deep: a
+    copy of its first record with an array nested 200,000 deep added)."""
     block = write_trace(tmp / "trace")
     shard = block / "trace_steps_0_2.jsonl"
-    shard.write_bytes(line + b"\n" + shard.read_bytes())
+    data = shard.read_bytes()
+    if deep:
+        line = data.split(b"\n", 1)[0][:-1] + b',"deep":' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+    shard.write_bytes(line + b"\n" + data)
     return ["watch", str(tmp / "trace"), "--idle", "1", "--headless"]
 
 

@@ -12,9 +12,17 @@ from dsa_writer import write_trace
 from faults import assert_run_gone
 from runhelp import cli_env, run_dirs, tracedeck
 
+DEEP = b"[" * 200_000 + b"]" * 200_000
+
+
+def deep_record(first: bytes) -> bytes:
+    """A real record of the shard with one more key, an array nested 200,000 deep."""
+    return first[:-1] + b',"deep":' + DEEP + b"}"
+
+
 BAD_LINES = {
-    "nested 200000 deep": b'{"x":' + b"[" * 200_000 + b"]" * 200_000 + b"}",
-    "a 100 MB line": b'{"x":"' + b"x" * (100 << 20) + b'"}',
+    "nested 200000 deep": deep_record,
+    "a 100 MB line": lambda first: b'{"x":"' + b"x" * (100 << 20) + b'"}',
 }
 
 
@@ -24,7 +32,8 @@ def test_a_bad_dsa_line_in_a_run_is_trace_invalid_and_the_record_ends(
 ) -> None:
     block = write_trace(tmp_path / "src", topk=32)
     shard = block / "trace_steps_0_2.jsonl"
-    shard.write_bytes(BAD_LINES[bad] + b"\n" + shard.read_bytes())
+    data = shard.read_bytes()
+    shard.write_bytes(BAD_LINES[bad](data.split(b"\n", 1)[0]) + b"\n" + data)
     preset = tmp_path / "p.toml"
     preset.write_text(f"""
 [preset]
