@@ -430,7 +430,7 @@ def _one_array(text: Any) -> np.ndarray | None:
     try:  # pragma: no cover - without pysimdjson
         values = msgspec.json.decode(bytes(text), type=list[int])
         return np.array(values, dtype=np.int64)
-    except (msgspec.DecodeError, OverflowError, ValueError):
+    except (msgspec.DecodeError, OverflowError, ValueError, RecursionError):
         return None
 
 
@@ -462,7 +462,7 @@ def read_batch(lines: list[bytes], first_line: int) -> Batch:
             j, k = cut
             try:
                 rest = decode(raw[:j] + b"0" + raw[k + 1 :])
-            except msgspec.DecodeError:  # ValidationError included
+            except (msgspec.DecodeError, RecursionError):  # ValidationError included; too deep
                 pass
             else:
                 rests.append(rest)

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import signal
 import sys
-import tempfile
-import time
-from collections.abc import Callable, Sequence
-from pathlib import Path
 
-from runners.exits import EXIT_INFRA, EXIT_INTERRUPT, EXIT_USAGE
+from console.startup import installed_as_program, interrupted, stop_recording_interrupts
+
+installed_as_program(__name__)  # before the imports below: a Ctrl-C in them is recorded
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from runners.exits import EXIT_INFRA, EXIT_INTERRUPT, EXIT_USAGE  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -187,6 +192,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     command = args.command or "ui"
+    if command != "run":  # `run` keeps recording until its launch begins (_launch_and_follow)
+        stop_recording_interrupts()
+    if interrupted():
+        _err("interrupted while starting: nothing was launched")
+        return EXIT_INTERRUPT
     handler = {
         "run": cmd_run,
         "plan": cmd_plan,
@@ -250,6 +260,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         preset = load_preset(resolve_preset(args.preset), overrides, chosen_options(args))
         target = args.target or preset.section("target")["host"]
         out = usable_out_dir(args.out or default_out_dir())
+        if interrupted():
+            _err("interrupted before the launch: nothing was launched")
+            return EXIT_INTERRUPT
         session = Session.create(preset, target, out, Printer(json_lines=args.json))
     except (PresetError, ValueError) as exc:
         _err(str(exc))
@@ -325,6 +338,10 @@ async def _launch_and_follow(session) -> int:  # type: ignore[no-untyped-def]
     a second one stops waiting, and either way the run's id and the commands to attach to it or
     cancel it are printed: a run is never left going unreported."""
     loop = asyncio.get_running_loop()
+    if interrupted():
+        await session.abandon()
+        _err(f"interrupted before the launch of run {session.record.run_id}: nothing was launched")
+        return EXIT_INTERRUPT
     launch = asyncio.ensure_future(session.launch())
     interrupts = 0
     where = session.local_dir
@@ -342,6 +359,9 @@ async def _launch_and_follow(session) -> int:  # type: ignore[no-untyped-def]
             launch.cancel()
 
     loop.add_signal_handler(signal.SIGINT, on_sigint)
+    stop_recording_interrupts(restore=False)  # the loop's handler took over
+    if interrupted():  # between the check above and the loop's handler
+        on_sigint()
     try:
         await launch
     except asyncio.CancelledError:

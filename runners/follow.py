@@ -4,13 +4,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runners.targets.base import Target, TargetError
+from runners.targets.base import Target
 
 CHUNK = 1 << 20
 # At most this much is handed out per poll: a backlog of any size is read in bounded steps, so
 # memory stays flat and the consumer (recorder, console) keeps pace between steps.
 POLL_BYTES = 4 << 20
 MAX_LINE = 64 << 20
+
+
+def oversize_line(line_no: int, size: int) -> bytes:
+    """What a follower hands out in place of a line longer than MAX_LINE: never valid JSON, so
+    every judge names it (file and line) as a bad record instead of the follower failing."""
+    return (
+        f"<tracedeck: line {line_no} is {size} bytes, longer than {MAX_LINE >> 20} MiB; "
+        "not read (is this a JSONL/text file?)>"
+    ).encode()
 
 
 @dataclass(slots=True)
@@ -53,6 +62,7 @@ class FileFollower:
         self.seen = offset > 0  # the file has existed
         self.caught_up = True  # the last poll reached the end of what was written
         self._chunk = CHUNK
+        self._skipped_to: int | None = None  # an oversize line: how far its newline was sought
 
     async def poll(self, until: int | None = None, max_bytes: int = POLL_BYTES) -> Lines | None:
         """Complete lines appended since the last poll, at most about max_bytes of them (ending
@@ -63,6 +73,10 @@ class FileFollower:
         while until is None or self.offset < until:
             if self.offset - start >= max_bytes:
                 return Lines(collected, first, start, self.offset)
+            if self._skipped_to is not None or self._chunk > MAX_LINE:
+                if not await self._skip_oversize(collected):
+                    break  # its newline is not written yet
+                continue
             want = self._chunk if until is None else min(self._chunk, until - self.offset)
             data = await self.target.read_from(self.path, self.offset, want)
             if data is not None:
@@ -73,12 +87,7 @@ class FileFollower:
             if cut < 0:
                 if len(data) < want:
                     break  # an incomplete last line: wait for its newline
-                if self._chunk >= MAX_LINE:
-                    raise TargetError(
-                        f"{self.target.name}:{self.path}: line {self.lines_read + 1} is longer "
-                        f"than {MAX_LINE >> 20} MiB with no newline; is this a JSONL/text file?"
-                    )
-                self._chunk *= 2
+                self._chunk *= 2  # past MAX_LINE: the line is skipped (_skip_oversize)
                 continue
             complete = data[: cut + 1]
             batch = complete.split(b"\n")[:-1]
@@ -91,6 +100,25 @@ class FileFollower:
         if not collected:
             return None
         return Lines(collected, first, start, self.offset)
+
+    async def _skip_oversize(self, collected: list[bytes]) -> bool:
+        """Seek the newline of the line at self.offset (longer than MAX_LINE) in bounded reads,
+        remembering how far it got; once found, hand out oversize_line in its place. Memory
+        stays at one chunk whatever the line's length."""
+        at = self._skipped_to if self._skipped_to is not None else self.offset
+        while True:
+            data = await self.target.read_from(self.path, at, CHUNK)
+            if not data:
+                self._skipped_to = at
+                return False
+            cut = data.find(b"\n")
+            if cut >= 0:
+                end = at + cut + 1
+                self.lines_read += 1
+                collected.append(oversize_line(self.lines_read, end - 1 - self.offset))
+                self.offset, self._skipped_to, self._chunk = end, None, CHUNK
+                return True
+            at += len(data)
 
     async def rest(self) -> Lines | None:
         """What follows the last complete line, as one final line (the writer has ended: a

@@ -16,6 +16,7 @@ import secrets
 import shlex
 import shutil
 import socket
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,7 @@ from runners.templates import render, render_plain
 
 POLL_S = 0.1
 NOT_RECORDED = "NOT_RECORDED"
+NOT_JUDGED = "NOT_JUDGED"  # tracedeck itself failed while following: nothing was judged
 ALIVE_EVERY_S = 2.0
 CANCEL_GRACE_S = 5.0
 DISCONNECTED = "DISCONNECTED"
@@ -291,6 +293,11 @@ class Session:
             if self.stage == "connecting":  # the target was not reached: nothing was written
                 await self._discard(remote=False)
             raise
+
+    async def abandon(self) -> None:
+        """Remove what was made for a launch that never began (an interrupt came first)."""
+        await self._discard(remote=False)
+        await self.target.close()
 
     async def _discard(self, remote: bool) -> None:
         """Remove what this launch made: the local directory, its by-id link, and (remote) the
@@ -584,6 +591,9 @@ class Session:
             except RecordError as exc:
                 self._stop_recording(exc)
                 break
+            except Exception as exc:  # noqa: BLE001 - tracedeck's own fault: said, and recorded
+                self._following_failed(exc)
+                break
             if self.finished is None and self.follower.behind:
                 await asyncio.sleep(0)  # a backlog is read step after step
             elif self.finished is None:
@@ -592,6 +602,28 @@ class Session:
                 await changes.wait(POLL_S)
         assert self.finished is not None
         return self.finished
+
+    def _following_failed(self, exc: Exception) -> None:
+        """Following or judging raised what nothing expected: the record still gets its end (the
+        error, where it came from, how to go on), never a bare traceback and no end."""
+        where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+        at = f" at {Path(where.filename).name}:{where.lineno}" if where is not None else ""
+        message = (
+            f"tracedeck failed while following run {self.record.run_id}: "
+            f"{type(exc).__name__}{at}: {exc}. The run goes on on {self.target.name}; reattach: "
+            f"tracedeck attach {self.local_dir}; cancel: tracedeck cancel {self.local_dir}"
+        )
+        for event in (
+            Error(message=message, where=str(self.local_dir), affects_verdict=False),
+            RunFinished(verdict=NOT_JUDGED, exit_code=EXIT_INFRA, summary={"error": message}),
+        ):
+            if self._recorder is not None:
+                self._recorder(event)
+            with contextlib.suppress(Exception):  # the judge that failed may fail again
+                self._fold(event)
+            if isinstance(event, RunFinished):
+                self.finished = event
+            self._consumers(event)
 
     def _stop_recording(self, exc: RecordError) -> None:
         """The record cannot be written (a full disk): stop following, say so, never guess."""

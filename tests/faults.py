@@ -2,6 +2,13 @@
 
 Every scenario ends with `assert_run_gone`: no process of the run alive (group or escaped,
 zombies aside, and tracedeck's own change notifier), the host lock free: checked, not assumed.
+A process of the run is found on the host itself, not from the run's record: by the run's
+marker in its environment, by holding the lock file open, by a working directory, open file or
+argument inside the run's directory, and (when the tests run in their own mount namespace, as
+/work/bin/isotest gives them) by having started in this namespace after the run did and not
+being this test's own process: so a process that scrubbed its environment, left the session
+and closed the lock fd is still caught. Processes of other mount namespaces are left out: their
+/tmp paths have the same names but are other files.
 The proxy to cut links lives in sshd.py (CuttableProxy); `small_disk` mounts a tmpfs that fills;
 the `impostor` fixture (conftest.py) is a second sshd with a host key nobody trusted.
 """
@@ -9,6 +16,7 @@ the `impostor` fixture (conftest.py) is a second sshd with a host key nobody tru
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import fcntl
 import os
 import subprocess
@@ -37,6 +45,144 @@ def lock_free(lock: str) -> bool:
     finally:
         os.close(fd)
     return True
+
+
+def _boot_time() -> float:
+    for line in Path("/proc/stat").read_text().splitlines():
+        if line.startswith("btime "):
+            return float(line.split()[1])
+    raise AssertionError("/proc/stat has no btime")
+
+
+def _own_lineage() -> set[int]:
+    """This test process and its ancestors (they are not the run's)."""
+    pids, pid = set(), os.getpid()
+    while pid > 1:
+        pids.add(pid)
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_bytes()
+        except OSError:
+            break
+        pid = int(stat[stat.rfind(b")") + 2 :].split()[1])
+    return pids
+
+
+def _descendants(root: int) -> set[int]:
+    """The processes under `root` (the test's own children: consoles, sshd fixtures)."""
+    parent: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            stat = (entry / "stat").read_bytes()
+            parent[int(entry.name)] = int(stat[stat.rfind(b")") + 2 :].split()[1])
+    under: set[int] = set()
+    for pid in parent:
+        chain, p = [], pid
+        while p > 1 and p not in under and p != root and len(chain) < 4096:
+            chain.append(p)
+            p = parent.get(p, 0)
+        if p == root or p in under:
+            under.update(chain)
+    return under
+
+
+def _isolated() -> bool:
+    """Do the tests run in a mount namespace of their own (isotest), apart from the shell that
+    started them? (PID 1's may not be readable, so the test's own ancestors are asked.)"""
+    mine = os.readlink("/proc/self/ns/mnt")
+    return any(_mnt_ns(pid) not in (None, mine) for pid in _own_lineage())
+
+
+def _mnt_ns(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/mnt")
+    except OSError:
+        return None
+
+
+def stray_processes(record: dict, locks: list[str]) -> list[str]:
+    """Live processes (zombies aside) that belong to the run by what the host shows: they hold a
+    lock file open, or have their working directory, an open file or an argument inside the
+    run's directory, or (isolated tests) started after the run in this mount namespace."""
+    remote = (record.get("remote_dir") or "").rstrip("/")
+    lock_paths = {os.path.realpath(lock) for lock in locks if lock}
+    here = os.readlink("/proc/self/ns/mnt")
+    ns = here if _isolated() else None
+    since = 0.0
+    if ns is not None:
+        started = dt.datetime.fromisoformat(record["started_at"]).timestamp() - 1
+        since = (started - _boot_time()) * os.sysconf("SC_CLK_TCK")
+    mine = _own_lineage()
+    ours = _descendants(os.getpid())
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) in mine:
+            continue
+        try:
+            stat = (entry / "stat").read_bytes()
+            fields = stat[stat.rfind(b")") + 2 :].split()
+            if fields[0] == b"Z":
+                continue
+            if os.readlink(entry / "ns/mnt") != here:
+                continue  # another mount namespace: its /tmp paths are not ours (isotest)
+            why = ""
+            if ns is not None and int(fields[19]) >= since and int(entry.name) not in ours:
+                why = "started in this namespace during the run, not by this test"
+            paths = [os.readlink(entry / "cwd")]
+            with contextlib.suppress(OSError):
+                paths += [os.readlink(fd) for fd in (entry / "fd").iterdir()]
+            for path in paths:
+                if path in lock_paths:
+                    why = why or f"holds the lock {path} open"
+                elif remote and (path == remote or path.startswith(remote + "/")):
+                    why = why or f"uses {path}"
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+            if remote and any(remote.encode() in a for a in args):
+                why = why or "names the run directory"
+            if why:
+                found.append(f"{entry.name} ({why}: {b' '.join(args)[:120]!r})")
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+def assert_nothing_left(tmp: Path, locks: tuple[str, ...] = ("/tmp/tracedeck.lock",)) -> None:
+    """After a scenario that may or may not have launched: every run recorded under `tmp` is
+    gone (assert_run_gone), no process uses a path under `tmp` or holds one of `locks` (or a
+    lock file under tmp) open, and those locks are free. Checked on the host (/proc, flock)."""
+    for path in sorted(tmp.glob("**/run.json")):
+        try:
+            record = orjson.loads(path.read_bytes())
+        except orjson.JSONDecodeError:
+            continue  # a hand-made broken record (a bad-input case): no run behind it
+        if isinstance(record, dict) and {"run_id", "lock", "started_at"} <= record.keys():
+            assert_run_gone(path.parent)
+    root = str(tmp.resolve())
+    mine = _own_lineage()
+    here = os.readlink("/proc/self/ns/mnt")
+
+    def strays() -> list[str]:
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) in mine:
+                continue
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                stat = (entry / "stat").read_bytes()
+                if stat[stat.rfind(b")") + 2 :].split()[0] == b"Z":
+                    continue
+                if os.readlink(entry / "ns/mnt") != here:
+                    continue  # another mount namespace: same path names, other files
+                paths = [os.readlink(entry / "cwd")]
+                with contextlib.suppress(OSError):
+                    paths += [os.readlink(fd) for fd in (entry / "fd").iterdir()]
+                if any(p in locks or p == root or p.startswith(root + "/") for p in paths):
+                    found.append(f"{entry.name}: {(entry / 'cmdline').read_bytes()[:120]!r}")
+        return found
+
+    deadline = time.monotonic() + 15
+    while (strays() or not all(lock_free(lock) for lock in locks)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not strays(), f"processes left using {tmp}: {strays()}"
+    assert all(lock_free(lock) for lock in locks), f"a lock is still held: {locks}"
 
 
 def run_parts(record: dict) -> tuple[list[str], list[tuple[str, str]]]:
@@ -83,11 +229,14 @@ def assert_run_gone(
         )
         return out.stdout.split("\n")[:-1]
 
+    lock_files = [lock for _, lock in locks]
+
     def gone() -> bool:
         return (
             not any(run_alive(m) or notifier_alive(m) for m in markers)
             and all(free(h, lock) for h, lock in locks)
             and not queued()
+            and not stray_processes(record, lock_files)
         )
 
     deadline = time.monotonic() + timeout
@@ -98,7 +247,8 @@ def assert_run_gone(
     raise AssertionError(
         f"run {record['run_id']}: processes alive={[m for m in markers if run_alive(m)]}, "
         f"notifier alive={[m for m in markers if notifier_alive(m)]}, "
-        f"locks free={[(h, lock, free(h, lock)) for h, lock in locks]}, queued={queued()}"
+        f"locks free={[(h, lock, free(h, lock)) for h, lock in locks]}, queued={queued()}, "
+        f"strays={stray_processes(record, lock_files)}"
     )
 
 

@@ -4,11 +4,14 @@ a message naming the file, key, line, host or path at fault, and never with a tr
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from dsa_writer import write_trace
+from faults import assert_nothing_left
 
 from console.cli import main
 
@@ -510,9 +513,9 @@ CASES: dict[str, Case] = {
         names("--seeds"),
     ),
     "dsa trace garbage": Case(
-        with_file("trace/block0/trace_steps_0_1.jsonl", "{not json\n", "analyze", "{tmp}/trace"),
+        with_file("trace/block0/trace_steps_0_2.jsonl", "{not json\n", "analyze", "{tmp}/trace"),
         1,  # a DSA trace is what is judged: a broken one is TRACE_INVALID, located
-        names("{tmp}/trace/block0/trace_steps_0_1.jsonl:1:", "not valid JSON", "TRACE_INVALID"),
+        names("{tmp}/trace/block0/trace_steps_0_2.jsonl:1:", "not valid JSON", "TRACE_INVALID"),
     ),
     "kv log garbage": Case(
         with_file(
@@ -568,8 +571,63 @@ CASES: dict[str, Case] = {
     "trust nothing listening": Case(
         names("trust", "127.0.0.1:1"), 3, names("127.0.0.1:1", "fetch the host key")
     ),
-    "watch missing dir": Case(names("watch", "{tmp}/nowhere"), 2, names("{tmp}/nowhere")),
+    "watch symlinked block dir": Case(
+        lambda tmp: _linked_block(tmp), 2, names("{tmp}/watched/block16", "symbolic link")
+    ),
+    "watch shard line over 64 MiB": Case(
+        lambda tmp: _bad_shard(tmp, b'{"x":"' + b"x" * (65 << 20) + b'"}'),
+        1,  # the trace is what is judged: an unreadable record is TRACE_INVALID, located
+        names("{tmp}/trace/block16/trace_steps_0_2.jsonl:1:", "TRACE_INVALID"),
+    ),
+    "watch record nested 200000 deep": Case(
+        lambda tmp: _bad_shard(tmp, b"", deep=True),
+        1,
+        names("{tmp}/trace/block16/trace_steps_0_2.jsonl:1:", "TRACE_INVALID"),
+    ),
+    "analyze record nested 200000 deep": Case(
+        lambda tmp: [
+            "analyze",
+            _bad_shard(tmp, b"", deep=True)[1],
+        ],
+        1,
+        names("{tmp}/trace/block16/trace_steps_0_2.jsonl:1:", "TRACE_INVALID"),
+    ),
+    "watch host that never speaks": Case(
+        lambda tmp: ["watch", f"ssh://root@127.0.0.1:{_silent_port()}/{tmp}/trace", "--idle", "1"],
+        3,
+        names("no SSH answer from root@127.0.0.1:", "within"),
+    ),
 }
+
+_SILENT: list[socket.socket] = []
+
+
+def _silent_port() -> int:
+    """A TCP port that accepts connections and never says a word (no SSH banner)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    _SILENT.append(server)  # kept open: connections wait in its backlog, never answered
+    return server.getsockname()[1]
+
+
+def _bad_shard(tmp: Path, line: bytes, deep: bool = False) -> list[str]:
+    """A finished DSA trace (summary.json there) whose first shard starts with `line` (deep: a
+    copy of its first record with an array nested 200,000 deep added)."""
+    block = write_trace(tmp / "trace")
+    shard = block / "trace_steps_0_2.jsonl"
+    data = shard.read_bytes()
+    if deep:
+        line = data.split(b"\n", 1)[0][:-1] + b',"deep":' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+    shard.write_bytes(line + b"\n" + data)
+    return ["watch", str(tmp / "trace"), "--idle", "1", "--headless"]
+
+
+def _linked_block(tmp: Path) -> list[str]:
+    block = write_trace(tmp / "elsewhere")
+    (tmp / "watched").mkdir()
+    (tmp / "watched" / block.name).symlink_to(block)
+    return ["watch", str(tmp / "watched"), "--idle", "1", "--headless"]
 
 
 def _fleet(tmp: Path, text: str) -> list[str]:
@@ -610,3 +668,4 @@ def test_a_bad_input_is_refused_naming_what_is_wrong(
     assert "Traceback" not in text
     for word in case.words(tmp_path):
         assert word in text, f"{word!r} not in: {text}"
+    assert_nothing_left(tmp_path)  # whatever it launched or half-launched is gone, lock free

@@ -67,10 +67,51 @@ def test_watch_over_ssh_shows_the_same_totals_as_analyze(ssh_home: SshHome, tmp_
     ), text
 
 
-def test_watch_of_a_missing_directory_is_a_usage_error(tmp_path: Path) -> None:
+def test_watch_waits_for_a_directory_the_writer_has_not_made_yet(tmp_path: Path) -> None:
+    """Issue 21.6: `watch DIR` quit at once when DIR did not exist yet."""
     (tmp_path / "home").mkdir()
-    done = tracedeck("watch", str(tmp_path / "nope"), "--idle", "1", env=cli_env(tmp_path / "home"))
-    assert done.returncode == 2 and "no such directory" in done.stderr
+    src = write_trace(tmp_path / "src")
+    out = tmp_path / "later"
+    watch = spawn(
+        "watch", str(out), "--idle", "1", "--dsa-topk", "32", env=cli_env(tmp_path / "home")
+    )
+    try:
+        assert watch.stderr is not None
+        said = watch.stderr.readline()  # it says it waits, and waits: then the writer starts
+        assert f"waiting for {out} to appear" in said, said
+        assert watch.poll() is None
+        subprocess.run([sys.executable, "-c", WRITER, str(src), str(out / "block16")], check=True)
+        stdout, stderr = watch.communicate(timeout=120)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.communicate()
+    assert watch.returncode == 0, stdout + stderr
+    assert stdout.rstrip().endswith("RESULT: TRACE_OK")
+
+
+@pytest.mark.parametrize("link", ["block", "shard"])
+def test_watch_refuses_a_symlink_to_elsewhere_naming_it(tmp_path: Path, link: str) -> None:
+    """Issue 21.6: a block directory or shard that is a symbolic link was followed and judged."""
+    (tmp_path / "home").mkdir()
+    block = write_trace(tmp_path / "elsewhere")  # the block directory
+    watched = tmp_path / "watched"
+    watched.mkdir()
+    if link == "block":
+        named = watched / block.name
+        named.symlink_to(block)
+    else:
+        (watched / block.name).mkdir()
+        for f in block.iterdir():
+            (watched / block.name / f.name).write_bytes(f.read_bytes())
+        shard = next(f for f in sorted(block.iterdir()) if f.name.startswith("trace_steps_"))
+        named = watched / block.name / shard.name
+        named.unlink()
+        named.symlink_to(shard)
+    done = tracedeck("watch", str(watched), "--idle", "1", env=cli_env(tmp_path / "home"))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"{named} on local is a symbolic link" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
 
 
 async def test_the_dsa_panel_and_detail_screen_after_a_smoke_run(tmp_path: Path) -> None:

@@ -382,6 +382,7 @@ class DsaWatchScreen(Screen[None]):
                     layers=self.dsa_layers,
                     max_bytes=self.max_bytes,
                     stop=self._stop.is_set,
+                    say=lambda text: self.buffer.append(("note", text, 0)),
                 )
             )
         except (ValueError, FileNotFoundError) as exc:
@@ -404,7 +405,10 @@ class DsaWatchScreen(Screen[None]):
         while buffer and time.perf_counter() < deadline:
             item = buffer.popleft()
             if isinstance(item, tuple):
-                _, message, code = item
+                what, message, code = item
+                if what == "note":  # e.g. waiting for the directory to appear
+                    log.write_line(f"tracedeck: {clean(message)}")
+                    continue
                 self.outcome = (f"stopped: {message}", code)
                 log.write_line(f"tracedeck: {clean(message)}")
                 continue

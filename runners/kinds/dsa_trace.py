@@ -36,6 +36,7 @@ from runners.events import Event, RunFinished, TraceBatch
 from runners.exits import EXIT_FAIL, EXIT_INFRA, EXIT_PASS, EXIT_USAGE
 from runners.kind import ENGINE_ERROR, Digest, Ending, Judge, JudgeContext, Kind, KindPrinter
 from runners.presets import PresetError
+from runners.targets.base import TargetError
 
 SERVING = "serving.jsonl"
 
@@ -392,12 +393,15 @@ async def watch_dir(
     layers: int | None = None,
     max_bytes: int | None = None,
     stop: Callable[[], bool] | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Follow every shard (and serving.jsonl) under a trace directory as it is written; each
     batch goes to `sink` as a TraceBatch. Returns the verdict once the writer's summary.json is
     there and nothing new came for idle_s seconds (idle_s 0: until cancelled, or until `stop()`
     says so). A batch is at most about max_bytes of lines (the follower's default: 4 MiB); it
-    polls again at once while a file has more waiting, else after poll_s."""
+    polls again at once while a file has more waiting, else after poll_s. A directory not
+    there yet is waited for (`say` is told once); a block directory or shard that is a symbolic
+    link is refused (ValueError naming it): watch reads only inside the directory it was given."""
     import asyncio
 
     from analysis.dsa_stream import BLOCK_DIR
@@ -411,11 +415,19 @@ async def watch_dir(
     followers: dict[str, FileFollower] = {}
     loop = asyncio.get_running_loop()
     quiet = loop.time()
+    checked: set[str] = set()
+    waiting = False
     try:
         while True:
             names = await target.list_dir(root)
             if names is None:
-                raise FileNotFoundError(f"{spec}: no such directory on {target.name}")
+                if not waiting and say is not None:
+                    say(f"waiting for {root} to appear on {target.name} (Ctrl-C to stop)")
+                waiting = True
+                if stop is not None and stop():
+                    break
+                await asyncio.sleep(poll_s)
+                continue
             base = root.rsplit("/", 1)[-1]
             dirs = (
                 [root]
@@ -423,12 +435,17 @@ async def watch_dir(
                 else [f"{root}/{n}" for n in sorted(names) if BLOCK_DIR.fullmatch(n)]
             )
             summaries = 0
+            await _refuse_links(target, root, [d for d in dirs if d != root], checked)
             for folder in dirs:
+                new = []
                 for name in sorted(await target.list_dir(folder) or []):
                     path = f"{folder}/{name}"
-                    if _is_shard(path) or name == SERVING:
-                        followers.setdefault(path, FileFollower(target, path))
+                    if (_is_shard(path) or name == SERVING) and path not in followers:
+                        new.append(path)
                     summaries += name == "summary.json"
+                await _refuse_links(target, root, new, checked)
+                for path in new:
+                    followers[path] = FileFollower(target, path)
             got_any = False
             behind = False
             for path, follower in sorted(followers.items()):
@@ -486,6 +503,24 @@ async def watch_dir(
         await target.close()
 
 
+async def _refuse_links(target: Any, root: str, paths: list[str], checked: set[str]) -> None:
+    """ValueError naming the first of `paths` (not checked before) that is a symbolic link."""
+    import shlex
+
+    fresh = [p for p in paths if p not in checked]
+    if not fresh:
+        return
+    words = " ".join(shlex.quote(p) for p in fresh)
+    result = await target.run(f'for p in {words}; do [ -L "$p" ] && printf "%s\\n" "$p"; done; :')
+    links = result.stdout.splitlines()
+    if links:
+        raise ValueError(
+            f"{links[0]} on {target.name} is a symbolic link: watch reads only inside {root}; "
+            "watch the directory it points to instead, or copy the files in"
+        )
+    checked.update(fresh)
+
+
 def watch_headless(args: argparse.Namespace) -> int:
     """`tracedeck watch DIR --headless`: the run's headless lines, then the verdict."""
     import asyncio
@@ -498,11 +533,21 @@ def watch_headless(args: argparse.Namespace) -> int:
 
     try:
         result = asyncio.run(
-            watch_dir(args.dir, sink, args.idle, topk=args.dsa_topk, layers=args.dsa_layers)
+            watch_dir(
+                args.dir,
+                sink,
+                args.idle,
+                topk=args.dsa_topk,
+                layers=args.dsa_layers,
+                say=lambda text: print(f"tracedeck: {text}", file=sys.stderr, flush=True),
+            )
         )
     except (ValueError, FileNotFoundError) as exc:
         print(f"tracedeck: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except TargetError as exc:  # the host did not answer, the link dropped: infrastructure
+        print(f"tracedeck: watch {args.dir}: {exc}", file=sys.stderr)
+        return EXIT_INFRA
     for line in printer.final(RunFinished(verdict=result["verdict"], exit_code=0, summary=result)):
         print(line)
     print(f"RESULT: {result['verdict']}")

@@ -24,21 +24,60 @@ if TYPE_CHECKING:
 
 LOCK_BUSY = 75
 
-# Every process of a run carries TRACEDECK_RUN_ID in its environment (run.sh exports it), and
-# each cell's processes TRACEDECK_CELL too, so a process that leaves the group (setsid) or
-# outlives its cell is still found, and a zombie (a host whose PID 1 does not reap) is never
-# counted as alive. run_pids MARKER lists the live processes whose environment holds MARKER.
-RUN_PIDS = r"""run_pids() {
-  for d in /proc/[0-9]*; do
-    p=${d#/proc/}
-    [ "$p" = "$$" ] && continue
-    line=
-    { read -r line < "$d/stat"; } 2>/dev/null || continue
-    s=${line##*) }
-    [ "${s%% *}" = Z ] && continue
-    { grep -qzxF "$1" "$d/environ"; } 2>/dev/null && echo "$p"
-  done
+# A run owns its processes by three things, so that one a process sheds (its environment under
+# `env -i`, sudo or a daemon; its group and session under setsid; the lock fd it may close) still
+# leaves it found: TRACEDECK_RUN_ID (TRACEDECK_CELL for a cell) in its environment; descent from
+# the runner, which is a child subreaper (PR_SET_CHILD_SUBREAPER, set before run.sh is exec'd), so
+# a double-forked orphan reparents to it rather than to PID 1; and the lock file held open while
+# the holder sidecar names the run (once another run holds the lock, its holders are its own).
+# Zombies (a host whose PID 1 does not reap) are never counted. When the scan runs inside the
+# runner's tree (reap_cell), the scan's own processes and the runner itself are left out.
+#   run_pids MARKER [ROOT] [LOCK] [RUN_ID]
+# runner_pid RUN_DIR: the runner's pid, while that pid is still the run's runner (not reused).
+RUN_PIDS = r"""runner_pid() {
+  _p=$(cat "$1/pgid" 2>/dev/null)
+  [ -n "$_p" ] && grep -qzxF -- "$1/run.sh" "/proc/$_p/cmdline" 2>/dev/null && echo "$_p"
   return 0
+}
+run_pids() {
+  _lk=
+  if [ -n "${3:-}" ] && grep -qF "\"run_id\":\"$4\"" "$3.json" 2>/dev/null; then
+    _lk=$(readlink -f -- "$3" 2>/dev/null | sed 's/[][*?\\]/\\&/g')
+  fi
+  {
+    grep -lszxF -- "$1" /proc/[0-9]*/environ | sed -n 's#^/proc/\([0-9]*\)/environ$#M \1#p'
+    if [ -n "$_lk" ]; then
+      find /proc/[0-9]*/fd -mindepth 1 -maxdepth 1 -lname "$_lk" 2>/dev/null |
+        sed -n 's#^/proc/\([0-9]*\)/fd/.*#M \1#p'
+    fi
+    cat /proc/[0-9]*/stat 2>/dev/null
+  } | awk -v root="${2:-}" '
+    function fields(line, f) { sub(/^.*\) /, "", line); return split(line, f, " ") }
+    BEGIN {
+      getline me < "/proc/self/stat"; split(me, w, " "); self = w[1] + 0
+      fields(me, f); up = f[2] + 0
+    }
+    $1 == "M" { mark[$2 + 0] = 1; next }
+    { p = $1 + 0; fields($0, f); state[p] = f[1]; ppid[p] = f[2] + 0 }
+    END {
+      ppid[self] = up; inside = 0
+      q = self
+      for (i = 0; i < 4096 && q > 1; i++) {
+        if (root != "" && q == root + 0) { inside = 1; break }
+        chain[q] = 1; q = ppid[q] + 0
+      }
+      for (k in state) {
+        p = k + 0
+        if (state[k] == "Z" || (inside && p == root + 0)) continue
+        under = 0; mine = 0; q = p
+        for (i = 0; i < 4096 && q > 1; i++) {
+          if (inside && (q in chain)) { mine = 1; break }
+          if (root != "" && q == root + 0) { under = 1; break }
+          q = ppid[q] + 0
+        }
+        if (!mine && (under || (p in mark))) print p
+      }
+    }'
 }
 """
 
@@ -60,16 +99,20 @@ CELL_HELPERS = (
 }
 """
     + RUN_PIDS
-    + r"""reap_cell() {
-  left=$(run_pids "TRACEDECK_CELL=$TRACEDECK_RUN_ID/$1")
+    + r"""cell_pids() {
+  run_pids "TRACEDECK_CELL=$TRACEDECK_RUN_ID/$1" $$ "$run_lock" "$TRACEDECK_RUN_ID"
+}
+reap_cell() {
+  left=$(cell_pids "$1")
   [ -z "$left" ] && return 0
   echo "$left" > "cells/$1/leftover"
   kill -TERM $left 2>/dev/null
   i=0
-  while [ -n "$(run_pids "TRACEDECK_CELL=$TRACEDECK_RUN_ID/$1")" ] && [ $i -lt 20 ]; do
+  while [ -n "$(cell_pids "$1")" ] && [ $i -lt 20 ]; do
     sleep 0.1; i=$((i+1))
   done
-  kill -KILL $(run_pids "TRACEDECK_CELL=$TRACEDECK_RUN_ID/$1") 2>/dev/null
+  left=$(cell_pids "$1")
+  [ -n "$left" ] && kill -KILL $left 2>/dev/null
   return 0
 }
 """
@@ -80,6 +123,10 @@ RUN_SH = r"""#!/bin/sh
 cd {run_dir}
 mkdir -p artifacts  # {{out}}: there when the first cell starts; below it is the engine's
 export TRACEDECK_RUN_ID={run_id}
+run_lock={lock}
+# A caught TERM, not a fatal one: cancel stops the runner and TERMs its group; stopped, it must
+# outlive that TERM (a fatal one kills even a stopped process), to keep the orphans under it.
+trap 'exit 143' TERM
 now() {{ date +%s.%N; }}
 ev() {{ printf '%s\n' "$1" >> progress.jsonl; }}
 {cell_helpers}run_cell() {{
@@ -100,19 +147,44 @@ ev "{{\"e\":\"done\",\"t\":$(now)}}"
 LAUNCH_SH = r"""#!/bin/sh
 # Written by tracedeck: take the host lock, record the holder, start run.sh detached.
 cd {run_dir} || exit 70
+SUBREAPER={subreaper}
 exec 9>>{lock}
 if ! flock -n 9; then
   echo TRACEDECK_LOCK_BUSY
   cat {holder} 2>/dev/null
   exit 75
 fi
-setsid sh {run_dir}/run.sh < /dev/null > runner.out 2> runner.err &
+# The runner becomes a child subreaper (kept across exec) where a python can set it: orphans of
+# the run then stay under it. Without one, the environment marker and the lock still find them.
+# A system python first: it starts fast (a version manager's shim can take seconds).
+py=
+for p in /usr/bin/python3 /usr/local/bin/python3 {python}; do
+  if command -v "$p" > /dev/null 2>&1; then py=$p; break; fi
+done
+if [ -n "$py" ]; then
+  setsid "$py" -I -S -c "$SUBREAPER" {run_dir}/run.sh < /dev/null > runner.out 2> runner.err &
+else
+  setsid sh {run_dir}/run.sh < /dev/null > runner.out 2> runner.err &
+fi
 pid=$!
 # Not a group leader (no job control here), so setsid did not fork: $! is the new group's id.
 echo "$pid" > pgid.part && mv pgid.part pgid
 sed "s/\"pgid\": *null/\"pgid\":$pid/" holder.json > {holder}.part && mv {holder}.part {holder}
 echo "TRACEDECK_STARTED $pid"
 """
+
+
+# Run with run.sh as its argument: become a child subreaper (PR_SET_CHILD_SUBREAPER, 36) where
+# the host allows, then exec sh on run.sh whatever happened (the run never depends on it).
+SUBREAPER = (
+    "import os, sys\n"
+    "try:\n"
+    "    import ctypes\n"
+    "    ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)\n"
+    "except Exception:\n"
+    "    pass\n"
+    "os.execvp('sh', ['sh', sys.argv[1]])\n"
+)
 
 
 def holder_path(lock: str) -> str:
@@ -130,6 +202,7 @@ def run_script(plan: RunPlan) -> str:
         cell_helpers=cell_helpers(" ".join(_shell_word(t) for t in plan.traces if t.cell is None)),
         run_dir=shlex.quote(plan.run_dir),
         run_id=shlex.quote(plan.run_id),
+        lock=shlex.quote(plan.lock),
         body="\n".join(body),
     )
 
@@ -147,6 +220,8 @@ def launch_script(plan: RunPlan) -> str:
         run_dir=shlex.quote(plan.run_dir),
         lock=shlex.quote(plan.lock),
         holder=shlex.quote(holder_path(plan.lock)),
+        python=shlex.quote(plan.python),
+        subreaper=shlex.quote(SUBREAPER),
     )
 
 
@@ -154,37 +229,49 @@ def _marker(run_id: str) -> str:
     return shlex.quote(f"TRACEDECK_RUN_ID={run_id}")
 
 
-def pids_command(run_id: str) -> str:
-    """Prints the pids of the run's live processes, one a line (none: the run is over)."""
-    return RUN_PIDS + f"run_pids {_marker(run_id)}\n"
+def pids_command(run_id: str, run_dir: str = "", lock: str = "") -> str:
+    """Prints the pids of the run's live processes, one a line (none: the run is over): marked,
+    under its runner (the pid in run_dir/pgid), or holding `lock` while the holder names the run."""
+    root = f"$(runner_pid {shlex.quote(run_dir)})" if run_dir else ""
+    return (
+        RUN_PIDS
+        + f'run_pids {_marker(run_id)} "{root}" {shlex.quote(lock)} {shlex.quote(run_id)}\n'
+    )
 
 
-def cancel_script(run_dir: str, run_id: str, grace_s: float) -> str:
-    """TERM every process of the run (its group and any that left it), KILL what outlives the
-    grace, and record the cancel in progress.jsonl; prints the outcome word last."""
+def cancel_script(run_dir: str, run_id: str, grace_s: float, lock: str = "") -> str:
+    """TERM every process of the run (its group, any that left it, any holding its lock), KILL
+    what outlives the grace, and record the cancel in progress.jsonl; prints the outcome word
+    last. The runner is stopped first, not killed: as the subreaper it keeps the orphans of the
+    processes it loses meanwhile under it, so they are found; it is killed last."""
     d = shlex.quote(run_dir)
-    m = _marker(run_id)
+    find = f'run_pids {_marker(run_id)} "$rp" {shlex.quote(lock)} {shlex.quote(run_id)}'
     steps = max(1, int(grace_s * 10))
     return (
         RUN_PIDS
         + f"""cd {d} || exit 70
 touch cancel
 pg=$(cat pgid 2>/dev/null)
-pids=$(run_pids {m})
+rp=$(runner_pid {d})
+others() {{ {find} | grep -vx "${{rp:-none}}"; }}
+pids=$({find})
 if [ -z "$pids" ]; then echo TRACEDECK_NOT_RUNNING; exit 0; fi
+[ -n "$rp" ] && kill -STOP "$rp" 2>/dev/null
 [ -n "$pg" ] && kill -TERM -"$pg" 2>/dev/null
-kill -TERM $pids 2>/dev/null
+kill -TERM $(echo "$pids" | grep -vx "${{rp:-none}}") $(others) 2>/dev/null
 i=0
-while [ -n "$(run_pids {m})" ] && [ $i -lt {steps} ]; do sleep 0.1; i=$((i+1)); done
-left=$(run_pids {m})
+while [ -n "$(others)" ] && [ $i -lt {steps} ]; do sleep 0.1; i=$((i+1)); done
+left=$(others)
 if [ -n "$left" ]; then
   [ -n "$pg" ] && kill -KILL -"$pg" 2>/dev/null
   kill -KILL $left 2>/dev/null
-  sleep 0.2
   echo TRACEDECK_KILLED
 fi
+[ -n "$rp" ] && kill -KILL "$rp" 2>/dev/null
+i=0
+while [ -n "$({find})" ] && [ $i -lt 20 ]; do sleep 0.1; i=$((i+1)); done
 printf '{{"e":"cancelled","t":%s}}\\n' "$(date +%s.%N)" >> progress.jsonl
-if [ -n "$(run_pids {m})" ]; then echo TRACEDECK_STILL_ALIVE; exit 72; fi
+if [ -n "$({find})" ]; then echo TRACEDECK_STILL_ALIVE; exit 72; fi
 echo TRACEDECK_CANCELLED
 """
     )
@@ -243,7 +330,7 @@ class DetachedLauncher:
 
     async def pids(self, plan: RunPlan) -> list[int]:
         """The run's live processes, zombies left out."""
-        result = await self.target.run(pids_command(plan.run_id))
+        result = await self.target.run(pids_command(plan.run_id, plan.run_dir, plan.lock))
         return [int(w) for w in result.stdout.split() if w.isdigit()]
 
     def progress_files(self, plan: RunPlan) -> list[str]:
@@ -256,7 +343,7 @@ class DetachedLauncher:
         return None
 
     async def cancel(self, plan: RunPlan, grace_s: float) -> str:
-        result = await self.target.run(cancel_script(plan.run_dir, plan.run_id, grace_s))
+        result = await self.target.run(cancel_script(plan.run_dir, plan.run_id, grace_s, plan.lock))
         words = result.stdout.split()
         if result.exit_status != 0:
             raise TargetError(

@@ -47,6 +47,7 @@ JOB_SH = r"""#!/bin/bash
 # Written by tracedeck: one task of the run's job array runs one cell, under the node's lock.
 cd {run_dir} || exit 70
 export TRACEDECK_RUN_ID={run_id}
+run_lock={lock}
 cell=${{1:-$(printf '%03d' "${{SLURM_ARRAY_TASK_ID:?not an array task}}")}}
 now() {{ date +%s.%N; }}
 ev() {{ printf '%s\n' "$1" >> "cells/$cell/progress.jsonl"; }}
