@@ -172,6 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
     trust.add_argument("host", help="HOST or HOST:PORT")
     trust.add_argument("--yes", action="store_true", help="trust without asking")
 
+    from console.dsa_data_cli import add_parsers as add_dsa_data_parsers
+
+    add_dsa_data_parsers(sub)
+
     ui = sub.add_parser("ui", help="open the console (the default)")
     ui.add_argument("--out", type=Path)
     return parser
@@ -193,6 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "watch": cmd_watch,
         "trust": cmd_trust,
         "ui": cmd_ui,
+        "export": _dsa_data("cmd_export"),
+        "dsa": _dsa_data("cmd_dsa"),
     }[command]
     try:
         return handler(args)
@@ -201,6 +207,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `tracedeck analyze ... | head`
         sys.stderr.close()
         return 0
+
+
+def _dsa_data(name: str) -> Callable[[argparse.Namespace], int]:
+    """A handler of console.dsa_data_cli (export, dsa whatif|tiers), imported when run."""
+
+    def handler(args: argparse.Namespace) -> int:
+        from console import dsa_data_cli
+
+        return int(getattr(dsa_data_cli, name)(args))
+
+    return handler
 
 
 def _err(message: str) -> None:

@@ -1,0 +1,498 @@
+"""Block-size what-if: seed 004's B/C/D fields recomputed from selected_token_pos at other sizes.
+
+A record keeps the exact positions DSA selected, so every block-level field at block size b
+follows from them (seed 3.2-3.4): block_id = pos // b, the touched blocks and their token
+counts, total_blocks_in_use = ceil(seq_len_current / b), bytes_read = blocks x b x the
+trace's KV bytes per token, and the prefix intersection with the first prefix_cached_blocks
+blocks. Percentiles are numpy's default (linear), as the reference engine writes them.
+
+The prefix region is the request's first P tokens, P = min(prompt tokens, prefix key tokens);
+a record only says prefix_cached_blocks = ceil(P / b0) at its own block size b0, so P is known
+to lie in ((pcb - 1) b0, pcb b0] (and <= summary.json's trace_prefix_key_tokens); serving.jsonl's
+prompt_tokens pins it exactly. At a size where that range gives more than one
+ceil(P / b), the prefix fields are undetermined: counted and said, never guessed.
+
+Everything is folded into bounded histograms (never a list of records).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from analysis.dsa_record import Batch, Ragged
+from analysis.dsa_scan import Scanned, TraceInfo
+
+Q50, Q95 = 0.5, 0.95
+RATIO_DIGITS = 4  # ratios are kept to 4 decimals in the distributions
+
+
+@dataclass
+class Rows:
+    """Per-record results at one block size (rows of a batch, in order)."""
+
+    block_size: int
+    blocks: Ragged  # selected_block_ids (sorted)
+    unique_blocks: np.ndarray
+    total_blocks: np.ndarray
+    ratio: np.ndarray
+    tpb_mean: np.ndarray
+    tpb_p50: np.ndarray
+    tpb_p95: np.ndarray
+    counts: Ragged  # tokens in each touched block, in block order
+    bytes_read: np.ndarray
+    pcb: np.ndarray  # prefix_cached_blocks; -1 where undetermined
+    inter: Ragged  # intersection_blocks (empty where undetermined)
+    inter_ratio: np.ndarray  # NaN where undetermined
+
+
+def sorted_positions(batch: Batch, rows: np.ndarray) -> Ragged:
+    """The rows' positions, each row sorted (one sort for the whole batch)."""
+    pos = batch.pos
+    lens = pos.lens[rows]
+    if len(rows) == len(pos) and len(rows) and (lens == lens[0]).all():
+        flat = np.sort(pos.flat.reshape(len(rows), -1), axis=1).ravel()
+        return Ragged(flat, lens)
+    parts = [pos[int(r)] for r in rows]
+    if not parts:
+        return Ragged(np.zeros(0, np.int64), lens)
+    flat = np.concatenate(parts)
+    rowid = np.repeat(np.arange(len(rows), dtype=np.int64), lens)
+    span = int(flat.max()) + 1 if len(flat) else 1
+    keyed = np.sort(rowid * span + flat)
+    return Ragged(keyed - rowid * span, lens)
+
+
+def prefix_range(
+    pcb: np.ndarray, b0: int, key_tokens: int | None, prompt: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """[lo, hi] of each record's prefix length in tokens (see the module's doc)."""
+    lo = np.where(pcb > 0, (pcb - 1) * b0 + 1, 0)
+    hi = pcb * b0
+    if key_tokens is not None:
+        hi = np.minimum(hi, key_tokens)
+    if prompt is not None:  # -1: not known
+        p = prompt if key_tokens is None else np.minimum(prompt, key_tokens)
+        exact = (prompt >= 0) & (p >= lo) & (p <= hi)
+        lo = np.where(exact, p, lo)
+        hi = np.where(exact, p, hi)
+    return lo, hi
+
+
+def at_block_size(
+    spos: Ragged, seq: np.ndarray, b: int, bpt: int, plo: np.ndarray, phi: np.ndarray
+) -> Rows:
+    """The B/C/D fields of every row at block size b, from its sorted positions."""
+    flat, lens, starts = spos.flat, spos.lens, spos.starts
+    q = flat // b
+    new = np.ones(len(q), dtype=bool)
+    if len(q) > 1:
+        new[1:] = q[1:] != q[:-1]
+    new[starts[lens > 0]] = True
+    ub = _segsum(new, starts, lens)
+    run_starts = np.flatnonzero(new)
+    counts = np.diff(np.append(run_starts, len(q)))
+    blocks = Ragged(q[run_starts], ub)
+    tb = -(-seq // b)
+    safe = np.maximum(ub, 1)
+    # prefix_cached_blocks at b: one value when ceil(lo / b) == ceil(hi / b)
+    pc_lo, pc_hi = -(-plo // b), -(-phi // b)
+    known = pc_lo == pc_hi
+    pcb = np.where(known, pc_lo, -1)
+    in_prefix = blocks.flat < np.repeat(np.where(known, pcb, 0), ub)
+    ilens = _segsum(in_prefix, blocks.starts, ub)
+    inter = Ragged(blocks.flat[in_prefix], ilens)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        inter_ratio = np.where(known, ilens / safe, np.nan)
+    p50, p95 = _row_percentiles(counts, ub, b)
+    return Rows(
+        block_size=b,
+        blocks=blocks,
+        unique_blocks=ub,
+        total_blocks=tb,
+        ratio=ub / np.maximum(tb, 1),
+        tpb_mean=lens / safe,
+        tpb_p50=p50,
+        tpb_p95=p95,
+        counts=Ragged(counts, ub),
+        bytes_read=ub * b * bpt,
+        pcb=pcb,
+        inter=inter,
+        inter_ratio=inter_ratio,
+    )
+
+
+def _segsum(mask: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    if len(mask) == 0:
+        return np.zeros(len(lens), dtype=np.int64)
+    sums = np.add.reduceat(mask, np.minimum(starts, len(mask) - 1), dtype=np.int64)
+    return np.where(lens > 0, sums, 0)
+
+
+def _row_percentiles(counts: np.ndarray, n: np.ndarray, b: int) -> tuple[np.ndarray, np.ndarray]:
+    """numpy's linear percentile (bit for bit: its index, weight and lerp) of each row's counts."""
+    rowid = np.repeat(np.arange(len(n), dtype=np.int64), n)
+    srt = np.sort(rowid * (b + 1) + counts) - rowid * (b + 1)
+    starts = np.zeros(len(n), dtype=np.int64)
+    if len(n) > 1:
+        np.cumsum(n[:-1], out=starts[1:])
+    out = []
+    for q in (Q50, Q95):
+        v = (n - 1) * q  # numpy: (n - 1) * quantiles
+        prev = np.floor(v)
+        above = v >= n - 1
+        i0 = np.where(above, n - 1, prev.astype(np.int64))
+        i1 = np.where(above, n - 1, i0 + 1)
+        last = max(len(srt) - 1, 0)
+        a = srt[np.clip(starts + i0, 0, last)] if len(srt) else np.zeros(len(n), np.int64)
+        z = srt[np.clip(starts + i1, 0, last)] if len(srt) else np.zeros(len(n), np.int64)
+        t = v - np.where(above, -1.0, prev)
+        d = z - a
+        res = np.where(t >= 0.5, z - d * (1 - t), a + d * t)
+        out.append(np.where(n > 0, res, np.nan))
+    return out[0], out[1]
+
+
+# -- the distributions -------------------------------------------------------------------------
+
+
+@dataclass
+class SizeAgg:
+    """Bounded histograms of one block size's fields over the records used."""
+
+    block_size: int
+    records: int = 0
+    unique_blocks: Counter[int] = field(default_factory=Counter)
+    ratio: Counter[float] = field(default_factory=Counter)
+    ratio_sum: float = 0.0
+    tpb: Counter[int] = field(default_factory=Counter)  # pooled over touched blocks
+    tpb_p50: Counter[float] = field(default_factory=Counter)
+    inter_ratio: Counter[float] = field(default_factory=Counter)
+    inter_sum: float = 0.0
+    prefix_undetermined: int = 0
+    bytes_total: int = 0
+
+    def add(self, rows: Rows) -> None:
+        self.records += len(rows.unique_blocks)
+        _bump(self.unique_blocks, rows.unique_blocks)
+        r = np.round(rows.ratio, RATIO_DIGITS)
+        _bump(self.ratio, r)
+        self.ratio_sum += float(rows.ratio.sum())
+        _bump(self.tpb, rows.counts.flat)
+        _bump(self.tpb_p50, rows.tpb_p50)
+        known = np.isfinite(rows.inter_ratio)
+        self.prefix_undetermined += int((~known).sum())
+        ir = rows.inter_ratio[known]
+        _bump(self.inter_ratio, np.round(ir, RATIO_DIGITS))
+        self.inter_sum += float(ir.sum())
+        self.bytes_total += int(rows.bytes_read.sum())
+
+    def result(self, bpt: int | None) -> dict[str, Any]:
+        ub = stats(self.unique_blocks)
+        nbytes = None
+        if bpt is not None and ub["count"]:
+            per = self.block_size * bpt
+            nbytes = {k: (v * per if k != "count" and v is not None else v) for k, v in ub.items()}
+            nbytes["total"] = self.bytes_total
+        return {
+            "block_size": self.block_size,
+            "records": self.records,
+            "unique_blocks": ub,
+            "touched_block_ratio": stats(self.ratio, self.ratio_sum),
+            "tokens_per_touched_block": stats(self.tpb),
+            "tokens_per_touched_block_p50": stats(self.tpb_p50),
+            "bytes_read": nbytes,
+            "prefix_intersection_ratio": stats(self.inter_ratio, self.inter_sum),
+            "prefix_undetermined": self.prefix_undetermined,
+            "hist": {
+                "touched_block_ratio": histogram(self.ratio, 0.0, 1.0),
+                "unique_blocks": histogram(self.unique_blocks),
+            },
+        }
+
+
+def _bump(counter: Counter[Any], values: np.ndarray) -> None:
+    if len(values) == 0:
+        return
+    vals, cnt = np.unique(values, return_counts=True)
+    for v, c in zip(vals.tolist(), cnt.tolist(), strict=True):
+        counter[v] += c
+
+
+def stats(counter: Counter[Any], total: float | None = None) -> dict[str, Any]:
+    """{count, min, p50, p95, max, mean} of a histogram (linear percentiles)."""
+    items = sorted(counter.items())
+    n = sum(c for _, c in items)
+    if n == 0:
+        return {"count": 0, "min": None, "p50": None, "p95": None, "max": None, "mean": None}
+    s = total if total is not None else sum(v * c for v, c in items)
+    return {
+        "count": n,
+        "min": items[0][0],
+        "p50": _pct(items, n, Q50),
+        "p95": _pct(items, n, Q95),
+        "max": items[-1][0],
+        "mean": s / n,
+    }
+
+
+def _pct(items: list[tuple[Any, int]], n: int, q: float) -> float:
+    rank = (n - 1) * q
+    lo_r, hi_r = int(np.floor(rank)), int(np.ceil(rank))
+    lo = hi = None
+    seen = 0
+    for value, count in items:
+        if lo is None and lo_r < seen + count:
+            lo = value
+        if hi_r < seen + count:
+            hi = value
+            break
+        seen += count
+    assert lo is not None and hi is not None
+    return float(lo + (hi - lo) * (rank - lo_r))
+
+
+def histogram(
+    counter: Counter[Any], lo: float | None = None, hi: float | None = None, bins: int = 10
+) -> list[list[float]]:
+    """[[bin start, bin end, count], ...] over [lo, hi] (the data's range when not given)."""
+    if not counter:
+        return []
+    lo = min(counter) if lo is None else lo
+    hi = max(counter) if hi is None else hi
+    width = (hi - lo) / bins if hi > lo else 1.0
+    out = [[lo + i * width, lo + (i + 1) * width, 0] for i in range(bins)]
+    for v, c in counter.items():
+        i = min(int((v - lo) / width), bins - 1) if hi > lo else 0
+        out[max(i, 0)][2] += c
+    return out
+
+
+# -- a whole trace -----------------------------------------------------------------------------
+
+
+@dataclass
+class WhatIf:
+    """Folds judged chunks into one SizeAgg per block size (the recorded size is checked too)."""
+
+    info: TraceInfo
+    sizes: list[int]
+    aggs: dict[int, SizeAgg] = field(default_factory=dict)
+    records: int = 0
+    used: int = 0
+    invalid: int = 0
+    first_invalid: str | None = None
+    recorded_equal: int = 0  # records whose recorded B/C/D fields equal the recomputation
+    recorded_differ: int = 0
+    first_differ: str | None = None
+
+    def __post_init__(self) -> None:
+        self.aggs = {b: SizeAgg(b) for b in self.sizes}
+
+    def feed(self, s: Scanned) -> None:
+        b = s.batch
+        self.records += len(b) + len(s.bad)
+        rows = np.flatnonzero(s.valid)
+        bad = len(b) - len(rows) + len(s.bad)
+        self.invalid += bad
+        if bad and self.first_invalid is None:
+            if s.bad:
+                line, fail, _ = s.bad[0]
+            else:
+                r = int(np.flatnonzero(~s.valid)[0])
+                line, fail = b.lines[r], s.fail(r)
+            self.first_invalid = (
+                f"{s.file}:{line}: {fail.field}: expected {fail.expected}, found {fail.found}"
+            )
+        if not len(rows):
+            return
+        self.used += len(rows)
+        for b_size, rows_out in compute(self.info, b, rows, self.sizes).items():
+            self.aggs[b_size].add(rows_out)
+        b0 = self.info.block_size
+        if b0 is not None:
+            own = compute(self.info, b, rows, [b0])[b0]
+            self._compare(s, rows, own)
+
+    def _compare(self, s: Scanned, rows: np.ndarray, own: Rows) -> None:
+        c = s.batch.col
+        blocks = s.batch.blocks
+        inter = s.batch.inter
+        for i, r in enumerate(rows.tolist()):
+            diffs = []
+            if not np.array_equal(blocks[r], own.blocks[i]):
+                diffs.append("selected_block_ids")
+            pairs = (
+                ("unique_blocks", c["ublocks"][r], own.unique_blocks[i]),
+                ("tokens_per_touched_block.mean", c["tpb_mean"][r], own.tpb_mean[i]),
+                ("tokens_per_touched_block.p50", c["tpb_p50"][r], own.tpb_p50[i]),
+                ("tokens_per_touched_block.p95", c["tpb_p95"][r], own.tpb_p95[i]),
+                ("kv_fetch.hbm.bytes_read", c["bytes"][r], own.bytes_read[i]),
+                ("prefix.prefix_cached_blocks", c["pcb"][r], own.pcb[i]),
+                ("prefix.intersection_ratio", c["ratio"][r], own.inter_ratio[i]),
+            )
+            diffs += [name for name, got, want in pairs if got != want]
+            if c["has_total"][r] and c["total_blocks"][r] != own.total_blocks[i]:
+                diffs.append("total_blocks_in_use")
+            if np.isfinite(c["tbr"][r]) and c["tbr"][r] != own.ratio[i]:
+                diffs.append("touched_block_ratio")
+            if not np.array_equal(inter[r], own.inter[i]):
+                diffs.append("prefix.intersection_blocks")
+            if diffs:
+                self.recorded_differ += 1
+                if self.first_differ is None:
+                    self.first_differ = f"{s.file}:{s.batch.lines[r]}: {', '.join(diffs)}"
+            else:
+                self.recorded_equal += 1
+
+    def result(self) -> dict[str, Any]:
+        bpt = self.info.bytes_per_token
+        return {
+            "dir": str(self.info.folder),
+            "block_size": self.info.block_size,
+            "bytes_per_token": bpt,
+            "prefix_key_tokens": self.info.prefix_key_tokens,
+            "prompt_tokens_from": "serving.jsonl" if self.info.prompt_tokens else None,
+            "records": self.records,
+            "used": self.used,
+            "invalid": self.invalid,
+            "first_invalid": self.first_invalid,
+            "recorded_equal": self.recorded_equal,
+            "recorded_differ": self.recorded_differ,
+            "first_differ": self.first_differ,
+            "sizes": [self.aggs[b].result(bpt) for b in self.sizes],
+        }
+
+
+def compute(info: TraceInfo, batch: Batch, rows: np.ndarray, sizes: list[int]) -> dict[int, Rows]:
+    """The fields at each block size for the given (valid) rows of a batch."""
+    c = batch.col
+    spos = sorted_positions(batch, rows)
+    seq = c["seq"][rows]
+    prompt = None
+    if info.prompt_tokens:
+        get = info.prompt_tokens.get
+        prompt = np.array([get(int(q), -1) for q in c["request"][rows]], dtype=np.int64)
+    b0 = info.block_size or int(c["bs"][rows[0]])
+    plo, phi = prefix_range(c["pcb"][rows], b0, info.prefix_key_tokens, prompt)
+    bpt = info.bytes_per_token or 0
+    return {b: at_block_size(spos, seq, b, bpt, plo, phi) for b in sizes}
+
+
+# -- text ----------------------------------------------------------------------------------------
+
+
+def format_whatif(result: dict[str, Any]) -> str:
+    sizes = result["sizes"]
+    head = [
+        f"DSA block-size what-if {result['dir']}: recorded at block size {result['block_size']}, "
+        f"{result['used']} of {result['records']} records used",
+    ]
+    if result["invalid"]:
+        head.append(
+            f"  {result['invalid']} invalid records left out (first: {result['first_invalid']}); "
+            "`tracedeck analyze` judges the whole trace"
+        )
+    if result["recorded_differ"]:
+        head.append(
+            f"  at the recorded size, {result['recorded_differ']} records' B/C/D fields differ from "
+            f"the recomputation from selected_token_pos (first: {result['first_differ']})"
+        )
+    else:
+        head.append(
+            f"  at the recorded size, every B/C/D field of the {result['recorded_equal']} records "
+            "used equals the recomputation from selected_token_pos"
+        )
+    bpt = result["bytes_per_token"]
+    head.append(
+        f"  bytes_read at {bpt} KV bytes per token"
+        if bpt
+        else "  bytes_read: the trace shows no KV bytes per token (DS_TRACE_KV_BYTES_PER_TOKEN unset)"
+    )
+    rows: list[tuple[str, list[str]]] = []
+    metrics = [
+        ("unique_blocks", "unique_blocks"),
+        ("touched_block_ratio", "touched_block_ratio"),
+        ("tokens/touched block", "tokens_per_touched_block"),
+        ("bytes_read", "bytes_read"),
+        ("prefix ∩ ratio", "prefix_intersection_ratio"),
+    ]
+    for label, key in metrics:
+        for stat in ("p50", "p95", "mean", "max"):
+            cells = []
+            for s in sizes:
+                st = s[key]
+                v = None if st is None else st.get(stat)
+                cells.append(_cell(v))
+            rows.append((f"{label} {stat}", cells))
+    undet = [str(s["prefix_undetermined"]) for s in sizes]
+    if any(u != "0" for u in undet):
+        rows.append(("prefix undetermined", undet))
+    width = max(len(r[0]) for r in rows)
+    col = max(10, *(len(c) for _, cells in rows for c in cells))
+    lines = [*head, ""]
+    lines.append(
+        " " * width + "  " + "".join(f"{'block ' + str(s['block_size']):>{col + 2}}" for s in sizes)
+    )
+    for label, cells in rows:
+        lines.append(f"{label:<{width}}  " + "".join(f"{c:>{col + 2}}" for c in cells))
+    lines.append("")
+    lines.append("touched_block_ratio histogram (records per tenth):")
+    lines += side_by_side_hist(sizes, "touched_block_ratio")
+    return "\n".join(lines)
+
+
+def side_by_side_hist(sizes: list[dict[str, Any]], key: str, bar: int = 14) -> list[str]:
+    hists = [s["hist"][key] for s in sizes]
+    if not any(hists):
+        return ["  (no records)"]
+    peak = max((h[2] for hist in hists for h in hist), default=1) or 1
+    out = ["        " + "".join(f"{'block ' + str(s['block_size']):<{bar + 2}}" for s in sizes)]
+    for i in range(max(len(h) for h in hists)):
+        lo = next(h[i][0] for h in hists if len(h) > i)
+        cells = []
+        for h in hists:
+            n = h[i][2] if len(h) > i else 0
+            cells.append(f"{'#' * round(bar * n / peak):<{bar}}  ")
+        out.append(f"  {lo:4.1f}  " + "".join(cells))
+    return out
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float) and not v.is_integer():
+        return f"{v:.4g}" if abs(v) < 1e6 else f"{v:.4e}"
+    return f"{int(v)}"
+
+
+def record_fields(rows: Rows, i: int) -> dict[str, Any]:
+    """Row i's recomputed fields under the seed's names (5.2; None where undetermined)."""
+    ub = int(rows.unique_blocks[i])
+    blocks = rows.blocks[i].tolist()
+    known = rows.pcb[i] >= 0
+    return {
+        "block_size_tokens": rows.block_size,
+        "selected_block_ids": blocks,
+        "unique_blocks": ub,
+        "total_blocks_in_use": int(rows.total_blocks[i]),
+        "touched_block_ratio": float(rows.ratio[i]),
+        "tokens_per_touched_block": {
+            "mean": float(rows.tpb_mean[i]),
+            "p50": float(rows.tpb_p50[i]),
+            "p95": float(rows.tpb_p95[i]),
+        },
+        "kv_fetch.hbm": {
+            "hit_blocks": blocks,
+            "bytes_read": int(rows.bytes_read[i]),
+            "batch_size": ub,
+        },
+        "prefix": {
+            "prefix_cached_blocks": int(rows.pcb[i]) if known else None,
+            "intersection_ratio": float(rows.inter_ratio[i]) if known else None,
+            "intersection_blocks": rows.inter[i].tolist() if known else None,
+        },
+    }

@@ -1,0 +1,104 @@
+"""`tracedeck export` and `tracedeck dsa whatif|tiers`: a collected DSA trace turned into answers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from runners.exits import EXIT_USAGE
+
+DEFAULT_SIZES = "4,8,16,64,128"
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    export = sub.add_parser(
+        "export", help="write a DSA trace's records as parquet or csv (invalid ones marked)"
+    )
+    export.add_argument("dir", type=Path, help="a DSA --trace-out directory or one block<N>/")
+    export.add_argument("--format", choices=("parquet", "csv"), default="parquet")
+    export.add_argument(
+        "--output", type=Path, help="file to write (default: DIR/<block>.<format> beside it)"
+    )
+    export.add_argument("--topk", type=int, help="top-k when summary.json does not say")
+
+    dsa = sub.add_parser("dsa", help="DSA trace data tools: block-size what-if, KV-tier simulator")
+    tools = dsa.add_subparsers(dest="dsa_command", required=True)
+    whatif = tools.add_parser(
+        "whatif", help="seed 004's block fields recomputed at other block sizes, from one trace"
+    )
+    whatif.add_argument("dir", type=Path)
+    whatif.add_argument("--block-sizes", default=DEFAULT_SIZES, help=f"(default {DEFAULT_SIZES})")
+    whatif.add_argument("--topk", type=int, help="top-k when summary.json does not say")
+    whatif.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def sizes_of(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part.isdigit() or int(part) < 1:
+            raise ValueError(f"--block-sizes: {part!r} is not a block size (an integer >= 1)")
+        if int(part) not in out:
+            out.append(int(part))
+    if not out:
+        raise ValueError("--block-sizes: give at least one block size")
+    return out
+
+
+def _err(message: str) -> None:
+    print(f"tracedeck: {message}", file=sys.stderr)
+
+
+def _folders(path: Path) -> list[Path] | None:
+    from analysis.dsa_scan import trace_folders
+    from analysis.dsa_tree import NotATrace
+
+    if not path.is_dir():
+        _err(f"{path}: no such directory; pass a DSA --trace-out directory or one block<N>/ in it")
+        return None
+    try:
+        return trace_folders(path)
+    except NotATrace as exc:
+        _err(str(exc))
+        return None
+
+
+def cmd_dsa(args: argparse.Namespace) -> int:
+    if args.dsa_command == "whatif":
+        return cmd_whatif(args)
+    raise AssertionError(args.dsa_command)
+
+
+def cmd_whatif(args: argparse.Namespace) -> int:
+    from analysis.dsa_scan import scan_block, trace_info
+    from analysis.dsa_whatif import WhatIf, format_whatif
+
+    try:
+        sizes = sizes_of(args.block_sizes)
+    except ValueError as exc:
+        _err(str(exc))
+        return EXIT_USAGE
+    folders = _folders(args.dir)
+    if folders is None:
+        return EXIT_USAGE
+    results = []
+    for folder in folders:
+        try:
+            info = trace_info(folder, args.topk)
+        except ValueError as exc:
+            _err(str(exc))
+            return EXIT_USAGE
+        w = WhatIf(info, sizes)
+        for chunk in scan_block(info):
+            w.feed(chunk)
+        results.append(w.result())
+    if args.json:
+        print(json.dumps({"dirs": results}, indent=1))
+    else:
+        print("\n\n".join(format_whatif(r) for r in results))
+    if not any(r["used"] for r in results):
+        _err("no valid dsa_topk record to recompute from (`tracedeck analyze DIR` says why)")
+        return EXIT_USAGE
+    return 0

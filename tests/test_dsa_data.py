@@ -1,0 +1,181 @@
+"""DSA traces as data (issue 26): block-size what-if, export, the KV-tier simulator."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+from runhelp import ROOT, cli_env, tracedeck
+
+from analysis.dsa_scan import scan_block, trace_info
+from analysis.dsa_whatif import compute, record_fields, sorted_positions
+
+
+def engine(out: Path, block: int, *flags: str) -> Path:
+    """The reference engine's DSA trace (3 requests, 2 shards), KV bytes per token set."""
+    cmd = [sys.executable, "-m", "runners.reference", "dsa", "--trace-enable"]
+    cmd += ["--trace-out", str(out), "--workload", "ruler", "--ruler-length", "300"]
+    cmd += ["--limit", "3", "--max-new-tokens", "5", "--layers", "3", "--index-topk", "64"]
+    cmd += ["--max-requests-per-file", "2", "--trace-prefix-key-tokens", "40"]
+    cmd += ["--temperature", "0", "--seed", "7", "--kv-block-size", str(block), *flags]
+    env = {**os.environ, "DS_TRACE_KV_BYTES_PER_TOKEN": "1152"}
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    return out / f"block{block}"
+
+
+def records(folder: Path) -> dict[tuple[int, int, int], dict]:
+    out = {}
+    for shard in sorted(folder.glob("trace_steps_*.jsonl")):
+        for line in shard.read_bytes().splitlines():
+            rec = orjson.loads(line)
+            out[(rec["request_id"], rec["layer_id"], rec["step_idx"])] = rec
+    return out
+
+
+def recorded_fields(rec: dict) -> dict:
+    """The B/C/D fields a what-if recomputes, as the engine wrote them."""
+    hbm = rec["kv_fetch"]["hbm"]
+    p = rec["prefix"]
+    return {
+        "block_size_tokens": rec["block_size_tokens"],
+        "selected_block_ids": rec["selected_block_ids"],
+        "unique_blocks": rec["unique_blocks"],
+        "total_blocks_in_use": rec["total_blocks_in_use"],
+        "touched_block_ratio": rec["touched_block_ratio"],
+        "tokens_per_touched_block": rec["tokens_per_touched_block"],
+        "kv_fetch.hbm": {k: hbm[k] for k in ("hit_blocks", "bytes_read", "batch_size")},
+        "prefix": {
+            k: p[k] for k in ("prefix_cached_blocks", "intersection_ratio", "intersection_blocks")
+        },
+    }
+
+
+def whatif_fields(folder: Path, size: int) -> dict[tuple[int, int, int], dict]:
+    info = trace_info(folder)
+    out = {}
+    for chunk in scan_block(info):
+        b = chunk.batch
+        assert chunk.valid.all() and not chunk.bad
+        rows = np.flatnonzero(chunk.valid)
+        got = compute(info, b, rows, [size])[size]
+        for i, r in enumerate(rows.tolist()):
+            c = b.col
+            ident = (int(c["request"][r]), int(c["layer"][r]), int(c["step"][r]))
+            out[ident] = record_fields(got, i)
+    return out
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """The same run (settings, seed) collected at block sizes 16 and 64."""
+    root = tmp_path_factory.mktemp("dsa")
+    return {b: engine(root / f"t{b}", b) for b in (16, 64)}
+
+
+def test_whatif_at_the_recorded_size_equals_every_recorded_field(traces: dict[int, Path]) -> None:
+    recorded = records(traces[16])
+    got = whatif_fields(traces[16], 16)
+    assert len(recorded) == 36 and got.keys() == recorded.keys()
+    for ident, rec in recorded.items():
+        assert got[ident] == recorded_fields(rec), ident
+
+
+def test_whatif_at_64_equals_the_trace_collected_at_64(traces: dict[int, Path]) -> None:
+    at16, at64 = records(traces[16]), records(traces[64])
+    assert at16.keys() == at64.keys()
+    for ident, rec in at16.items():  # the premise: the same run selects the same positions
+        assert rec["selected_token_pos"] == at64[ident]["selected_token_pos"]
+    got = whatif_fields(traces[16], 64)
+    for ident, rec in at64.items():
+        assert got[ident] == recorded_fields(rec), ident
+    # and back down to 16 from the trace at 64: every field but the prefix's, which one block
+    # of 64 (a prefix of 1..40 tokens) cannot pin at 16, so it is undetermined, never guessed
+    down = whatif_fields(traces[64], 16)
+    for ident, rec in at16.items():
+        want = recorded_fields(rec)
+        undetermined = dict.fromkeys(want["prefix"])
+        assert down[ident] == {**want, "prefix": undetermined}, ident
+
+
+def test_row_percentiles_are_numpys_linear_bit_for_bit() -> None:
+    from analysis.dsa_record import Ragged
+    from analysis.dsa_whatif import at_block_size
+
+    rng = np.random.default_rng(5)
+    rows = [
+        np.sort(rng.choice(5000, size=int(rng.integers(1, 300)), replace=False)) for _ in range(200)
+    ]
+    spos = Ragged.of(rows)
+    seq = np.full(len(rows), 5000)
+    zero = np.zeros(len(rows), np.int64)
+    for b in (1, 3, 16, 64, 100):
+        got = at_block_size(spos, seq, b, 0, zero, zero)
+        for i, pos in enumerate(rows):
+            counts = np.unique(pos // b, return_counts=True)[1]
+            assert got.tpb_p50[i] == float(np.percentile(counts, 50))
+            assert got.tpb_p95[i] == float(np.percentile(counts, 95))
+            assert got.unique_blocks[i] == len(counts)
+
+
+def test_sorted_positions_sorts_each_row_of_unequal_rows() -> None:
+    from analysis.dsa_record import Batch, Ragged
+
+    rows = [np.array([5, 1, 3]), np.array([9, 0]), np.array([2])]
+    b = Batch(pos=Ragged.of(rows))
+    got = sorted_positions(b, np.array([0, 1, 2]))
+    assert [got[i].tolist() for i in range(3)] == [[1, 3, 5], [0, 9], [2]]
+    got = sorted_positions(b, np.array([2, 0]))
+    assert [got[i].tolist() for i in range(2)] == [[2], [1, 3, 5]]
+
+
+def test_whatif_cli_prints_the_sizes_side_by_side(traces: dict[int, Path], tmp_path: Path) -> None:
+    done = tracedeck(
+        "dsa", "whatif", str(traces[16]), "--block-sizes", "4,16,64", env=cli_env(tmp_path)
+    )
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "every B/C/D field of the 36 records used equals the recomputation" in out
+    assert "block 4" in out and "block 64" in out and "histogram" in out
+    # prefix at 4 from a 16-token trace with a 40-token key: 33..40 tokens, not one ceil(P / 4)
+    assert "prefix undetermined" in out
+    done = tracedeck(
+        "dsa", "whatif", str(traces[16]), "--block-sizes", "16,64", "--json", env=cli_env(tmp_path)
+    )
+    result = json.loads(done.stdout)["dirs"][0]
+    at64 = json.loads((traces[64] / "summary.json").read_text())
+    s64 = result["sizes"][1]
+    assert s64["unique_blocks"] == {k: at64["unique_blocks"][k] for k in s64["unique_blocks"]}
+    assert s64["tokens_per_touched_block"]["p50"] == at64["tokens_per_touched_block"]["p50"]
+
+
+def test_whatif_leaves_out_an_invalid_record_and_says_so(
+    traces: dict[int, Path], tmp_path: Path
+) -> None:
+    import shutil
+
+    folder = tmp_path / "block16"
+    shutil.copytree(traces[16], folder)
+    shard = sorted(folder.glob("trace_steps_*.jsonl"))[0]
+    lines = shard.read_bytes().splitlines(keepends=True)
+    rec = orjson.loads(lines[2])
+    rec["unique_blocks"] += 1
+    lines[2] = orjson.dumps(rec) + b"\n"
+    shard.write_bytes(b"".join(lines))
+    done = tracedeck("dsa", "whatif", str(folder), "--json", env=cli_env(tmp_path))
+    result = json.loads(done.stdout)["dirs"][0]
+    assert result["invalid"] == 1 and result["used"] == 35
+    assert f"{shard}:3: unique_blocks" in result["first_invalid"]
+
+
+def test_whatif_refuses_a_bad_block_size(traces: dict[int, Path], tmp_path: Path) -> None:
+    done = tracedeck(
+        "dsa", "whatif", str(traces[16]), "--block-sizes", "4,zero", env=cli_env(tmp_path)
+    )
+    assert done.returncode == 2 and "'zero' is not a block size" in done.stderr
