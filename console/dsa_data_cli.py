@@ -65,6 +65,96 @@ def _folders(path: Path) -> list[Path] | None:
         return None
 
 
+def _outputs(folders: list[Path], output: Path | None, fmt: str) -> list[Path] | str:
+    """Where each block directory's export goes (or why it cannot)."""
+    if output is None:
+        return [f.parent / f"{f.name}.{fmt}" for f in folders]
+    if len(folders) == 1 and not output.is_dir():
+        return [output]
+    if output.exists() and not output.is_dir():
+        return f"--output {output}: {len(folders)} block directories need a directory to go in"
+    output.mkdir(parents=True, exist_ok=True)
+    return [output / f"{f.name}.{fmt}" for f in folders]
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Exit 0: every record exported and valid; 1: exported, some marked invalid; 2: usage."""
+    from analysis.dsa_scan import trace_info
+
+    folders = _folders(args.dir)
+    if folders is None:
+        return EXIT_USAGE
+    outs = _outputs(folders, args.output, args.format)
+    if isinstance(outs, str):
+        _err(outs)
+        return EXIT_USAGE
+    any_invalid = False
+    for folder, out in zip(folders, outs, strict=True):
+        if out.resolve().is_relative_to(folder.resolve()):
+            _err(f"--output {out}: inside the block directory {folder}; name a file outside it")
+            return EXIT_USAGE
+        try:
+            info = trace_info(folder, args.topk)
+            records, invalid = export_block(info, out, args.format)
+        except ValueError as exc:
+            _err(str(exc))
+            return EXIT_USAGE
+        except OSError as exc:
+            _err(f"{out}: cannot write ({exc.strerror or exc})")
+            return EXIT_USAGE
+        any_invalid = any_invalid or invalid > 0
+        note = f", {invalid} marked invalid (valid = false, with the reason)" if invalid else ""
+        print(f"{folder}: {records} records -> {out}{note}")
+    return 1 if any_invalid else 0
+
+
+ROW_GROUP = 16384  # rows buffered before a parquet row group is written
+
+
+def export_block(info, out: Path, fmt: str) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+    """Stream a block directory's records into one file (written to .part, then renamed)."""
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+    import pyarrow.parquet as pq
+
+    from analysis.dsa_export import SCHEMA, flat_for_csv, record_table
+    from analysis.dsa_scan import scan_block
+
+    part = out.with_name(out.name + ".part")
+    records = invalid = 0
+    pending: list[pa.Table] = []
+    writer = None
+    try:
+        if fmt == "parquet":
+            writer = pq.ParquetWriter(part, SCHEMA, compression="zstd")
+        for chunk in scan_block(info):
+            table = record_table(chunk)
+            records += table.num_rows
+            invalid += int((~chunk.valid).sum()) + len(chunk.bad)
+            if fmt == "csv":
+                flat = flat_for_csv(table)
+                if writer is None:
+                    writer = pacsv.CSVWriter(part, flat.schema)
+                writer.write_table(flat)
+                continue
+            pending.append(table)
+            if sum(t.num_rows for t in pending) >= ROW_GROUP:
+                writer.write_table(pa.concat_tables(pending))
+                pending.clear()
+        if fmt == "parquet" and pending:
+            writer.write_table(pa.concat_tables(pending))
+        if writer is None:  # csv of an empty trace: the header alone
+            writer = pacsv.CSVWriter(part, flat_for_csv(SCHEMA.empty_table()).schema)
+        writer.close()
+        writer = None
+        part.replace(out)
+    finally:
+        if writer is not None:
+            writer.close()
+        part.unlink(missing_ok=True)
+    return records, invalid
+
+
 def cmd_dsa(args: argparse.Namespace) -> int:
     if args.dsa_command == "whatif":
         return cmd_whatif(args)

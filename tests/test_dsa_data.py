@@ -179,3 +179,99 @@ def test_whatif_refuses_a_bad_block_size(traces: dict[int, Path], tmp_path: Path
         "dsa", "whatif", str(traces[16]), "--block-sizes", "4,zero", env=cli_env(tmp_path)
     )
     assert done.returncode == 2 and "'zero' is not a block size" in done.stderr
+
+
+# -- export --------------------------------------------------------------------------------------
+
+OPTIONAL = ("total_blocks_in_use", "touched_block_ratio", "scores_topk")
+
+
+def read_back(path: Path) -> list[dict]:
+    duckdb = pytest.importorskip("duckdb")
+    con = duckdb.connect()
+    rel = con.sql(f"select * from read_parquet('{path}') order by shard, line")
+    names = rel.columns
+    return [dict(zip(names, row, strict=True)) for row in rel.fetchall()]
+
+
+def as_record(row: dict) -> dict:
+    from analysis.dsa_export import RECORD_KEYS
+
+    return {k: row[k] for k in RECORD_KEYS if not (k in OPTIONAL and row[k] is None)}
+
+
+def test_export_parquet_reads_back_in_duckdb_to_the_same_records(
+    traces: dict[int, Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "t16.parquet"
+    done = tracedeck("export", str(traces[16]), "--output", str(out), env=cli_env(tmp_path))
+    assert done.returncode == 0, done.stderr
+    rows = read_back(out)
+    want = []
+    for shard in sorted(traces[16].glob("trace_steps_*.jsonl")):
+        for n, line in enumerate(shard.read_bytes().splitlines(), start=1):
+            want.append((shard.name, n, orjson.loads(line)))
+    assert len(rows) == len(want) == 36
+    for row, (shard, n, rec) in zip(rows, want, strict=True):
+        assert (row["shard"], row["line"], row["valid"]) == (shard, n, True)
+        assert row["invalid_field"] is None and row["raw"] is None
+        assert as_record(row) == rec
+
+
+def test_export_marks_invalid_records_and_keeps_them(
+    traces: dict[int, Path], tmp_path: Path
+) -> None:
+    import shutil
+
+    folder = tmp_path / "trace" / "block16"
+    shutil.copytree(traces[16], folder)
+    shard = sorted(folder.glob("trace_steps_*.jsonl"))[0]
+    lines = shard.read_bytes().splitlines(keepends=True)
+    rec = orjson.loads(lines[1])
+    rec["kv_fetch"]["hbm"]["hit_blocks"] = [0]  # not the selected blocks: HBM-only broken
+    lines[1] = orjson.dumps(rec) + b"\n"
+    lines[4] = b'{"event": "dsa_topk", "request_id": 0, "layer_id": 1\n'  # no record at all
+    shard.write_bytes(b"".join(lines))
+    out = tmp_path / "x.parquet"
+    done = tracedeck("export", str(folder), "--output", str(out), env=cli_env(tmp_path))
+    assert done.returncode == 1, done.stderr  # exported, but not every record is valid
+    assert "2 marked invalid" in done.stdout
+    rows = read_back(out)
+    assert len(rows) == 36  # nothing dropped
+    bad = [r for r in rows if not r["valid"]]
+    assert [(r["shard"], r["line"]) for r in bad] == [(shard.name, 2), (shard.name, 5)]
+    assert bad[0]["invalid_field"] == "kv_fetch.hbm.hit_blocks"
+    assert as_record(bad[0]) == rec  # its values as written, the wrong hit list included
+    assert bad[1]["invalid_field"] == "record" and "not valid JSON" in bad[1]["invalid_found"]
+    assert bad[1]["raw"] == lines[4].decode().rstrip("\n") and bad[1]["request_id"] is None
+
+
+def test_export_csv_flattens_and_keeps_the_positions(
+    traces: dict[int, Path], tmp_path: Path
+) -> None:
+    duckdb = pytest.importorskip("duckdb")
+    out = tmp_path / "t.csv"
+    done = tracedeck(
+        "export", str(traces[16]), "--format", "csv", "--output", str(out), env=cli_env(tmp_path)
+    )
+    assert done.returncode == 0, done.stderr
+    rel = duckdb.connect().sql(f"select * from read_csv('{out}', all_varchar=true)")
+    rows = [dict(zip(rel.columns, r, strict=True)) for r in rel.fetchall()]
+    first = orjson.loads(
+        sorted(traces[16].glob("trace_steps_*.jsonl"))[0].read_bytes().splitlines()[0]
+    )
+    assert len(rows) == 36
+    assert json.loads(rows[0]["selected_token_pos"]) == first["selected_token_pos"]
+    assert int(rows[0]["kv_fetch.hbm.bytes_read"]) == first["kv_fetch"]["hbm"]["bytes_read"]
+
+
+def test_export_keeps_stored_scores(tmp_path: Path) -> None:
+    folder = engine(tmp_path / "s", 16, "--trace-store-scores", "--limit", "1")
+    out = tmp_path / "s.parquet"
+    done = tracedeck("export", str(folder), "--output", str(out), env=cli_env(tmp_path))
+    assert done.returncode == 0, done.stderr
+    rows = read_back(out)
+    recs = [
+        orjson.loads(x) for x in next(folder.glob("trace_steps_*.jsonl")).read_bytes().splitlines()
+    ]
+    assert [as_record(r) for r in rows] == recs and "scores_topk" in recs[0]
