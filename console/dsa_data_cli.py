@@ -33,6 +33,38 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     whatif.add_argument("--topk", type=int, help="top-k when summary.json does not say")
     whatif.add_argument("--json", action="store_true", help="print the result as JSON")
 
+    tiers = tools.add_parser(
+        "tiers", help="replay the block accesses through an HBM tier of N blocks over a remote pool"
+    )
+    tiers.add_argument("dir", type=Path)
+    tiers.add_argument(
+        "--hbm-blocks", required=True, help="HBM capacity in blocks: N, or N1,N2,... for a curve"
+    )
+    tiers.add_argument(
+        "--sweep", action="store_true", help="capacities 1, 2, 4, ... up to the largest N"
+    )
+    tiers.add_argument("--policy", choices=("lru", "lfu", "prefix-pinned"), default="lru")
+    tiers.add_argument(
+        "--remote-latency-us",
+        type=float,
+        default=50.0,
+        help="per remote batch_get (an assumption; default 50)",
+    )
+    tiers.add_argument(
+        "--bandwidth-gbs",
+        type=float,
+        default=25.0,
+        help="remote pool bandwidth in GB/s (an assumption; default 25)",
+    )
+    tiers.add_argument(
+        "--block-size", type=int, help="replay at another block size (from the positions)"
+    )
+    tiers.add_argument(
+        "--kv-bytes-per-token", type=int, help="when the trace does not show it (bytes_read 0)"
+    )
+    tiers.add_argument("--topk", type=int, help="top-k when summary.json does not say")
+    tiers.add_argument("--json", action="store_true", help="print the result as JSON")
+
 
 def sizes_of(text: str) -> list[int]:
     out = []
@@ -158,6 +190,8 @@ def export_block(info, out: Path, fmt: str) -> tuple[int, int]:  # type: ignore[
 def cmd_dsa(args: argparse.Namespace) -> int:
     if args.dsa_command == "whatif":
         return cmd_whatif(args)
+    if args.dsa_command == "tiers":
+        return cmd_tiers(args)
     raise AssertionError(args.dsa_command)
 
 
@@ -192,3 +226,90 @@ def cmd_whatif(args: argparse.Namespace) -> int:
         _err("no valid dsa_topk record to recompute from (`tracedeck analyze DIR` says why)")
         return EXIT_USAGE
     return 0
+
+
+def capacities_of(text: str, sweep: bool) -> list[int]:
+    out = sorted(set(sizes_of(text)))
+    if sweep:
+        top, n, out = max(out), 1, []
+        while n < top:
+            out.append(n)
+            n *= 2
+        out.append(top)
+    return out
+
+
+def cmd_tiers(args: argparse.Namespace) -> int:
+    from analysis.dsa_scan import trace_info
+    from analysis.dsa_tiers import Skipped, format_tiers, replay_order, simulate
+    from analysis.dsa_whatif import stats
+
+    try:
+        caps = capacities_of(args.hbm_blocks, args.sweep)
+    except ValueError:
+        _err(f"--hbm-blocks {args.hbm_blocks!r}: give block counts >= 1 (N or N1,N2,...)")
+        return EXIT_USAGE
+    if args.block_size is not None and args.block_size < 1:
+        _err(f"--block-size {args.block_size}: must be >= 1")
+        return EXIT_USAGE
+    if args.remote_latency_us < 0 or args.bandwidth_gbs <= 0:
+        _err("--remote-latency-us must be >= 0 and --bandwidth-gbs > 0")
+        return EXIT_USAGE
+    folders = _folders(args.dir)
+    if folders is None:
+        return EXIT_USAGE
+    results = []
+    for folder in folders:
+        try:
+            info = trace_info(folder, args.topk)
+        except ValueError as exc:
+            _err(str(exc))
+            return EXIT_USAGE
+        skipped = Skipped()
+        accesses = replay_order(info, args.block_size, skipped)
+        # the stream learns the block size and bytes per token as it reads: bytes per block
+        # are fixed before the first access is replayed
+        first = next(accesses, None)
+        size = args.block_size or info.block_size or 1
+        bpt = (
+            args.kv_bytes_per_token if args.kv_bytes_per_token is not None else info.bytes_per_token
+        )
+        per_block = size * (bpt or 0)
+        stream = accesses if first is None else _chain(first, accesses)
+        tiers, extra = simulate(
+            stream, caps, args.policy, per_block, args.remote_latency_us, args.bandwidth_gbs
+        )
+        results.append(
+            {
+                "dir": str(folder),
+                "policy": args.policy,
+                "block_size": size,
+                "bytes_per_block": per_block,
+                "remote_latency_us": args.remote_latency_us,
+                "bandwidth_gbs": args.bandwidth_gbs,
+                "order": (
+                    "BurstGPT batch order (serving.jsonl: batch end, step, layer, request)"
+                    if info.end_ms
+                    else "trace order (shards by request, lines as written)"
+                ),
+                "records": skipped.records,
+                "used": extra["records"],
+                "invalid": skipped.invalid,
+                "first_invalid": skipped.first_invalid,
+                "step_wall_us": stats(extra["step_wall_us"]),
+                "tiers": [t.as_dict(per_block) for t in tiers],
+            }
+        )
+    if args.json:
+        print(json.dumps({"dirs": results}, indent=1))
+    else:
+        print("\n\n".join(format_tiers(r) for r in results))
+    if not any(r["used"] for r in results):
+        _err("no valid dsa_topk record to replay (`tracedeck analyze DIR` says why)")
+        return EXIT_USAGE
+    return 0
+
+
+def _chain(first, rest):  # type: ignore[no-untyped-def]
+    yield first
+    yield from rest

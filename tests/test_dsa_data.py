@@ -275,3 +275,149 @@ def test_export_keeps_stored_scores(tmp_path: Path) -> None:
         orjson.loads(x) for x in next(folder.glob("trace_steps_*.jsonl")).read_bytes().splitlines()
     ]
     assert [as_record(r) for r in rows] == recs and "scores_topk" in recs[0]
+
+
+# -- the KV-tier simulator -------------------------------------------------------------------------
+
+
+def brute_lru_hits(accesses: list[tuple], capacity: int) -> int:
+    """A plain list LRU: the most recent at the end."""
+    cache: list[tuple] = []
+    hits = 0
+    for block in accesses:
+        if block in cache:
+            hits += 1
+            cache.remove(block)
+        elif len(cache) >= capacity:
+            cache.pop(0)
+        cache.append(block)
+    return hits
+
+
+def block_stream(recs: list[dict]) -> list[tuple]:
+    out = []
+    for rec in recs:
+        pcb, key = rec["prefix"]["prefix_cached_blocks"], rec["prefix"]["prefix_key"]
+        for b in rec["selected_block_ids"]:
+            owner = key if b < pcb else rec["request_id"]
+            out.append((rec["layer_id"], owner, b))
+    return out
+
+
+def tiers_json(folder: Path, tmp_path: Path, *flags: str) -> dict:
+    done = tracedeck("dsa", "tiers", str(folder), "--json", *flags, env=cli_env(tmp_path))
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)["dirs"][0]
+
+
+def test_lru_hit_ratio_equals_a_brute_force_lru_and_the_curve_is_monotone(
+    traces: dict[int, Path], tmp_path: Path
+) -> None:
+    recs = []
+    for shard in sorted(
+        traces[16].glob("trace_steps_*.jsonl"), key=lambda p: int(p.name.split("_")[2])
+    ):
+        recs += [orjson.loads(x) for x in shard.read_bytes().splitlines()]
+    stream = block_stream(recs)
+    caps = [1, 8, 19, 40, 64, 100, 200, 400]
+    got = tiers_json(traces[16], tmp_path, "--hbm-blocks", ",".join(map(str, caps)))
+    assert got["order"].startswith("trace order") and got["used"] == 36
+    ratios = []
+    for cap, tier in zip(caps, got["tiers"], strict=True):
+        hits = brute_lru_hits(stream, cap)
+        assert tier["hbm_blocks"] == cap and tier["accesses"] == len(stream)
+        assert tier["hbm"]["hit_blocks"] == hits, cap
+        assert tier["remote_pool"]["hit_blocks"] == len(stream) - hits
+        assert tier["remote_pool"]["bytes_read"] == (len(stream) - hits) * 16 * 1152
+        ratios.append(tier["hit_ratio"])
+    assert ratios == sorted(ratios) and ratios[0] < ratios[-1]
+    sweep = tiers_json(traces[16], tmp_path, "--hbm-blocks", "512", "--sweep")
+    curve = [t["hit_ratio"] for t in sweep["tiers"]]
+    assert [t["hbm_blocks"] for t in sweep["tiers"]] == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    assert curve == sorted(curve)
+
+
+def test_lru_at_another_block_size_replays_the_recomputed_blocks(
+    traces: dict[int, Path], tmp_path: Path
+) -> None:
+    recs = []
+    for shard in sorted(
+        traces[64].glob("trace_steps_*.jsonl"), key=lambda p: int(p.name.split("_")[2])
+    ):
+        recs += [orjson.loads(x) for x in shard.read_bytes().splitlines()]
+    stream = block_stream(recs)  # the trace collected at 64
+    got = tiers_json(traces[16], tmp_path, "--hbm-blocks", "3,6,12", "--block-size", "64")
+    for tier in got["tiers"]:
+        assert tier["hbm"]["hit_blocks"] == brute_lru_hits(stream, tier["hbm_blocks"])
+
+
+def test_burstgpt_accesses_replay_in_the_engines_batch_order(tmp_path: Path) -> None:
+    out = tmp_path / "b"
+    csv = tmp_path / "burst.csv"  # BurstGPT's columns; arrivals in two bursts, short answers
+    rows = ["Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type"]
+    for i, (t, n) in enumerate([(0, 40), (0, 60), (0, 50), (0, 70), (0, 45), (9, 55), (9, 65)]):
+        rows.append(f"{t},ChatGPT,{n},{2 + i % 2},{n + 2 + i % 2},Conversation log")
+    csv.write_text("\n".join(rows) + "\n")
+    cmd = [sys.executable, "-m", "runners.reference", "dsa", "--trace-enable"]
+    cmd += ["--trace-out", str(out), "--workload", "burstgpt", "--burstgpt-csv", str(csv)]
+    cmd += ["--batch-size", "4", "--limit", "12", "--max-prompt-tokens", "512", "--layers", "2"]
+    cmd += ["--max-seq-len", "256"]
+    cmd += ["--index-topk", "32", "--kv-block-size", "16", "--temperature", "0"]
+    cmd += ["--max-requests-per-file", "3"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    folder = out / "block16"
+    served = {}
+    for line in (folder / "serving.jsonl").read_text().splitlines():
+        s = json.loads(line)
+        served[s["request_id"]] = s["end_ms"]
+    recs = []
+    for shard in folder.glob("trace_steps_*.jsonl"):
+        recs += [orjson.loads(x) for x in shard.read_bytes().splitlines()]
+    # batches of 4 over shards of 3: a batch's requests interleave across two shard files
+    recs.sort(
+        key=lambda r: (served[r["request_id"]], r["step_idx"], r["layer_id"], r["request_id"])
+    )
+    stream = block_stream(recs)
+    got = tiers_json(folder, tmp_path, "--hbm-blocks", "4,16,64")
+    assert got["order"].startswith("BurstGPT batch order")
+    for tier in got["tiers"]:
+        hits = brute_lru_hits(stream, tier["hbm_blocks"])
+        assert tier["hbm"]["hit_blocks"] == hits, tier["hbm_blocks"]
+    from analysis.dsa_tiers import Skipped, replay_order
+
+    order = [
+        (a.request, a.step, a.layer) for a in replay_order(trace_info(folder), None, Skipped())
+    ]
+    assert order == [(r["request_id"], r["step_idx"], r["layer_id"]) for r in recs]
+    # and that is not the file order on this trace
+    by_file = []
+    for shard in sorted(
+        folder.glob("trace_steps_*.jsonl"), key=lambda p: int(p.name.split("_")[2])
+    ):
+        by_file += [orjson.loads(x) for x in shard.read_bytes().splitlines()]
+    assert by_file != recs
+
+
+def test_lfu_and_prefix_pinned_policies() -> None:
+    from analysis.dsa_tiers import Tier
+
+    lfu = Tier(2, "lfu")
+    assert [lfu.access(x) for x in "aabca"] == [False, True, False, False, True]  # c evicts b
+    assert lfu.access("b") is False and lfu.access("a") is True
+    pinned = Tier(2, "prefix-pinned")
+    assert pinned.access("p", prefix=True) is False
+    assert [pinned.access(x) for x in "xyz"] == [False, False, False]
+    assert pinned.access("p", prefix=True) is True  # never evicted while others can go
+    lru = Tier(2, "lru")
+    assert [lru.access(x) for x in "pxyzp"] == [False, False, False, False, False]
+
+
+def test_tiers_refuses_bad_options(traces: dict[int, Path], tmp_path: Path) -> None:
+    env = cli_env(tmp_path)
+    done = tracedeck("dsa", "tiers", str(traces[16]), "--hbm-blocks", "x", env=env)
+    assert done.returncode == 2 and "--hbm-blocks" in done.stderr
+    done = tracedeck(
+        "dsa", "tiers", str(traces[16]), "--hbm-blocks", "4", "--bandwidth-gbs", "0", env=env
+    )
+    assert done.returncode == 2 and "--bandwidth-gbs" in done.stderr
