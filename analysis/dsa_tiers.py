@@ -247,6 +247,62 @@ def simulate(
     return results, {"records": records, "step_wall_us": walls}
 
 
+def tiers_dir(
+    info: TraceInfo | str,
+    capacities: list[int],
+    policy: str,
+    *,
+    block_size: int | None = None,
+    bytes_per_token: int | None = None,
+    remote_latency_us: float = 50.0,
+    bandwidth_gbs: float = 25.0,
+    topk: int | None = None,
+) -> dict[str, Any]:
+    """The simulation of one block directory at every capacity, JSON-ready (a top-level
+    function: a worker process can run it, given the folder's path)."""
+    from pathlib import Path
+
+    from analysis.dsa_scan import trace_info
+    from analysis.dsa_whatif import stats
+
+    if isinstance(info, str):
+        info = trace_info(Path(info), topk)
+    skipped = Skipped()
+    accesses = replay_order(info, block_size, skipped)
+    # the stream learns the block size and bytes per token from the first records it reads:
+    # the bytes of a block are fixed once the first access is out
+    first = next(accesses, None)
+    size = block_size or info.block_size or 1
+    bpt = bytes_per_token if bytes_per_token is not None else info.bytes_per_token
+    per_block = size * (bpt or 0)
+    stream = accesses if first is None else _chain(first, accesses)
+    tiers, extra = simulate(stream, capacities, policy, per_block, remote_latency_us, bandwidth_gbs)
+    return {
+        "dir": str(info.folder),
+        "policy": policy,
+        "block_size": size,
+        "bytes_per_block": per_block,
+        "remote_latency_us": remote_latency_us,
+        "bandwidth_gbs": bandwidth_gbs,
+        "order": (
+            "BurstGPT batch order (serving.jsonl: batch end, step, layer, request)"
+            if info.end_ms
+            else "trace order (shards by request, lines as written)"
+        ),
+        "records": skipped.records,
+        "used": extra["records"],
+        "invalid": skipped.invalid,
+        "first_invalid": skipped.first_invalid,
+        "step_wall_us": stats(extra["step_wall_us"]),
+        "tiers": [t.as_dict(per_block) for t in tiers],
+    }
+
+
+def _chain(first: Access, rest: Iterator[Access]) -> Iterator[Access]:
+    yield first
+    yield from rest
+
+
 def format_tiers(result: dict[str, Any]) -> str:
     lines = [
         f"KV-tier simulation {result['dir']}: policy {result['policy']}, block size "

@@ -196,8 +196,7 @@ def cmd_dsa(args: argparse.Namespace) -> int:
 
 
 def cmd_whatif(args: argparse.Namespace) -> int:
-    from analysis.dsa_scan import scan_block, trace_info
-    from analysis.dsa_whatif import WhatIf, format_whatif
+    from analysis.dsa_whatif import format_whatif, whatif_dir
 
     try:
         sizes = sizes_of(args.block_sizes)
@@ -210,14 +209,10 @@ def cmd_whatif(args: argparse.Namespace) -> int:
     results = []
     for folder in folders:
         try:
-            info = trace_info(folder, args.topk)
+            results.append(whatif_dir(str(folder), sizes, args.topk))
         except ValueError as exc:
             _err(str(exc))
             return EXIT_USAGE
-        w = WhatIf(info, sizes)
-        for chunk in scan_block(info):
-            w.feed(chunk)
-        results.append(w.result())
     if args.json:
         print(json.dumps({"dirs": results}, indent=1))
     else:
@@ -241,8 +236,7 @@ def capacities_of(text: str, sweep: bool) -> list[int]:
 
 def cmd_tiers(args: argparse.Namespace) -> int:
     from analysis.dsa_scan import trace_info
-    from analysis.dsa_tiers import Skipped, format_tiers, replay_order, simulate
-    from analysis.dsa_whatif import stats
+    from analysis.dsa_tiers import format_tiers, tiers_dir
 
     try:
         caps = capacities_of(args.hbm_blocks, args.sweep)
@@ -265,40 +259,16 @@ def cmd_tiers(args: argparse.Namespace) -> int:
         except ValueError as exc:
             _err(str(exc))
             return EXIT_USAGE
-        skipped = Skipped()
-        accesses = replay_order(info, args.block_size, skipped)
-        # the stream learns the block size and bytes per token as it reads: bytes per block
-        # are fixed before the first access is replayed
-        first = next(accesses, None)
-        size = args.block_size or info.block_size or 1
-        bpt = (
-            args.kv_bytes_per_token if args.kv_bytes_per_token is not None else info.bytes_per_token
-        )
-        per_block = size * (bpt or 0)
-        stream = accesses if first is None else _chain(first, accesses)
-        tiers, extra = simulate(
-            stream, caps, args.policy, per_block, args.remote_latency_us, args.bandwidth_gbs
-        )
         results.append(
-            {
-                "dir": str(folder),
-                "policy": args.policy,
-                "block_size": size,
-                "bytes_per_block": per_block,
-                "remote_latency_us": args.remote_latency_us,
-                "bandwidth_gbs": args.bandwidth_gbs,
-                "order": (
-                    "BurstGPT batch order (serving.jsonl: batch end, step, layer, request)"
-                    if info.end_ms
-                    else "trace order (shards by request, lines as written)"
-                ),
-                "records": skipped.records,
-                "used": extra["records"],
-                "invalid": skipped.invalid,
-                "first_invalid": skipped.first_invalid,
-                "step_wall_us": stats(extra["step_wall_us"]),
-                "tiers": [t.as_dict(per_block) for t in tiers],
-            }
+            tiers_dir(
+                info,
+                caps,
+                args.policy,
+                block_size=args.block_size,
+                bytes_per_token=args.kv_bytes_per_token,
+                remote_latency_us=args.remote_latency_us,
+                bandwidth_gbs=args.bandwidth_gbs,
+            )
         )
     if args.json:
         print(json.dumps({"dirs": results}, indent=1))
@@ -308,8 +278,3 @@ def cmd_tiers(args: argparse.Namespace) -> int:
         _err("no valid dsa_topk record to replay (`tracedeck analyze DIR` says why)")
         return EXIT_USAGE
     return 0
-
-
-def _chain(first, rest):  # type: ignore[no-untyped-def]
-    yield first
-    yield from rest
