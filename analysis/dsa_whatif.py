@@ -49,9 +49,21 @@ class Rows:
     inter_ratio: np.ndarray  # NaN where undetermined
 
 
-def sorted_positions(batch: Batch, rows: np.ndarray) -> Ragged:
-    """The rows' positions, each row sorted (one sort for the whole batch)."""
+def sorted_positions(batch: Batch, rows: np.ndarray, derived: Any = None) -> Ragged:
+    """The rows' positions, each row sorted: read off the validator's occupancy bins when
+    given (analysis.dsa_checks.Derived: one bool per position of every row's span, so the set
+    bins in order are the positions in order, no sort), else one sort for the whole batch.
+    The rows must be valid (distinct positions, in range)."""
     pos = batch.pos
+    if derived is not None:
+        d = derived
+        nz = np.flatnonzero(d.occ)
+        per_row = d.ccum[d.block_base + d.total_blocks] - d.ccum[d.block_base]
+        owner = np.repeat(np.arange(len(d.base)), per_row)
+        keep = np.zeros(len(d.base), dtype=bool)
+        keep[rows] = True
+        mine = keep[owner]
+        return Ragged(nz[mine] - d.base[owner[mine]], pos.lens[rows])
     lens = pos.lens[rows]
     if len(rows) == len(pos) and len(rows) and (lens == lens[0]).all():
         flat = np.sort(pos.flat.reshape(len(rows), -1), axis=1).ravel()
@@ -87,7 +99,7 @@ def at_block_size(
 ) -> Rows:
     """The B/C/D fields of every row at block size b, from its sorted positions."""
     flat, lens, starts = spos.flat, spos.lens, spos.starts
-    q = flat // b
+    q = flat >> (b.bit_length() - 1) if b & (b - 1) == 0 else flat // b
     new = np.ones(len(q), dtype=bool)
     if len(q) > 1:
         new[1:] = q[1:] != q[:-1]
@@ -133,12 +145,15 @@ def _segsum(mask: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> np.ndarra
 
 
 def _row_percentiles(counts: np.ndarray, n: np.ndarray, b: int) -> tuple[np.ndarray, np.ndarray]:
-    """numpy's linear percentile (bit for bit: its index, weight and lerp) of each row's counts."""
+    """numpy's linear percentile (bit for bit: its index, weight and lerp) of each row's counts
+    (each count is 1..b: the k-th smallest is read off the row's histogram of counts, no sort)."""
     rowid = np.repeat(np.arange(len(n), dtype=np.int64), n)
-    srt = np.sort(rowid * (b + 1) + counts) - rowid * (b + 1)
-    starts = np.zeros(len(n), dtype=np.int64)
-    if len(n) > 1:
-        np.cumsum(n[:-1], out=starts[1:])
+    hist = np.bincount(rowid * (b + 1) + counts, minlength=len(n) * (b + 1))
+    cum = hist.reshape(len(n), b + 1).cumsum(axis=1)
+
+    def kth(k: np.ndarray) -> np.ndarray:  # 0-based rank -> value
+        return (cum <= k[:, None]).sum(axis=1)
+
     out = []
     for q in (Q50, Q95):
         v = (n - 1) * q  # numpy: (n - 1) * quantiles
@@ -146,9 +161,7 @@ def _row_percentiles(counts: np.ndarray, n: np.ndarray, b: int) -> tuple[np.ndar
         above = v >= n - 1
         i0 = np.where(above, n - 1, prev.astype(np.int64))
         i1 = np.where(above, n - 1, i0 + 1)
-        last = max(len(srt) - 1, 0)
-        a = srt[np.clip(starts + i0, 0, last)] if len(srt) else np.zeros(len(n), np.int64)
-        z = srt[np.clip(starts + i1, 0, last)] if len(srt) else np.zeros(len(n), np.int64)
+        a, z = kth(np.maximum(i0, 0)), kth(np.maximum(i1, 0))
         t = v - np.where(above, -1.0, prev)
         d = z - a
         res = np.where(t >= 0.5, z - d * (1 - t), a + d * t)
@@ -177,11 +190,11 @@ class SizeAgg:
 
     def add(self, rows: Rows) -> None:
         self.records += len(rows.unique_blocks)
-        _bump(self.unique_blocks, rows.unique_blocks)
+        _bump_ints(self.unique_blocks, rows.unique_blocks)
         r = np.round(rows.ratio, RATIO_DIGITS)
         _bump(self.ratio, r)
         self.ratio_sum += float(rows.ratio.sum())
-        _bump(self.tpb, rows.counts.flat)
+        _bump_ints(self.tpb, rows.counts.flat)
         _bump(self.tpb_p50, rows.tpb_p50)
         known = np.isfinite(rows.inter_ratio)
         self.prefix_undetermined += int((~known).sum())
@@ -220,6 +233,14 @@ def _bump(counter: Counter[Any], values: np.ndarray) -> None:
     vals, cnt = np.unique(values, return_counts=True)
     for v, c in zip(vals.tolist(), cnt.tolist(), strict=True):
         counter[v] += c
+
+
+def _bump_ints(counter: Counter[int], values: np.ndarray) -> None:
+    if len(values) == 0:
+        return
+    hist = np.bincount(values)
+    for v in np.flatnonzero(hist).tolist():
+        counter[v] += int(hist[v])
 
 
 def stats(counter: Counter[Any], total: float | None = None) -> dict[str, Any]:
@@ -311,45 +332,45 @@ class WhatIf:
         if not len(rows):
             return
         self.used += len(rows)
-        for b_size, rows_out in compute(self.info, b, rows, self.sizes).items():
-            self.aggs[b_size].add(rows_out)
         b0 = self.info.block_size
+        wanted = self.sizes if b0 is None or b0 in self.sizes else [*self.sizes, b0]
+        got = compute(self.info, b, rows, wanted, s.derived)
+        for b_size in self.sizes:
+            self.aggs[b_size].add(got[b_size])
         if b0 is not None:
-            own = compute(self.info, b, rows, [b0])[b0]
-            self._compare(s, rows, own)
+            self._compare(s, rows, got[b0])
 
     def _compare(self, s: Scanned, rows: np.ndarray, own: Rows) -> None:
-        c = s.batch.col
-        blocks = s.batch.blocks
+        """The recorded B/C/D fields against the recomputation at the recorded size, per row
+        (all rows at once; names only for the first row that differs)."""
+        c = {k: v[rows] for k, v in s.batch.col.items()}
+        recorded = s.batch.blocks
         inter = s.batch.inter
-        for i, r in enumerate(rows.tolist()):
-            diffs = []
-            if not np.array_equal(blocks[r], own.blocks[i]):
-                diffs.append("selected_block_ids")
-            pairs = (
-                ("unique_blocks", c["ublocks"][r], own.unique_blocks[i]),
-                ("tokens_per_touched_block.mean", c["tpb_mean"][r], own.tpb_mean[i]),
-                ("kv_fetch.hbm.bytes_read", c["bytes"][r], own.bytes_read[i]),
-                ("prefix.prefix_cached_blocks", c["pcb"][r], own.pcb[i]),
-                ("prefix.intersection_ratio", c["ratio"][r], own.inter_ratio[i]),
-            )
-            diffs += [name for name, got, want in pairs if got != want]
-            if c["has_total"][r] and c["total_blocks"][r] != own.total_blocks[i]:
-                diffs.append("total_blocks_in_use")
-            if np.isfinite(c["tbr"][r]) and c["tbr"][r] != own.ratio[i]:
-                diffs.append("touched_block_ratio")
-            if not np.array_equal(inter[r], own.inter[i]):
-                diffs.append("prefix.intersection_blocks")
-            # the seed names no percentile method (the validator accepts any between the
-            # bracketing order statistics): another method's p50/p95 is counted, not a difference
-            if c["tpb_p50"][r] != own.tpb_p50[i] or c["tpb_p95"][r] != own.tpb_p95[i]:
-                self.percentile_method += 1
-            if diffs:
-                self.recorded_differ += 1
-                if self.first_differ is None:
-                    self.first_differ = f"{s.file}:{s.batch.lines[r]}: {', '.join(diffs)}"
-            else:
-                self.recorded_equal += 1
+        checks = {
+            "selected_block_ids": _same_rows(_take(recorded, rows), own.blocks),
+            "unique_blocks": c["ublocks"] == own.unique_blocks,
+            "tokens_per_touched_block.mean": c["tpb_mean"] == own.tpb_mean,
+            "kv_fetch.hbm.bytes_read": c["bytes"] == own.bytes_read,
+            "prefix.prefix_cached_blocks": c["pcb"] == own.pcb,
+            "prefix.intersection_ratio": c["ratio"] == own.inter_ratio,
+            "total_blocks_in_use": ~c["has_total"] | (c["total_blocks"] == own.total_blocks),
+            "touched_block_ratio": np.isnan(c["tbr"]) | (c["tbr"] == own.ratio),
+            "prefix.intersection_blocks": _same_rows(_take(inter, rows), own.inter),
+        }
+        ok = np.logical_and.reduce(list(checks.values()))
+        # the seed names no percentile method (the validator accepts any between the
+        # bracketing order statistics): another method's p50/p95 is counted, not a difference
+        method = (c["tpb_p50"] != own.tpb_p50) | (c["tpb_p95"] != own.tpb_p95)
+        self.percentile_method += int(method.sum())
+        self.recorded_equal += int(ok.sum())
+        bad = np.flatnonzero(~ok)
+        if len(bad):
+            self.recorded_differ += len(bad)
+            if self.first_differ is None:
+                i = int(bad[0])
+                names = [name for name, v in checks.items() if not v[i]]
+                line = s.batch.lines[int(rows[i])]
+                self.first_differ = f"{s.file}:{line}: {', '.join(names)}"
 
     def result(self) -> dict[str, Any]:
         bpt = self.info.bytes_per_token
@@ -385,10 +406,28 @@ def whatif_dir(folder: str, sizes: list[int], topk: int | None = None) -> dict[s
     return w.result()
 
 
-def compute(info: TraceInfo, batch: Batch, rows: np.ndarray, sizes: list[int]) -> dict[int, Rows]:
-    """The fields at each block size for the given (valid) rows of a batch."""
+def _take(r: Ragged, rows: np.ndarray) -> Ragged:
+    if len(rows) == len(r) and (rows == np.arange(len(r))).all():
+        return r
+    return Ragged.of([r[int(i)] for i in rows])
+
+
+def _same_rows(a: Ragged, b: Ragged) -> np.ndarray:
+    """Per row: the same integers in the same order."""
+    same_len = a.lens == b.lens
+    if same_len.all() and len(a.flat) == len(b.flat):
+        diff = a.flat != b.flat
+        return same_len & (_segsum(diff, a.starts, a.lens) == 0)
+    return np.array([np.array_equal(a[i], b[i]) for i in range(len(a))], dtype=bool)
+
+
+def compute(
+    info: TraceInfo, batch: Batch, rows: np.ndarray, sizes: list[int], derived: Any = None
+) -> dict[int, Rows]:
+    """The fields at each block size for the given (valid) rows of a batch (derived: the
+    validator's Derived for the batch, whose occupancy gives the sorted positions)."""
     c = batch.col
-    spos = sorted_positions(batch, rows)
+    spos = sorted_positions(batch, rows, derived)
     seq = c["seq"][rows]
     prompt = None
     if info.prompt_tokens:
