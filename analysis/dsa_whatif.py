@@ -107,7 +107,77 @@ def at_block_size(
     ub = _segsum(new, starts, lens)
     run_starts = np.flatnonzero(new)
     counts = np.diff(np.append(run_starts, len(q)))
-    blocks = Ragged(q[run_starts], ub)
+    return _rows(Ragged(q[run_starts], ub), counts, lens, seq, b, bpt, plo, phi)
+
+
+_NIBBLE = np.array([bin(i & 15).count("1") for i in range(256)], dtype=np.int64)
+_HIGH = np.array([bin(i >> 4).count("1") for i in range(256)], dtype=np.int64)
+
+
+def block_counts(d: Any, b: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Positions per block of size b for every row of a checked batch, read off the
+    validator's occupancy (analysis.dsa_checks.Derived) without touching the positions: for a
+    b that divides the recorded size, from the packed bins (bit counts); for a multiple of
+    it, from the recorded size's counts. (counts, blocks per row), rows back to back; None
+    for a b that is neither."""
+    b0 = d.block_size
+    if b0 % b == 0:
+        nb = d.total_blocks * (b0 // b)
+        if d.words is not None and b >= 8:
+            word = {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}.get(b)
+            if word is not None:
+                return np.bitwise_count(d.words.view(word)).astype(np.int64), nb
+            per_byte = np.bitwise_count(d.words.view(np.uint8)).astype(np.int64)
+            return per_byte.reshape(-1, b // 8).sum(axis=1), nb
+        if d.words is not None and b == 4:
+            bytes_ = d.words.view(np.uint8)
+            return np.stack([_NIBBLE[bytes_], _HIGH[bytes_]], axis=1).ravel(), nb
+        return d.occ.view(np.uint8).reshape(-1, b).sum(axis=1, dtype=np.int64), nb
+    if b % b0 == 0:
+        m = b // b0
+        nb = -(-d.total_blocks // m)
+        base = np.zeros(len(nb), dtype=np.int64)
+        if len(nb) > 1:
+            np.cumsum(nb[:-1], out=base[1:])
+        local = np.arange(len(d.counts)) - np.repeat(d.block_base, d.total_blocks)
+        index = np.repeat(base, d.total_blocks) + local // m
+        counts = np.bincount(index, weights=d.counts, minlength=int(nb.sum()))
+        return counts.astype(np.int64), nb
+    return None
+
+
+def at_block_size_counted(
+    counts_all: np.ndarray,
+    nb: np.ndarray,
+    lens: np.ndarray,
+    seq: np.ndarray,
+    b: int,
+    bpt: int,
+    plo: np.ndarray,
+    phi: np.ndarray,
+) -> Rows:
+    """The B/C/D fields of every row from its positions per block (block_counts)."""
+    base = np.zeros(len(nb), dtype=np.int64)
+    if len(nb) > 1:
+        np.cumsum(nb[:-1], out=base[1:])
+    touched = counts_all > 0
+    idx = np.flatnonzero(touched)
+    ub = _segsum(touched, base, nb)
+    local = idx - np.repeat(base, ub)
+    return _rows(Ragged(local, ub), counts_all[idx], lens, seq, b, bpt, plo, phi)
+
+
+def _rows(
+    blocks: Ragged,
+    counts: np.ndarray,
+    lens: np.ndarray,
+    seq: np.ndarray,
+    b: int,
+    bpt: int,
+    plo: np.ndarray,
+    phi: np.ndarray,
+) -> Rows:
+    ub = blocks.lens
     tb = -(-seq // b)
     safe = np.maximum(ub, 1)
     # prefix_cached_blocks at b: one value when ceil(lo / b) == ceil(hi / b)
@@ -427,7 +497,6 @@ def compute(
     """The fields at each block size for the given (valid) rows of a batch (derived: the
     validator's Derived for the batch, whose occupancy gives the sorted positions)."""
     c = batch.col
-    spos = sorted_positions(batch, rows, derived)
     seq = c["seq"][rows]
     prompt = None
     if info.prompt_tokens:
@@ -436,7 +505,18 @@ def compute(
     b0 = info.block_size or int(c["bs"][rows[0]])
     plo, phi = prefix_range(c["pcb"][rows], b0, info.prefix_key_tokens, prompt)
     bpt = info.bytes_per_token or 0
-    return {b: at_block_size(spos, seq, b, bpt, plo, phi) for b in sizes}
+    out: dict[int, Rows] = {}
+    spos: Ragged | None = None
+    every = derived is not None and len(rows) == len(batch)
+    for b in sizes:
+        counted = block_counts(derived, b) if every else None
+        if counted is not None:
+            out[b] = at_block_size_counted(*counted, batch.pos.lens, seq, b, bpt, plo, phi)
+            continue
+        if spos is None:
+            spos = sorted_positions(batch, rows, derived)
+        out[b] = at_block_size(spos, seq, b, bpt, plo, phi)
+    return out
 
 
 # -- text ----------------------------------------------------------------------------------------

@@ -421,3 +421,26 @@ def test_tiers_refuses_bad_options(traces: dict[int, Path], tmp_path: Path) -> N
         "dsa", "tiers", str(traces[16]), "--hbm-blocks", "4", "--bandwidth-gbs", "0", env=env
     )
     assert done.returncode == 2 and "--bandwidth-gbs" in done.stderr
+
+
+def test_block_counts_from_the_occupancy_equal_the_sorted_positions_path(
+    traces: dict[int, Path],
+) -> None:
+    from dataclasses import fields
+
+    from analysis.dsa_record import Ragged
+
+    sizes = [1, 2, 4, 8, 16, 32, 48, 64, 128, 256]
+    for folder in traces.values():
+        info = trace_info(folder)
+        for chunk in scan_block(info):
+            rows = np.flatnonzero(chunk.valid)
+            fast = compute(info, chunk.batch, rows, sizes, chunk.derived)
+            slow = compute(info, chunk.batch, rows, sizes)
+            for b in sizes:
+                for f in fields(fast[b]):
+                    value, other = getattr(fast[b], f.name), getattr(slow[b], f.name)
+                    if isinstance(value, Ragged):
+                        np.testing.assert_array_equal(value.lens, other.lens)
+                        value, other = value.flat, other.flat
+                    np.testing.assert_array_equal(value, other, err_msg=f"{folder} {b} {f.name}")
