@@ -140,11 +140,16 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 1 if any_invalid else 0
 
 
-ROW_GROUP = 16384  # rows buffered before a parquet row group is written
+ROW_GROUP = 4096  # rows buffered before a parquet row group is written (~64 MiB at top-2048)
 
 
 def export_block(info, out: Path, fmt: str) -> tuple[int, int]:  # type: ignore[no-untyped-def]
-    """Stream a block directory's records into one file (written to .part, then renamed)."""
+    """Stream a block directory's records into one file (written to .part, then renamed).
+
+    Encoding and compression (pyarrow, outside the GIL) run in one writer thread while the
+    next chunk is parsed and judged; at most one write is in flight (bounded memory)."""
+    from concurrent.futures import Future, ThreadPoolExecutor
+
     import pyarrow as pa
     import pyarrow.csv as pacsv
     import pyarrow.parquet as pq
@@ -156,6 +161,19 @@ def export_block(info, out: Path, fmt: str) -> tuple[int, int]:  # type: ignore[
     records = invalid = 0
     pending: list[pa.Table] = []
     writer = None
+    inflight: Future[None] | None = None
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="export")
+
+    def write(table: pa.Table) -> None:
+        nonlocal inflight, writer
+        if inflight is not None:
+            inflight.result()  # one write at a time, and its error surfaces here
+        if fmt == "csv":
+            table = flat_for_csv(table)
+            if writer is None:
+                writer = pacsv.CSVWriter(part, table.schema)
+        inflight = pool.submit(writer.write_table, table)  # type: ignore[union-attr]
+
     try:
         if fmt == "parquet":
             writer = pq.ParquetWriter(part, SCHEMA, compression="zstd")
@@ -163,24 +181,21 @@ def export_block(info, out: Path, fmt: str) -> tuple[int, int]:  # type: ignore[
             table = record_table(chunk)
             records += table.num_rows
             invalid += int((~chunk.valid).sum()) + len(chunk.bad)
-            if fmt == "csv":
-                flat = flat_for_csv(table)
-                if writer is None:
-                    writer = pacsv.CSVWriter(part, flat.schema)
-                writer.write_table(flat)
-                continue
             pending.append(table)
-            if sum(t.num_rows for t in pending) >= ROW_GROUP:
-                writer.write_table(pa.concat_tables(pending))
+            if fmt == "csv" or sum(t.num_rows for t in pending) >= ROW_GROUP:
+                write(pa.concat_tables(pending))
                 pending.clear()
-        if fmt == "parquet" and pending:
-            writer.write_table(pa.concat_tables(pending))
+        if pending:
+            write(pa.concat_tables(pending))
+        if inflight is not None:
+            inflight.result()
         if writer is None:  # csv of an empty trace: the header alone
             writer = pacsv.CSVWriter(part, flat_for_csv(SCHEMA.empty_table()).schema)
         writer.close()
         writer = None
         part.replace(out)
     finally:
+        pool.shutdown(wait=True)
         if writer is not None:
             writer.close()
         part.unlink(missing_ok=True)
