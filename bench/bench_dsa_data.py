@@ -26,12 +26,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_dsa_ingest import loadavg, make_lines  # noqa: E402
-
 SIZES = [4, 8, 16, 64, 128]
 
 
 def write_trace(root: Path, records: int) -> Path:
+    from bench_dsa_ingest import make_lines  # the reference engine's record builder (torch)
+
     folder = root / "block64"
     folder.mkdir(parents=True)
     lines = make_lines(records)
@@ -81,7 +81,7 @@ def best(name: str, folder: Path, out: Path, repeat: int) -> tuple[float, float,
 
 def peak_rss(name: str, folder: Path, out: Path) -> float:
     """MiB the stage adds to the peak RSS of a fresh interpreter that has imported everything
-    (imports are not the stage's: bench_dsa_ingest alone pulls in torch's hundreds of MiB)."""
+    (imports are not the stage's)."""
     code = (
         "import resource, sys; from pathlib import Path; sys.path.insert(0, sys.argv[4]);"
         "import pyarrow.parquet, pyarrow.csv, analysis.dsa_tiers, analysis.dsa_whatif, "
@@ -101,6 +101,8 @@ def peak_rss(name: str, folder: Path, out: Path) -> float:
 
 
 def main() -> None:
+    from bench_dsa_ingest import loadavg
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--records", type=int, default=6100)
     p.add_argument("--repeat", type=int, default=3)
