@@ -220,9 +220,13 @@ def _row_percentiles(counts: np.ndarray, n: np.ndarray, b: int) -> tuple[np.ndar
     rowid = np.repeat(np.arange(len(n), dtype=np.int64), n)
     hist = np.bincount(rowid * (b + 1) + counts, minlength=len(n) * (b + 1))
     cum = hist.reshape(len(n), b + 1).cumsum(axis=1)
+    # every row's running counts, shifted past the row before: one sorted array to search
+    shift = np.arange(len(n), dtype=np.int64) * (int(cum[:, -1].max(initial=0)) + 1)
+    flat = (cum + shift[:, None]).ravel()
+    first = np.arange(len(n), dtype=np.int64) * (b + 1)
 
-    def kth(k: np.ndarray) -> np.ndarray:  # 0-based rank -> value
-        return (cum <= k[:, None]).sum(axis=1)
+    def kth(k: np.ndarray) -> np.ndarray:  # 0-based rank -> value: the counts <= it
+        return np.searchsorted(flat, k + shift, side="right") - first
 
     out = []
     for q in (Q50, Q95):
