@@ -18,6 +18,7 @@ from typing import Any
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
+from textual.css.query import NoMatches
 from textual.widgets import Select, Static, TabbedContent, TabPane
 
 from analysis.dsa_tiers import POLICIES
@@ -135,11 +136,18 @@ class DsaDataTabs(Vertical):
         topk = ["--topk", str(self.topk)] if self.topk else []
         try:
             got = await self.job("whatif", folder, "--block-sizes", sizes, *topk)
+            self.whatif = got
         except Exception as exc:  # noqa: BLE001 - shown, not raised into the console
-            self.query_one("#dd-wi-note", Static).update(f"  what-if failed: {exc}")
-            return
-        self.whatif = got
-        self.draw_whatif()
+            failed = f"  what-if failed: {exc}"
+        else:
+            failed = ""
+        try:
+            if failed:
+                self.query_one("#dd-wi-note", Static).update(failed)
+            else:
+                self.draw_whatif()
+        except NoMatches:  # the screen closed while the child finished: nothing to draw on
+            pass
 
     def draw_whatif(self) -> None:
         got = self.whatif
@@ -191,11 +199,18 @@ class DsaDataTabs(Vertical):
         caps = ",".join(map(str, sweep(top)))
         try:
             got = await self.job("tiers", folder, "--hbm-blocks", caps, "--policy", policy)
+            self.tiers = got
         except Exception as exc:  # noqa: BLE001 - shown, not raised into the console
-            self.query_one("#dd-ti-note", Static).update(f"  tiers failed: {exc}")
-            return
-        self.tiers = got
-        self.draw_tiers()
+            failed = f"  tiers failed: {exc}"
+        else:
+            failed = ""
+        try:
+            if failed:
+                self.query_one("#dd-ti-note", Static).update(failed)
+            else:
+                self.draw_tiers()
+        except NoMatches:  # the screen closed while the child finished: nothing to draw on
+            pass
 
     def draw_tiers(self) -> None:
         got = self.tiers
