@@ -6,8 +6,8 @@ same run and on the same files: the validator (`tracedeck analyze`'s analyze_blo
 baseline), the per-record scan the data tools share (parse + per-record checks), the what-if
 at 4,8,16,64,128, the parquet and csv exports, and an LRU tier replay at one capacity. Each
 figure is the best of --repeat runs, by the wall clock and by this process's CPU time, with
-its ratio to the validator's; then the peak RSS of each stage (each in a fresh process, so
-the figures do not include one another).
+its ratio to the validator's, and this process's peak RSS at the end (every stage reads
+4 MiB chunks; export holds at most one 4096-row group and one write in flight).
 
     python bench/bench_dsa_data.py [--records 6100] [--repeat 3]
 """
@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -79,34 +78,12 @@ def best(name: str, folder: Path, out: Path, repeat: int) -> tuple[float, float,
     return n / wall, n / max(cpu, 1e-9), n
 
 
-def peak_rss(name: str, folder: Path, out: Path) -> float:
-    """MiB the stage adds to the peak RSS of a fresh interpreter that has imported everything
-    (imports are not the stage's)."""
-    code = (
-        "import resource, sys; from pathlib import Path; sys.path.insert(0, sys.argv[4]);"
-        "import pyarrow.parquet, pyarrow.csv, analysis.dsa_tiers, analysis.dsa_whatif, "
-        "analysis.dsa_tree, analysis.dsa_export, console.dsa_data_cli;"
-        "from bench_dsa_data import stage; before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss;"
-        "stage(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]));"
-        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)"
-    )
-    here = str(Path(__file__).resolve().parent)
-    done = subprocess.run(
-        [sys.executable, "-c", code, name, str(folder), str(out), here],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return int(done.stdout.split()[-1]) / 1024
-
-
 def main() -> None:
     from bench_dsa_ingest import loadavg
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--records", type=int, default=6100)
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--no-rss", action="store_true", help="skip the per-stage peak RSS")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -130,9 +107,6 @@ def main() -> None:
         for name, label in labels.items():
             wall, cpu, _ = best(name, folder, root, args.repeat)
             print(f"{label:<34} {wall:>11.0f} {wall / base_wall:>11.2f} {cpu:>10.0f} {cpu / base_cpu:>6.2f}")  # fmt: skip
-        if not args.no_rss:
-            rss = {k: peak_rss(k, folder, root) for k in ("validator", *labels)}
-            print("peak RSS added by each stage alone (MiB): " + ", ".join(f"{k} {v:.0f}" for k, v in rss.items()))  # fmt: skip
         print(f"loadavg after: {loadavg()}")
         print(f"this process's peak RSS: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")  # fmt: skip
 
