@@ -183,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     diff_cmd.add_parser(sub)
     history_cmd.add_parser(sub)
+    from console.dsa_data_cli import add_parsers as add_dsa_data_parsers
+
+    add_dsa_data_parsers(sub)
 
     ui = sub.add_parser("ui", help="open the console (the default)")
     ui.add_argument("--out", type=Path)
@@ -212,6 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "ui": cmd_ui,
         "diff": _diff,
         "history": _history,
+        "export": _dsa_data("cmd_export"),
+        "dsa": _dsa_data("cmd_dsa"),
     }[command]
     try:
         return handler(args)
@@ -232,6 +237,17 @@ def _history(args: argparse.Namespace) -> int:
     from console.history_cmd import cmd_history
 
     return cmd_history(args)
+
+
+def _dsa_data(name: str) -> Callable[[argparse.Namespace], int]:
+    """A handler of console.dsa_data_cli (export, dsa whatif|tiers), imported when run."""
+
+    def handler(args: argparse.Namespace) -> int:
+        from console import dsa_data_cli
+
+        return int(getattr(dsa_data_cli, name)(args))
+
+    return handler
 
 
 def _err(message: str) -> None:

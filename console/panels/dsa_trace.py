@@ -25,6 +25,7 @@ from analysis.dsa_live import LiveAgg
 from console.heap import freeze_startup
 from console.panel import KindPanel
 from console.widgets.dsa_charts import ColumnHistogram, HeatMap, LayerBars
+from console.widgets.dsa_data_tabs import DsaDataTabs
 from console.widgets.text import clean, plain
 from runners.events import Event, RunFinished, RunStarted, TraceBatch
 from runners.kinds.dsa_trace import DsaPrinter, TraceBook
@@ -254,6 +255,7 @@ class DsaDetail(Screen[None]):
                 yield HeatMap("", id="dd-heat", markup=False)
                 yield Static("", id="dd-side", markup=False)
             yield Static("", id="dd-first", markup=False)
+            yield DsaDataTabs(lambda: list(self.panel.book.streams), self.panel.book.topk)
         yield Footer()
 
     def on_mount(self) -> None:

@@ -1,0 +1,279 @@
+"""DSA trace records as Arrow tables: one row per line of a shard, the seed's nesting kept.
+
+Every line becomes a row, in file order: a record that validates (analysis.dsa_scan: the
+validator's parser and per-record checks) has valid = true; one that does not has valid =
+false and its reason (field, expected, found), and keeps every value it has; a line that
+parsed to no record keeps its text (raw), so nothing is dropped. The record's objects
+(tokens_per_touched_block, kv_fetch, prefix, scores_stats) are struct columns and its arrays
+list columns, so a row read back from parquet is the JSON record; csv flattens them (dotted
+names, arrays as JSON text). shard, line, request_id, layer_id and step_idx locate a row.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import numpy as np
+import pyarrow as pa
+
+from analysis.dsa_record import Ragged, cut_positions
+from analysis.dsa_scan import Scanned
+
+I64, F64, STR, BOOL = pa.int64(), pa.float64(), pa.string(), pa.bool_()
+IDS = pa.list_(I64)
+POOL = pa.struct(
+    [
+        ("hit_blocks", IDS),
+        ("bytes_read", I64),
+        ("read_ops", I64),
+        ("latency_us", F64),
+        ("batch_size", I64),
+    ]
+)
+SCHEMA = pa.schema(
+    [
+        ("shard", STR),
+        ("line", I64),
+        ("valid", BOOL),
+        ("invalid_field", STR),
+        ("invalid_expected", STR),
+        ("invalid_found", STR),
+        ("raw", STR),  # only for a line that parsed to no record
+        ("event", STR),
+        ("run_name", STR),
+        ("dataset", STR),
+        ("rank", I64),
+        ("world_size", I64),
+        ("request_id", I64),
+        ("layer_id", I64),
+        ("step_idx", I64),
+        ("seq_len_current", I64),
+        ("unique_token_pos_count", I64),
+        ("offset_min", I64),
+        ("offset_p50", F64),
+        ("offset_max", I64),
+        ("block_size_tokens", I64),
+        ("selected_block_ids", IDS),
+        ("unique_blocks", I64),
+        ("total_blocks_in_use", I64),  # optional in the record: null when absent
+        ("touched_block_ratio", F64),  # optional: null when absent
+        ("tokens_per_touched_block", pa.struct([("mean", F64), ("p50", F64), ("p95", F64)])),
+        ("kv_fetch", pa.struct([("hbm", POOL), ("local_pool", POOL), ("remote_pool", POOL)])),
+        (
+            "prefix",
+            pa.struct(
+                [
+                    ("prefix_cache_hit", BOOL),
+                    ("prefix_cached_blocks", I64),
+                    ("prefix_key", STR),
+                    ("intersection_ratio", F64),
+                    ("intersection_blocks", IDS),
+                ]
+            ),
+        ),
+        ("selected_token_pos", IDS),
+        ("scores_stats", pa.struct([("min", F64), ("mean", F64), ("max", F64)])),
+        ("scores_topk", pa.list_(F64)),  # optional (--trace-store-scores): null when absent
+    ]
+)
+RECORD_KEYS = [f.name for f in SCHEMA][7:]
+
+
+class _Pool(msgspec.Struct, gc=False):
+    hit_blocks: list[int]
+    bytes_read: int
+    read_ops: int
+    latency_us: float | None
+    batch_size: int
+
+
+class _Hbm(msgspec.Struct, gc=False):
+    hit_blocks: msgspec.Raw
+    read_ops: int
+
+
+class _KV(msgspec.Struct, gc=False):
+    hbm: _Hbm
+    local_pool: _Pool
+    remote_pool: _Pool
+
+
+class _Extra(msgspec.Struct, gc=False):
+    """What a Batch does not keep as columns (the decoder skips every other key)."""
+
+    event: str
+    kv_fetch: _KV
+
+
+_EXTRA = msgspec.json.Decoder(_Extra)
+
+
+def _extra(raw: bytes) -> _Extra:
+    cut = cut_positions(raw)
+    return _EXTRA.decode(raw if cut is None else raw[: cut[0]] + b"0" + raw[cut[1] + 1 :])
+
+
+def _lists(r: Ragged, rows: list[int] | None = None) -> pa.Array:
+    if rows is not None:
+        r = Ragged.of([r[i] for i in rows])
+    offsets = np.zeros(len(r.lens) + 1, dtype=np.int32)
+    np.cumsum(r.lens, out=offsets[1:])
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(r.flat, type=I64))
+
+
+def _pool(pools: list[_Pool]) -> pa.StructArray:
+    return pa.StructArray.from_arrays(
+        [
+            pa.array([p.hit_blocks for p in pools], type=IDS),
+            pa.array([p.bytes_read for p in pools], type=I64),
+            pa.array([p.read_ops for p in pools], type=I64),
+            pa.array([p.latency_us for p in pools], type=F64),
+            pa.array([p.batch_size for p in pools], type=I64),
+        ],
+        fields=list(POOL),
+    )
+
+
+def record_table(s: Scanned) -> pa.Table:
+    """The chunk's lines as rows of SCHEMA, in line order."""
+    parts = []
+    if len(s.batch):
+        parts.append(_parsed(s))
+    if s.bad:
+        parts.append(_unparsed(s))
+    if not parts:
+        return SCHEMA.empty_table()
+    table = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
+    return table.sort_by("line") if len(parts) > 1 else table
+
+
+def _parsed(s: Scanned) -> pa.Table:
+    b = s.batch
+    c = b.col
+    n = len(b)
+    extras = [_extra(s.raw(line)) for line in b.lines]
+    invalid = np.flatnonzero(~s.valid).tolist()
+    reasons: dict[int, Any] = {r: s.fail(r) for r in invalid}
+    hbm_hits = b.blocks
+    if not c["hits_eq"].all():  # a hit list that differs from selected_block_ids, as written
+        rows = [
+            b.blocks[r]
+            if c["hits_eq"][r]
+            else np.array(msgspec.json.decode(bytes(extras[r].kv_fetch.hbm.hit_blocks)), np.int64)
+            for r in range(n)
+        ]
+        hbm_hits = Ragged.of(rows)
+    names = list(zip(*b.names, strict=True)) if n else [[], [], []]
+    ratio = c["tbr"]
+    hbm = pa.StructArray.from_arrays(
+        [
+            _lists(hbm_hits),
+            pa.array(c["bytes"]),
+            pa.array([e.kv_fetch.hbm.read_ops for e in extras], type=I64),
+            pa.array(c["latency"], mask=np.isnan(c["latency"])),
+            pa.array(c["hbm_batch"]),
+        ],
+        fields=list(POOL),
+    )
+    scores = [b.scores[r].tolist() if r in b.scores else None for r in range(n)]
+    cols: dict[str, Any] = {
+        "shard": pa.array([s.file.name] * n, type=STR),
+        "line": pa.array(b.lines, type=I64),
+        "valid": pa.array(s.valid, type=BOOL),
+        "invalid_field": pa.array(
+            [reasons[r].field if r in reasons else None for r in range(n)], STR
+        ),  # fmt: skip
+        "invalid_expected": pa.array(
+            [reasons[r].expected if r in reasons else None for r in range(n)], STR
+        ),  # fmt: skip
+        "invalid_found": pa.array(
+            [reasons[r].found if r in reasons else None for r in range(n)], STR
+        ),  # fmt: skip
+        "raw": pa.nulls(n, STR),
+        "event": pa.array([e.event for e in extras], STR),
+        "run_name": pa.array(names[0], STR),
+        "dataset": pa.array(names[1], STR),
+        "rank": pa.array(c["rank"]),
+        "world_size": pa.array(c["world"]),
+        "request_id": pa.array(c["request"]),
+        "layer_id": pa.array(c["layer"]),
+        "step_idx": pa.array(c["step"]),
+        "seq_len_current": pa.array(c["seq"]),
+        "unique_token_pos_count": pa.array(c["count"]),
+        "offset_min": pa.array(c["off_min"]),
+        "offset_p50": pa.array(c["off_p50"]),
+        "offset_max": pa.array(c["off_max"]),
+        "block_size_tokens": pa.array(c["bs"]),
+        "selected_block_ids": _lists(b.blocks),
+        "unique_blocks": pa.array(c["ublocks"]),
+        "total_blocks_in_use": pa.array(c["total_blocks"], mask=~c["has_total"]),
+        "touched_block_ratio": pa.array(ratio, mask=np.isnan(ratio)),
+        "tokens_per_touched_block": pa.StructArray.from_arrays(
+            [pa.array(c["tpb_mean"]), pa.array(c["tpb_p50"]), pa.array(c["tpb_p95"])],
+            names=["mean", "p50", "p95"],
+        ),
+        "kv_fetch": pa.StructArray.from_arrays(
+            [
+                hbm,
+                _pool([e.kv_fetch.local_pool for e in extras]),
+                _pool([e.kv_fetch.remote_pool for e in extras]),
+            ],
+            names=["hbm", "local_pool", "remote_pool"],
+        ),
+        "prefix": pa.StructArray.from_arrays(
+            [
+                pa.array(c["hit"].astype(bool)),
+                pa.array(c["pcb"]),
+                pa.array(names[2], STR),
+                pa.array(c["ratio"]),
+                _lists(b.inter),
+            ],
+            names=[
+                "prefix_cache_hit",
+                "prefix_cached_blocks",
+                "prefix_key",
+                "intersection_ratio",
+                "intersection_blocks",
+            ],
+        ),
+        "selected_token_pos": _lists(b.pos),
+        "scores_stats": pa.StructArray.from_arrays(
+            [pa.array(c["s_min"]), pa.array(c["s_mean"]), pa.array(c["s_max"])],
+            names=["min", "mean", "max"],
+        ),
+        "scores_topk": pa.array(scores, type=pa.list_(F64)),
+    }
+    return pa.Table.from_arrays([cols[f.name] for f in SCHEMA], schema=SCHEMA)
+
+
+def _unparsed(s: Scanned) -> pa.Table:
+    """Lines that are no record: their place, reason and text; the id where it was readable."""
+    n = len(s.bad)
+    cols: dict[str, Any] = {name: pa.nulls(n, SCHEMA.field(name).type) for name in SCHEMA.names}
+    cols["shard"] = pa.array([s.file.name] * n, STR)
+    cols["line"] = pa.array([line for line, _, _ in s.bad], I64)
+    cols["valid"] = pa.array([False] * n, BOOL)
+    cols["invalid_field"] = pa.array([f.field for _, f, _ in s.bad], STR)
+    cols["invalid_expected"] = pa.array([f.expected for _, f, _ in s.bad], STR)
+    cols["invalid_found"] = pa.array([f.found for _, f, _ in s.bad], STR)
+    cols["raw"] = pa.array([s.raw(line).decode("utf-8", "replace") for line, _, _ in s.bad], STR)
+    for i, name in enumerate(("request_id", "layer_id", "step_idx")):
+        cols[name] = pa.array([ident[i] if ident else None for _, _, ident in s.bad], I64)
+    return pa.Table.from_arrays([cols[f.name] for f in SCHEMA], schema=SCHEMA)
+
+
+def flat_for_csv(table: pa.Table) -> pa.Table:
+    """Structs as dotted columns, lists as JSON text (csv has neither)."""
+    flat = table
+    while any(pa.types.is_struct(f.type) for f in flat.schema):
+        flat = flat.flatten()
+    cols = []
+    for col in flat.columns:
+        if pa.types.is_list(col.type):
+            values = col.to_pylist()
+            col = pa.array(
+                [None if v is None else msgspec.json.encode(v).decode() for v in values], STR
+            )
+        cols.append(col)
+    return pa.Table.from_arrays(cols, names=flat.column_names)

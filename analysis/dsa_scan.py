@@ -1,0 +1,199 @@
+"""A DSA trace's records read batch by batch, each one judged against the per-record contract.
+
+The data tools (export, block-size what-if, the KV-tier simulator) read a trace through this:
+the same parser (analysis.dsa_record) and per-record checks (analysis.dsa_checks) as the
+validator, in bounded chunks, so a record they use is one the validator accepts on its own.
+What only the whole stream can judge (layer order, shards, prefix hits across requests) is
+`tracedeck analyze`'s; these tools say so instead of repeating it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from analysis.dsa_checks import Context, Derived, check_batch, explain
+from analysis.dsa_record import MAX_SEQ, Batch, Fail, read_batch
+from analysis.dsa_stream import DEFAULT_TOPK, dir_block_size
+from analysis.dsa_tree import block_dirs, read_summary, shard_files
+
+READ_CHUNK = 4 << 20  # bytes of a shard read at once
+CHUNK_BINS = 1 << 22  # occupancy bins per check_batch call (as the validator)
+
+
+@dataclass
+class TraceInfo:
+    """What a block directory says about its trace beyond the records (summary.json,
+    serving.jsonl); every value says where it came from."""
+
+    folder: Path
+    block_size: int | None
+    topk: int
+    topk_from: str
+    bytes_per_token: int | None
+    prefix_key_tokens: int | None  # K: a request's prefix is its first min(K, prompt) tokens
+    prompt_tokens: dict[int, int] = field(default_factory=dict)  # serving.jsonl
+    arrival_ms: dict[int, float] = field(default_factory=dict)
+    end_ms: dict[int, float] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def trace_info(folder: Path, topk: int | None = None) -> TraceInfo:
+    summary, _ = read_summary(folder / "summary.json")
+    config = summary.get("config") if isinstance(summary.get("config"), dict) else {}
+    assert isinstance(config, dict)
+    k_top = topk or _int(config.get("index_topk"))
+    info = TraceInfo(
+        folder=folder,
+        block_size=_int(config.get("kv_block_size_tokens")) or dir_block_size(f"{folder}/x"),
+        topk=k_top or DEFAULT_TOPK,
+        topk_from=(
+            "--topk"
+            if topk
+            else "summary.json config.index_topk"
+            if k_top
+            else f"the seed's production top-{DEFAULT_TOPK} (no summary.json config.index_topk)"
+        ),
+        bytes_per_token=_int(config.get("kv_bytes_per_token"), zero=True),
+        prefix_key_tokens=_int(config.get("trace_prefix_key_tokens")),
+        summary=summary,
+    )
+    serving = folder / "serving.jsonl"
+    if serving.is_file():
+        for n, line in enumerate(serving.read_text(encoding="utf-8").splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                entry = json.loads(line)
+                rid = int(entry["request_id"])
+                info.arrival_ms[rid] = float(entry["arrival_ms"])
+                info.end_ms[rid] = float(entry["end_ms"])
+                if "prompt_tokens" in entry:
+                    info.prompt_tokens[rid] = int(entry["prompt_tokens"])
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{serving}:{n}: not a serving entry ({exc})") from None
+    return info
+
+
+@dataclass
+class Scanned:
+    """One chunk of one shard: its parsed rows, which are valid, and why the others are not."""
+
+    file: Path
+    lines: list[bytes]  # the chunk's raw lines (lines[i] is line first_line + i)
+    first_line: int
+    batch: Batch
+    derived: Derived
+    valid: np.ndarray  # per batch row
+    bad: list[tuple[int, Fail, tuple[int, int, int] | None]]  # lines that parsed to no record
+
+    def fail(self, row: int) -> Fail:
+        return explain(self.derived, row)
+
+    def raw(self, line: int) -> bytes:
+        return self.lines[line - self.first_line]
+
+
+def scan_block(info: TraceInfo, chunk: int = READ_CHUNK) -> Iterator[Scanned]:
+    """Every shard of a block directory, in request order, as judged chunks."""
+    for path in shard_files(info.folder):
+        yield from scan_file(info, path, chunk)
+
+
+def scan_file(info: TraceInfo, path: Path, chunk: int = READ_CHUNK) -> Iterator[Scanned]:
+    line_no = 1
+    rest = b""
+    with open(path, "rb") as fh:
+        while True:
+            data = fh.read(chunk)
+            if not data:
+                break
+            data = rest + data
+            cut = data.rfind(b"\n")
+            if cut < 0:
+                rest = data
+                continue
+            lines = data[:cut].split(b"\n")
+            rest = data[cut + 1 :]
+            yield from _judge(info, path, lines, line_no)
+            line_no += len(lines)
+    if rest:  # a torn last line: a record that is none, named like the validator does
+        fail = Fail(
+            "record",
+            "a complete line ending in a newline",
+            f"{len(rest)} bytes with no newline (the writer stopped mid-line)",
+        )
+        empty = read_batch([], line_no)
+        d = check_batch(empty, Context(info.topk, info.block_size or 1, info.bytes_per_token))
+        yield Scanned(path, [rest], line_no, empty, d, np.ones(0, bool), [(line_no, fail, None)])
+
+
+def _judge(info: TraceInfo, path: Path, lines: list[bytes], first: int) -> Iterator[Scanned]:
+    batch = read_batch(lines, first)
+    n = len(batch)
+    if info.block_size is None and n:
+        info.block_size = int(batch.col["bs"][0])
+    bs = info.block_size or 1
+    if info.bytes_per_token is None and n:
+        info.bytes_per_token = learn_bytes(batch.col, bs)
+    ctx = Context(info.topk, bs, info.bytes_per_token)
+    bad = list(batch.bad)
+    for r0, r1 in _row_runs(batch, bs):
+        sub = batch if (r0, r1) == (0, n) else batch.sub(r0, r1)
+        d = check_batch(sub, ctx)
+        # the unreadable lines go with the run whose lines surround them (all with the last)
+        last = r1 == n
+        hi = sub.lines[-1] if sub.lines and not last else None
+        mine = [b for b in bad if hi is None or b[0] <= hi]
+        bad = [b for b in bad if b not in mine]
+        yield Scanned(path, lines, first, sub, d, d.code == 0, mine)
+    if n == 0:
+        d = check_batch(batch, ctx)
+        yield Scanned(path, lines, first, batch, d, np.ones(0, bool), bad)
+
+
+def learn_bytes(c: dict[str, np.ndarray], bs: int) -> int | None:
+    """KV bytes per token from the first record that shows it (bytes_read / (blocks x size))."""
+    for ub, nbytes in zip(c["ublocks"], c["bytes"], strict=True):
+        if ub > 0 and nbytes >= 0:
+            per = int(ub) * bs
+            return int(nbytes // per) if nbytes % per == 0 else None
+    return None
+
+
+def _row_runs(batch: Batch, bs: int) -> list[tuple[int, int]]:
+    """Rows in runs whose occupancy bins stay under CHUNK_BINS (bounded memory)."""
+    n = len(batch)
+    if not n:
+        return []
+    seq = np.clip(batch.col["seq"], 1, MAX_SEQ)
+    span = (-(-seq // bs)) * bs
+    if int(span.sum()) <= CHUNK_BINS:
+        return [(0, n)]
+    out, r0, acc = [], 0, 0
+    for r, s in enumerate(span.tolist()):
+        if acc and acc + s > CHUNK_BINS:
+            out.append((r0, r))
+            r0, acc = r, 0
+        acc += s
+    out.append((r0, n))
+    return out
+
+
+def trace_folders(root: Path) -> list[Path]:
+    """The block<N>/ directories of a --trace-out directory (or the one given)."""
+    return block_dirs(Path(root))
+
+
+def _int(value: Any, zero: bool = False) -> int | None:
+    ok = (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and (value >= 0 if zero else value > 0)
+    )
+    return value if ok else None

@@ -1,0 +1,644 @@
+"""Block-size what-if: seed 004's B/C/D fields recomputed from selected_token_pos at other sizes.
+
+A record keeps the exact positions DSA selected, so every block-level field at block size b
+follows from them (seed 3.2-3.4): block_id = pos // b, the touched blocks and their token
+counts, total_blocks_in_use = ceil(seq_len_current / b), bytes_read = blocks x b x the
+trace's KV bytes per token, and the prefix intersection with the first prefix_cached_blocks
+blocks. Percentiles are numpy's default (linear), as the reference engine writes them.
+
+The prefix region is the request's first P tokens, P = min(prompt tokens, prefix key tokens);
+a record only says prefix_cached_blocks = ceil(P / b0) at its own block size b0, so P is known
+to lie in ((pcb - 1) b0, pcb b0] (and <= summary.json's trace_prefix_key_tokens); serving.jsonl's
+prompt_tokens pins it exactly. At a size where that range gives more than one
+ceil(P / b), the prefix fields are undetermined: counted and said, never guessed.
+
+Everything is folded into bounded histograms (never a list of records).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from analysis.dsa_record import Batch, Ragged
+from analysis.dsa_scan import Scanned, TraceInfo
+
+Q50, Q95 = 0.5, 0.95
+RATIO_DIGITS = 4  # ratios are kept to 4 decimals in the distributions
+
+
+@dataclass
+class Rows:
+    """Per-record results at one block size (rows of a batch, in order)."""
+
+    block_size: int
+    blocks: Ragged  # selected_block_ids (sorted)
+    unique_blocks: np.ndarray
+    total_blocks: np.ndarray
+    ratio: np.ndarray
+    tpb_mean: np.ndarray
+    tpb_p50: np.ndarray
+    tpb_p95: np.ndarray
+    counts: Ragged  # tokens in each touched block, in block order
+    bytes_read: np.ndarray
+    pcb: np.ndarray  # prefix_cached_blocks; -1 where undetermined
+    inter: Ragged  # intersection_blocks (empty where undetermined)
+    inter_ratio: np.ndarray  # NaN where undetermined
+
+
+def sorted_positions(batch: Batch, rows: np.ndarray, derived: Any = None) -> Ragged:
+    """The rows' positions, each row sorted: read off the validator's occupancy bins when
+    given (analysis.dsa_checks.Derived: one bool per position of every row's span, so the set
+    bins in order are the positions in order, no sort), else one sort for the whole batch.
+    The rows must be valid (distinct positions, in range)."""
+    pos = batch.pos
+    if derived is not None:
+        d = derived
+        nz = np.flatnonzero(d.occ)
+        per_row = d.ccum[d.block_base + d.total_blocks] - d.ccum[d.block_base]
+        owner = np.repeat(np.arange(len(d.base)), per_row)
+        keep = np.zeros(len(d.base), dtype=bool)
+        keep[rows] = True
+        mine = keep[owner]
+        return Ragged(nz[mine] - d.base[owner[mine]], pos.lens[rows])
+    lens = pos.lens[rows]
+    if len(rows) == len(pos) and len(rows) and (lens == lens[0]).all():
+        flat = np.sort(pos.flat.reshape(len(rows), -1), axis=1).ravel()
+        return Ragged(flat, lens)
+    parts = [pos[int(r)] for r in rows]
+    if not parts:
+        return Ragged(np.zeros(0, np.int64), lens)
+    flat = np.concatenate(parts)
+    rowid = np.repeat(np.arange(len(rows), dtype=np.int64), lens)
+    span = int(flat.max()) + 1 if len(flat) else 1
+    keyed = np.sort(rowid * span + flat)
+    return Ragged(keyed - rowid * span, lens)
+
+
+def prefix_range(
+    pcb: np.ndarray, b0: int, key_tokens: int | None, prompt: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """[lo, hi] of each record's prefix length in tokens (see the module's doc)."""
+    lo = np.where(pcb > 0, (pcb - 1) * b0 + 1, 0)
+    hi = pcb * b0
+    if key_tokens is not None:
+        hi = np.minimum(hi, key_tokens)
+    if prompt is not None:  # -1: not known
+        p = prompt if key_tokens is None else np.minimum(prompt, key_tokens)
+        exact = (prompt >= 0) & (p >= lo) & (p <= hi)
+        lo = np.where(exact, p, lo)
+        hi = np.where(exact, p, hi)
+    return lo, hi
+
+
+def at_block_size(
+    spos: Ragged, seq: np.ndarray, b: int, bpt: int, plo: np.ndarray, phi: np.ndarray
+) -> Rows:
+    """The B/C/D fields of every row at block size b, from its sorted positions."""
+    flat, lens, starts = spos.flat, spos.lens, spos.starts
+    q = flat >> (b.bit_length() - 1) if b & (b - 1) == 0 else flat // b
+    new = np.ones(len(q), dtype=bool)
+    if len(q) > 1:
+        new[1:] = q[1:] != q[:-1]
+    new[starts[lens > 0]] = True
+    ub = _segsum(new, starts, lens)
+    run_starts = np.flatnonzero(new)
+    counts = np.diff(np.append(run_starts, len(q)))
+    return _rows(Ragged(q[run_starts], ub), counts, lens, seq, b, bpt, plo, phi)
+
+
+_NIBBLE = np.array([bin(i & 15).count("1") for i in range(256)], dtype=np.int64)
+_HIGH = np.array([bin(i >> 4).count("1") for i in range(256)], dtype=np.int64)
+
+
+def block_counts(d: Any, b: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Positions per block of size b for every row of a checked batch, read off the
+    validator's occupancy (analysis.dsa_checks.Derived) without touching the positions: for a
+    b that divides the recorded size, from the packed bins (bit counts); for a multiple of
+    it, from the recorded size's counts. (counts, blocks per row), rows back to back; None
+    for a b that is neither."""
+    b0 = d.block_size
+    if b0 % b == 0:
+        nb = d.total_blocks * (b0 // b)
+        if d.words is not None and b >= 8:
+            word = {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}.get(b)
+            if word is not None:
+                return np.bitwise_count(d.words.view(word)).astype(np.int64), nb
+            per_byte = np.bitwise_count(d.words.view(np.uint8)).astype(np.int64)
+            return per_byte.reshape(-1, b // 8).sum(axis=1), nb
+        if d.words is not None and b == 4:
+            bytes_ = d.words.view(np.uint8)
+            return np.stack([_NIBBLE[bytes_], _HIGH[bytes_]], axis=1).ravel(), nb
+        return d.occ.view(np.uint8).reshape(-1, b).sum(axis=1, dtype=np.int64), nb
+    if b % b0 == 0:
+        m = b // b0
+        nb = -(-d.total_blocks // m)
+        base = np.zeros(len(nb), dtype=np.int64)
+        if len(nb) > 1:
+            np.cumsum(nb[:-1], out=base[1:])
+        local = np.arange(len(d.counts)) - np.repeat(d.block_base, d.total_blocks)
+        index = np.repeat(base, d.total_blocks) + local // m
+        counts = np.bincount(index, weights=d.counts, minlength=int(nb.sum()))
+        return counts.astype(np.int64), nb
+    return None
+
+
+def at_block_size_counted(
+    counts_all: np.ndarray,
+    nb: np.ndarray,
+    lens: np.ndarray,
+    seq: np.ndarray,
+    b: int,
+    bpt: int,
+    plo: np.ndarray,
+    phi: np.ndarray,
+) -> Rows:
+    """The B/C/D fields of every row from its positions per block (block_counts)."""
+    base = np.zeros(len(nb), dtype=np.int64)
+    if len(nb) > 1:
+        np.cumsum(nb[:-1], out=base[1:])
+    touched = counts_all > 0
+    idx = np.flatnonzero(touched)
+    ub = _segsum(touched, base, nb)
+    local = idx - np.repeat(base, ub)
+    return _rows(Ragged(local, ub), counts_all[idx], lens, seq, b, bpt, plo, phi)
+
+
+def _rows(
+    blocks: Ragged,
+    counts: np.ndarray,
+    lens: np.ndarray,
+    seq: np.ndarray,
+    b: int,
+    bpt: int,
+    plo: np.ndarray,
+    phi: np.ndarray,
+) -> Rows:
+    ub = blocks.lens
+    tb = -(-seq // b)
+    safe = np.maximum(ub, 1)
+    # prefix_cached_blocks at b: one value when ceil(lo / b) == ceil(hi / b)
+    pc_lo, pc_hi = -(-plo // b), -(-phi // b)
+    known = pc_lo == pc_hi
+    pcb = np.where(known, pc_lo, -1)
+    in_prefix = blocks.flat < np.repeat(np.where(known, pcb, 0), ub)
+    ilens = _segsum(in_prefix, blocks.starts, ub)
+    inter = Ragged(blocks.flat[in_prefix], ilens)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        inter_ratio = np.where(known, ilens / safe, np.nan)
+    p50, p95 = _row_percentiles(counts, ub, b)
+    return Rows(
+        block_size=b,
+        blocks=blocks,
+        unique_blocks=ub,
+        total_blocks=tb,
+        ratio=ub / np.maximum(tb, 1),
+        tpb_mean=lens / safe,
+        tpb_p50=p50,
+        tpb_p95=p95,
+        counts=Ragged(counts, ub),
+        bytes_read=ub * b * bpt,
+        pcb=pcb,
+        inter=inter,
+        inter_ratio=inter_ratio,
+    )
+
+
+def _segsum(mask: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    if len(mask) == 0:
+        return np.zeros(len(lens), dtype=np.int64)
+    sums = np.add.reduceat(mask, np.minimum(starts, len(mask) - 1), dtype=np.int64)
+    return np.where(lens > 0, sums, 0)
+
+
+def _row_percentiles(counts: np.ndarray, n: np.ndarray, b: int) -> tuple[np.ndarray, np.ndarray]:
+    """numpy's linear percentile (bit for bit: its index, weight and lerp) of each row's counts
+    (each count is 1..b: the k-th smallest is read off the row's histogram of counts, no sort)."""
+    rowid = np.repeat(np.arange(len(n), dtype=np.int64), n)
+    hist = np.bincount(rowid * (b + 1) + counts, minlength=len(n) * (b + 1))
+    cum = hist.reshape(len(n), b + 1).cumsum(axis=1)
+    # every row's running counts, shifted past the row before: one sorted array to search
+    shift = np.arange(len(n), dtype=np.int64) * (int(cum[:, -1].max(initial=0)) + 1)
+    flat = (cum + shift[:, None]).ravel()
+    first = np.arange(len(n), dtype=np.int64) * (b + 1)
+
+    def kth(k: np.ndarray) -> np.ndarray:  # 0-based rank -> value: the counts <= it
+        return np.searchsorted(flat, k + shift, side="right") - first
+
+    out = []
+    for q in (Q50, Q95):
+        v = (n - 1) * q  # numpy: (n - 1) * quantiles
+        prev = np.floor(v)
+        above = v >= n - 1
+        i0 = np.where(above, n - 1, prev.astype(np.int64))
+        i1 = np.where(above, n - 1, i0 + 1)
+        a, z = kth(np.maximum(i0, 0)), kth(np.maximum(i1, 0))
+        t = v - np.where(above, -1.0, prev)
+        d = z - a
+        res = np.where(t >= 0.5, z - d * (1 - t), a + d * t)
+        out.append(np.where(n > 0, res, np.nan))
+    return out[0], out[1]
+
+
+# -- the distributions -------------------------------------------------------------------------
+
+
+@dataclass
+class SizeAgg:
+    """Bounded histograms of one block size's fields over the records used."""
+
+    block_size: int
+    records: int = 0
+    unique_blocks: Counter[int] = field(default_factory=Counter)
+    ratio: Counter[float] = field(default_factory=Counter)
+    ratio_sum: float = 0.0
+    tpb: Counter[int] = field(default_factory=Counter)  # pooled over touched blocks
+    tpb_p50: Counter[float] = field(default_factory=Counter)
+    inter_ratio: Counter[float] = field(default_factory=Counter)
+    inter_sum: float = 0.0
+    prefix_undetermined: int = 0
+    bytes_total: int = 0
+
+    def add(self, rows: Rows) -> None:
+        self.records += len(rows.unique_blocks)
+        _bump_ints(self.unique_blocks, rows.unique_blocks)
+        r = np.round(rows.ratio, RATIO_DIGITS)
+        _bump(self.ratio, r)
+        self.ratio_sum += float(rows.ratio.sum())
+        _bump_ints(self.tpb, rows.counts.flat)
+        _bump(self.tpb_p50, rows.tpb_p50)
+        known = np.isfinite(rows.inter_ratio)
+        self.prefix_undetermined += int((~known).sum())
+        ir = rows.inter_ratio[known]
+        _bump(self.inter_ratio, np.round(ir, RATIO_DIGITS))
+        self.inter_sum += float(ir.sum())
+        self.bytes_total += int(rows.bytes_read.sum())
+
+    def result(self, bpt: int | None) -> dict[str, Any]:
+        ub = stats(self.unique_blocks)
+        nbytes = None
+        if bpt is not None and ub["count"]:
+            per = self.block_size * bpt
+            nbytes = {k: (v * per if k != "count" and v is not None else v) for k, v in ub.items()}
+            nbytes["total"] = self.bytes_total
+        return {
+            "block_size": self.block_size,
+            "records": self.records,
+            "unique_blocks": ub,
+            "touched_block_ratio": stats(self.ratio, self.ratio_sum),
+            "tokens_per_touched_block": stats(self.tpb),
+            "tokens_per_touched_block_p50": stats(self.tpb_p50),
+            "bytes_read": nbytes,
+            "prefix_intersection_ratio": stats(self.inter_ratio, self.inter_sum),
+            "prefix_undetermined": self.prefix_undetermined,
+            "hist": {
+                "touched_block_ratio": histogram(self.ratio, 0.0, 1.0),
+                "unique_blocks": histogram(self.unique_blocks),
+            },
+        }
+
+
+def _bump(counter: Counter[Any], values: np.ndarray) -> None:
+    if len(values) == 0:
+        return
+    vals, cnt = np.unique(values, return_counts=True)
+    for v, c in zip(vals.tolist(), cnt.tolist(), strict=True):
+        counter[v] += c
+
+
+def _bump_ints(counter: Counter[int], values: np.ndarray) -> None:
+    if len(values) == 0:
+        return
+    hist = np.bincount(values)
+    for v in np.flatnonzero(hist).tolist():
+        counter[v] += int(hist[v])
+
+
+def stats(counter: Counter[Any], total: float | None = None) -> dict[str, Any]:
+    """{count, min, p50, p95, max, mean} of a histogram (linear percentiles)."""
+    items = sorted(counter.items())
+    n = sum(c for _, c in items)
+    if n == 0:
+        return {"count": 0, "min": None, "p50": None, "p95": None, "max": None, "mean": None}
+    s = total if total is not None else sum(v * c for v, c in items)
+    return {
+        "count": n,
+        "min": items[0][0],
+        "p50": _pct(items, n, Q50),
+        "p95": _pct(items, n, Q95),
+        "max": items[-1][0],
+        "mean": s / n,
+    }
+
+
+def _pct(items: list[tuple[Any, int]], n: int, q: float) -> float:
+    rank = (n - 1) * q
+    lo_r, hi_r = int(np.floor(rank)), int(np.ceil(rank))
+    lo = hi = None
+    seen = 0
+    for value, count in items:
+        if lo is None and lo_r < seen + count:
+            lo = value
+        if hi_r < seen + count:
+            hi = value
+            break
+        seen += count
+    assert lo is not None and hi is not None
+    return float(lo + (hi - lo) * (rank - lo_r))
+
+
+def histogram(
+    counter: Counter[Any], lo: float | None = None, hi: float | None = None, bins: int = 10
+) -> list[list[float]]:
+    """[[bin start, bin end, count], ...] over [lo, hi] (the data's range when not given)."""
+    if not counter:
+        return []
+    lo = min(counter) if lo is None else lo
+    hi = max(counter) if hi is None else hi
+    width = (hi - lo) / bins if hi > lo else 1.0
+    out = [[lo + i * width, lo + (i + 1) * width, 0] for i in range(bins)]
+    for v, c in counter.items():
+        i = min(int((v - lo) / width), bins - 1) if hi > lo else 0
+        out[max(i, 0)][2] += c
+    return out
+
+
+# -- a whole trace -----------------------------------------------------------------------------
+
+
+@dataclass
+class WhatIf:
+    """Folds judged chunks into one SizeAgg per block size (the recorded size is checked too)."""
+
+    info: TraceInfo
+    sizes: list[int]
+    aggs: dict[int, SizeAgg] = field(default_factory=dict)
+    records: int = 0
+    used: int = 0
+    invalid: int = 0
+    first_invalid: str | None = None
+    recorded_equal: int = 0  # records whose recorded B/C/D fields equal the recomputation
+    recorded_differ: int = 0
+    first_differ: str | None = None
+    percentile_method: int = 0  # records whose tpb p50/p95 are another method's (see _compare)
+
+    def __post_init__(self) -> None:
+        self.aggs = {b: SizeAgg(b) for b in self.sizes}
+
+    def feed(self, s: Scanned) -> None:
+        b = s.batch
+        self.records += len(b) + len(s.bad)
+        rows = np.flatnonzero(s.valid)
+        bad = len(b) - len(rows) + len(s.bad)
+        self.invalid += bad
+        if bad and self.first_invalid is None:
+            if s.bad:
+                line, fail, _ = s.bad[0]
+            else:
+                r = int(np.flatnonzero(~s.valid)[0])
+                line, fail = b.lines[r], s.fail(r)
+            self.first_invalid = (
+                f"{s.file}:{line}: {fail.field}: expected {fail.expected}, found {fail.found}"
+            )
+        if not len(rows):
+            return
+        self.used += len(rows)
+        b0 = self.info.block_size
+        wanted = self.sizes if b0 is None or b0 in self.sizes else [*self.sizes, b0]
+        got = compute(self.info, b, rows, wanted, s.derived)
+        for b_size in self.sizes:
+            self.aggs[b_size].add(got[b_size])
+        if b0 is not None:
+            self._compare(s, rows, got[b0])
+
+    def _compare(self, s: Scanned, rows: np.ndarray, own: Rows) -> None:
+        """The recorded B/C/D fields against the recomputation at the recorded size, per row
+        (all rows at once; names only for the first row that differs)."""
+        c = {k: v[rows] for k, v in s.batch.col.items()}
+        recorded = s.batch.blocks
+        inter = s.batch.inter
+        checks = {
+            "selected_block_ids": _same_rows(_take(recorded, rows), own.blocks),
+            "unique_blocks": c["ublocks"] == own.unique_blocks,
+            "tokens_per_touched_block.mean": c["tpb_mean"] == own.tpb_mean,
+            "kv_fetch.hbm.bytes_read": c["bytes"] == own.bytes_read,
+            "prefix.prefix_cached_blocks": c["pcb"] == own.pcb,
+            "prefix.intersection_ratio": c["ratio"] == own.inter_ratio,
+            "total_blocks_in_use": ~c["has_total"] | (c["total_blocks"] == own.total_blocks),
+            "touched_block_ratio": np.isnan(c["tbr"]) | (c["tbr"] == own.ratio),
+            "prefix.intersection_blocks": _same_rows(_take(inter, rows), own.inter),
+        }
+        ok = np.logical_and.reduce(list(checks.values()))
+        # the seed names no percentile method (the validator accepts any between the
+        # bracketing order statistics): another method's p50/p95 is counted, not a difference
+        method = (c["tpb_p50"] != own.tpb_p50) | (c["tpb_p95"] != own.tpb_p95)
+        self.percentile_method += int(method.sum())
+        self.recorded_equal += int(ok.sum())
+        bad = np.flatnonzero(~ok)
+        if len(bad):
+            self.recorded_differ += len(bad)
+            if self.first_differ is None:
+                i = int(bad[0])
+                names = [name for name, v in checks.items() if not v[i]]
+                line = s.batch.lines[int(rows[i])]
+                self.first_differ = f"{s.file}:{line}: {', '.join(names)}"
+
+    def result(self) -> dict[str, Any]:
+        bpt = self.info.bytes_per_token
+        return {
+            "dir": str(self.info.folder),
+            "block_size": self.info.block_size,
+            "bytes_per_token": bpt,
+            "prefix_key_tokens": self.info.prefix_key_tokens,
+            "prompt_tokens_from": "serving.jsonl" if self.info.prompt_tokens else None,
+            "records": self.records,
+            "used": self.used,
+            "invalid": self.invalid,
+            "first_invalid": self.first_invalid,
+            "recorded_equal": self.recorded_equal,
+            "recorded_differ": self.recorded_differ,
+            "first_differ": self.first_differ,
+            "percentile_method": self.percentile_method,
+            "sizes": [self.aggs[b].result(bpt) for b in self.sizes],
+        }
+
+
+def whatif_dir(folder: str, sizes: list[int], topk: int | None = None) -> dict[str, Any]:
+    """The what-if of one block directory, streamed (a top-level function: a worker process
+    can run it)."""
+    from pathlib import Path
+
+    from analysis.dsa_scan import scan_block, trace_info
+
+    info = trace_info(Path(folder), topk)
+    w = WhatIf(info, sizes)
+    for chunk in scan_block(info):
+        w.feed(chunk)
+    return w.result()
+
+
+def _take(r: Ragged, rows: np.ndarray) -> Ragged:
+    if len(rows) == len(r) and (rows == np.arange(len(r))).all():
+        return r
+    return Ragged.of([r[int(i)] for i in rows])
+
+
+def _same_rows(a: Ragged, b: Ragged) -> np.ndarray:
+    """Per row: the same integers in the same order."""
+    same_len = a.lens == b.lens
+    if same_len.all() and len(a.flat) == len(b.flat):
+        diff = a.flat != b.flat
+        return same_len & (_segsum(diff, a.starts, a.lens) == 0)
+    return np.array([np.array_equal(a[i], b[i]) for i in range(len(a))], dtype=bool)
+
+
+def compute(
+    info: TraceInfo, batch: Batch, rows: np.ndarray, sizes: list[int], derived: Any = None
+) -> dict[int, Rows]:
+    """The fields at each block size for the given (valid) rows of a batch (derived: the
+    validator's Derived for the batch, whose occupancy gives the sorted positions)."""
+    c = batch.col
+    seq = c["seq"][rows]
+    prompt = None
+    if info.prompt_tokens:
+        get = info.prompt_tokens.get
+        prompt = np.array([get(int(q), -1) for q in c["request"][rows]], dtype=np.int64)
+    b0 = info.block_size or int(c["bs"][rows[0]])
+    plo, phi = prefix_range(c["pcb"][rows], b0, info.prefix_key_tokens, prompt)
+    bpt = info.bytes_per_token or 0
+    out: dict[int, Rows] = {}
+    spos: Ragged | None = None
+    every = derived is not None and len(rows) == len(batch)
+    for b in sizes:
+        counted = block_counts(derived, b) if every else None
+        if counted is not None:
+            out[b] = at_block_size_counted(*counted, batch.pos.lens, seq, b, bpt, plo, phi)
+            continue
+        if spos is None:
+            spos = sorted_positions(batch, rows, derived)
+        out[b] = at_block_size(spos, seq, b, bpt, plo, phi)
+    return out
+
+
+# -- text ----------------------------------------------------------------------------------------
+
+
+def format_whatif(result: dict[str, Any]) -> str:
+    sizes = result["sizes"]
+    head = [
+        f"DSA block-size what-if {result['dir']}: recorded at block size {result['block_size']}, "
+        f"{result['used']} of {result['records']} records used",
+    ]
+    if result["invalid"]:
+        head.append(
+            f"  {result['invalid']} invalid records left out (first: {result['first_invalid']}); "
+            "`tracedeck analyze` judges the whole trace"
+        )
+    if result["recorded_differ"]:
+        head.append(
+            f"  at the recorded size, {result['recorded_differ']} records' B/C/D fields differ from "
+            f"the recomputation from selected_token_pos (first: {result['first_differ']})"
+        )
+    else:
+        head.append(
+            f"  at the recorded size, every B/C/D field of the {result['recorded_equal']} records "
+            "used equals the recomputation from selected_token_pos"
+        )
+    if result["percentile_method"]:
+        head.append(
+            f"  {result['percentile_method']} records write tokens_per_touched_block p50/p95 "
+            "by another percentile method than numpy's linear (used here at every size)"
+        )
+    bpt = result["bytes_per_token"]
+    head.append(
+        f"  bytes_read at {bpt} KV bytes per token"
+        if bpt
+        else "  bytes_read: the trace shows no KV bytes per token (DS_TRACE_KV_BYTES_PER_TOKEN unset)"
+    )
+    rows: list[tuple[str, list[str]]] = []
+    metrics = [
+        ("unique_blocks", "unique_blocks"),
+        ("touched_block_ratio", "touched_block_ratio"),
+        ("tokens/touched block", "tokens_per_touched_block"),
+        ("bytes_read", "bytes_read"),
+        ("prefix ∩ ratio", "prefix_intersection_ratio"),
+    ]
+    for label, key in metrics:
+        for stat in ("p50", "p95", "mean", "max"):
+            cells = []
+            for s in sizes:
+                st = s[key]
+                v = None if st is None else st.get(stat)
+                cells.append(_cell(v))
+            rows.append((f"{label} {stat}", cells))
+    undet = [str(s["prefix_undetermined"]) for s in sizes]
+    if any(u != "0" for u in undet):
+        rows.append(("prefix undetermined", undet))
+    width = max(len(r[0]) for r in rows)
+    col = max(10, *(len(c) for _, cells in rows for c in cells))
+    lines = [*head, ""]
+    lines.append(
+        " " * width + "  " + "".join(f"{'block ' + str(s['block_size']):>{col + 2}}" for s in sizes)
+    )
+    for label, cells in rows:
+        lines.append(f"{label:<{width}}  " + "".join(f"{c:>{col + 2}}" for c in cells))
+    lines.append("")
+    lines.append("touched_block_ratio histogram (records per tenth):")
+    lines += side_by_side_hist(sizes, "touched_block_ratio")
+    return "\n".join(lines)
+
+
+def side_by_side_hist(sizes: list[dict[str, Any]], key: str, bar: int = 14) -> list[str]:
+    hists = [s["hist"][key] for s in sizes]
+    if not any(hists):
+        return ["  (no records)"]
+    peak = max((h[2] for hist in hists for h in hist), default=1) or 1
+    out = ["        " + "".join(f"{'block ' + str(s['block_size']):<{bar + 2}}" for s in sizes)]
+    for i in range(max(len(h) for h in hists)):
+        lo = next(h[i][0] for h in hists if len(h) > i)
+        cells = []
+        for h in hists:
+            n = h[i][2] if len(h) > i else 0
+            cells.append(f"{'#' * round(bar * n / peak):<{bar}}  ")
+        out.append(f"  {lo:4.1f}  " + "".join(cells))
+    return out
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float) and not v.is_integer():
+        return f"{v:.4g}" if abs(v) < 1e6 else f"{v:.4e}"
+    return f"{int(v)}"
+
+
+def record_fields(rows: Rows, i: int) -> dict[str, Any]:
+    """Row i's recomputed fields under the seed's names (5.2; None where undetermined)."""
+    ub = int(rows.unique_blocks[i])
+    blocks = rows.blocks[i].tolist()
+    known = rows.pcb[i] >= 0
+    return {
+        "block_size_tokens": rows.block_size,
+        "selected_block_ids": blocks,
+        "unique_blocks": ub,
+        "total_blocks_in_use": int(rows.total_blocks[i]),
+        "touched_block_ratio": float(rows.ratio[i]),
+        "tokens_per_touched_block": {
+            "mean": float(rows.tpb_mean[i]),
+            "p50": float(rows.tpb_p50[i]),
+            "p95": float(rows.tpb_p95[i]),
+        },
+        "kv_fetch.hbm": {
+            "hit_blocks": blocks,
+            "bytes_read": int(rows.bytes_read[i]),
+            "batch_size": ub,
+        },
+        "prefix": {
+            "prefix_cached_blocks": int(rows.pcb[i]) if known else None,
+            "intersection_ratio": float(rows.inter_ratio[i]) if known else None,
+            "intersection_blocks": rows.inter[i].tolist() if known else None,
+        },
+    }

@@ -1,0 +1,295 @@
+"""`tracedeck export` and `tracedeck dsa whatif|tiers`: a collected DSA trace turned into answers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from runners.exits import EXIT_USAGE
+
+DEFAULT_SIZES = "4,8,16,64,128"
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    export = sub.add_parser(
+        "export", help="write a DSA trace's records as parquet or csv (invalid ones marked)"
+    )
+    export.add_argument("dir", type=Path, help="a DSA --trace-out directory or one block<N>/")
+    export.add_argument("--format", choices=("parquet", "csv"), default="parquet")
+    export.add_argument(
+        "--output", type=Path, help="file to write (default: DIR/<block>.<format> beside it)"
+    )
+    export.add_argument("--topk", type=int, help="top-k when summary.json does not say")
+
+    dsa = sub.add_parser("dsa", help="DSA trace data tools: block-size what-if, KV-tier simulator")
+    tools = dsa.add_subparsers(dest="dsa_command", required=True)
+    whatif = tools.add_parser(
+        "whatif", help="seed 004's block fields recomputed at other block sizes, from one trace"
+    )
+    whatif.add_argument("dir", type=Path)
+    whatif.add_argument("--block-sizes", default=DEFAULT_SIZES, help=f"(default {DEFAULT_SIZES})")
+    whatif.add_argument("--topk", type=int, help="top-k when summary.json does not say")
+    whatif.add_argument("--json", action="store_true", help="print the result as JSON")
+
+    tiers = tools.add_parser(
+        "tiers", help="replay the block accesses through an HBM tier of N blocks over a remote pool"
+    )
+    tiers.add_argument("dir", type=Path)
+    tiers.add_argument(
+        "--hbm-blocks", required=True, help="HBM capacity in blocks: N, or N1,N2,... for a curve"
+    )
+    tiers.add_argument(
+        "--sweep", action="store_true", help="capacities 1, 2, 4, ... up to the largest N"
+    )
+    tiers.add_argument("--policy", choices=("lru", "lfu", "prefix-pinned"), default="lru")
+    tiers.add_argument(
+        "--remote-latency-us",
+        type=float,
+        default=50.0,
+        help="per remote batch_get (an assumption; default 50)",
+    )
+    tiers.add_argument(
+        "--bandwidth-gbs",
+        type=float,
+        default=25.0,
+        help="remote pool bandwidth in GB/s (an assumption; default 25)",
+    )
+    tiers.add_argument(
+        "--block-size", type=int, help="replay at another block size (from the positions)"
+    )
+    tiers.add_argument(
+        "--kv-bytes-per-token", type=int, help="when the trace does not show it (bytes_read 0)"
+    )
+    tiers.add_argument("--topk", type=int, help="top-k when summary.json does not say")
+    tiers.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def sizes_of(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part.isdigit() or int(part) < 1:
+            raise ValueError(f"--block-sizes: {part!r} is not a block size (an integer >= 1)")
+        if int(part) not in out:
+            out.append(int(part))
+    if not out:
+        raise ValueError("--block-sizes: give at least one block size")
+    return out
+
+
+def _err(message: str) -> None:
+    print(f"tracedeck: {message}", file=sys.stderr)
+
+
+def _folders(path: Path) -> list[Path] | None:
+    from analysis.dsa_scan import trace_folders
+    from analysis.dsa_tree import NotATrace
+
+    if not path.is_dir():
+        _err(f"{path}: no such directory; pass a DSA --trace-out directory or one block<N>/ in it")
+        return None
+    try:
+        return trace_folders(path)
+    except NotATrace as exc:
+        _err(str(exc))
+        return None
+
+
+def _outputs(folders: list[Path], output: Path | None, fmt: str) -> list[Path] | str:
+    """Where each block directory's export goes (or why it cannot)."""
+    if output is None:
+        return [f.parent / f"{f.name}.{fmt}" for f in folders]
+    if len(folders) == 1 and not output.is_dir():
+        return [output]
+    if output.exists() and not output.is_dir():
+        return f"--output {output}: {len(folders)} block directories need a directory to go in"
+    output.mkdir(parents=True, exist_ok=True)
+    return [output / f"{f.name}.{fmt}" for f in folders]
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Exit 0: every record exported and valid; 1: exported, some marked invalid; 2: usage."""
+    from analysis.dsa_scan import trace_info
+
+    folders = _folders(args.dir)
+    if folders is None:
+        return EXIT_USAGE
+    outs = _outputs(folders, args.output, args.format)
+    if isinstance(outs, str):
+        _err(outs)
+        return EXIT_USAGE
+    any_invalid = False
+    for folder, out in zip(folders, outs, strict=True):
+        if out.resolve().is_relative_to(folder.resolve()):
+            _err(f"--output {out}: inside the block directory {folder}; name a file outside it")
+            return EXIT_USAGE
+        try:
+            info = trace_info(folder, args.topk)
+            records, invalid = export_block(info, out, args.format)
+        except ValueError as exc:
+            _err(str(exc))
+            return EXIT_USAGE
+        except OSError as exc:
+            _err(f"{out}: cannot write ({exc.strerror or exc})")
+            return EXIT_USAGE
+        any_invalid = any_invalid or invalid > 0
+        note = f", {invalid} marked invalid (valid = false, with the reason)" if invalid else ""
+        print(f"{folder}: {records} records -> {out}{note}")
+    return 1 if any_invalid else 0
+
+
+ROW_GROUP = 4096  # rows buffered before a parquet row group is written (~64 MiB at top-2048)
+
+
+def export_block(info, out: Path, fmt: str) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+    """Stream a block directory's records into one file (written to .part, then renamed).
+
+    Encoding and compression (pyarrow, outside the GIL) run in one writer thread while the
+    next chunk is parsed and judged; at most one write is in flight (bounded memory)."""
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+    import pyarrow.parquet as pq
+
+    from analysis.dsa_export import SCHEMA, flat_for_csv, record_table
+    from analysis.dsa_scan import scan_block
+
+    part = out.with_name(out.name + ".part")
+    records = invalid = 0
+    pending: list[pa.Table] = []
+    writer = None
+    inflight: Future[None] | None = None
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="export")
+
+    def write(table: pa.Table) -> None:
+        nonlocal inflight, writer
+        if inflight is not None:
+            inflight.result()  # one write at a time, and its error surfaces here
+        if fmt == "csv":
+            table = flat_for_csv(table)
+            if writer is None:
+                writer = pacsv.CSVWriter(part, table.schema)
+        inflight = pool.submit(writer.write_table, table)  # type: ignore[union-attr]
+
+    try:
+        if fmt == "parquet":
+            writer = pq.ParquetWriter(part, SCHEMA, compression="zstd")
+        for chunk in scan_block(info):
+            table = record_table(chunk)
+            records += table.num_rows
+            invalid += int((~chunk.valid).sum()) + len(chunk.bad)
+            pending.append(table)
+            if fmt == "csv" or sum(t.num_rows for t in pending) >= ROW_GROUP:
+                write(pa.concat_tables(pending))
+                pending.clear()
+        if pending:
+            write(pa.concat_tables(pending))
+        if inflight is not None:
+            inflight.result()
+        if writer is None:  # csv of an empty trace: the header alone
+            writer = pacsv.CSVWriter(part, flat_for_csv(SCHEMA.empty_table()).schema)
+        writer.close()
+        writer = None
+        part.replace(out)
+    finally:
+        pool.shutdown(wait=True)
+        if writer is not None:
+            writer.close()
+        part.unlink(missing_ok=True)
+    return records, invalid
+
+
+def cmd_dsa(args: argparse.Namespace) -> int:
+    if args.dsa_command == "whatif":
+        return cmd_whatif(args)
+    if args.dsa_command == "tiers":
+        return cmd_tiers(args)
+    raise AssertionError(args.dsa_command)
+
+
+def cmd_whatif(args: argparse.Namespace) -> int:
+    from analysis.dsa_whatif import format_whatif, whatif_dir
+
+    try:
+        sizes = sizes_of(args.block_sizes)
+    except ValueError as exc:
+        _err(str(exc))
+        return EXIT_USAGE
+    folders = _folders(args.dir)
+    if folders is None:
+        return EXIT_USAGE
+    results = []
+    for folder in folders:
+        try:
+            results.append(whatif_dir(str(folder), sizes, args.topk))
+        except ValueError as exc:
+            _err(str(exc))
+            return EXIT_USAGE
+    if args.json:
+        print(json.dumps({"dirs": results}, indent=1))
+    else:
+        print("\n\n".join(format_whatif(r) for r in results))
+    if not any(r["used"] for r in results):
+        _err("no valid dsa_topk record to recompute from (`tracedeck analyze DIR` says why)")
+        return EXIT_USAGE
+    return 0
+
+
+def capacities_of(text: str, sweep: bool) -> list[int]:
+    out = sorted(set(sizes_of(text)))
+    if sweep:
+        top, n, out = max(out), 1, []
+        while n < top:
+            out.append(n)
+            n *= 2
+        out.append(top)
+    return out
+
+
+def cmd_tiers(args: argparse.Namespace) -> int:
+    from analysis.dsa_scan import trace_info
+    from analysis.dsa_tiers import format_tiers, tiers_dir
+
+    try:
+        caps = capacities_of(args.hbm_blocks, args.sweep)
+    except ValueError:
+        _err(f"--hbm-blocks {args.hbm_blocks!r}: give block counts >= 1 (N or N1,N2,...)")
+        return EXIT_USAGE
+    if args.block_size is not None and args.block_size < 1:
+        _err(f"--block-size {args.block_size}: must be >= 1")
+        return EXIT_USAGE
+    if args.remote_latency_us < 0 or args.bandwidth_gbs <= 0:
+        _err("--remote-latency-us must be >= 0 and --bandwidth-gbs > 0")
+        return EXIT_USAGE
+    folders = _folders(args.dir)
+    if folders is None:
+        return EXIT_USAGE
+    results = []
+    for folder in folders:
+        try:
+            info = trace_info(folder, args.topk)
+        except ValueError as exc:
+            _err(str(exc))
+            return EXIT_USAGE
+        results.append(
+            tiers_dir(
+                info,
+                caps,
+                args.policy,
+                block_size=args.block_size,
+                bytes_per_token=args.kv_bytes_per_token,
+                remote_latency_us=args.remote_latency_us,
+                bandwidth_gbs=args.bandwidth_gbs,
+            )
+        )
+    if args.json:
+        print(json.dumps({"dirs": results}, indent=1))
+    else:
+        print("\n\n".join(format_tiers(r) for r in results))
+    if not any(r["used"] for r in results):
+        _err("no valid dsa_topk record to replay (`tracedeck analyze DIR` says why)")
+        return EXIT_USAGE
+    return 0
