@@ -23,7 +23,6 @@ from runners.hostkeys import (
     Policy,
     Status,
     Verdict,
-    entries_for,
     judge,
     known_types,
     order_algorithms,
@@ -31,7 +30,6 @@ from runners.hostkeys import (
 )
 from runners.targets.base import ConnectionLost, HostKeyMismatch, TargetError
 
-DEFAULT_KNOWN_HOSTS = Path("~", ".ssh", "known_hosts")
 # OpenSSH's defaults when ~/.ssh/config names no UserKnownHostsFile / GlobalKnownHostsFile.
 DEFAULT_USER_FILES = ("~/.ssh/known_hosts", "~/.ssh/known_hosts2")
 DEFAULT_GLOBAL_FILES = ("/etc/ssh/ssh_known_hosts", "/etc/ssh/ssh_known_hosts2")
@@ -59,10 +57,6 @@ class ResolvedHost:
     def key_name(self) -> str:
         """The name known_hosts entries use: HostKeyAlias as is, else `[host]:port` off 22."""
         return self.policy.name
-
-    @property
-    def check_ip(self) -> bool:
-        return self.policy.check_host_ip
 
 
 async def resolve_host(
@@ -190,12 +184,6 @@ def host_key_algorithms(resolved: ResolvedHost, files: list[list[Line]]) -> list
         supported |= {a.decode() for a in get_certificate_algs()}
     offered = [a for a in ordered if a in supported]
     return offered or None
-
-
-def known_keys(resolved: ResolvedHost) -> list[tuple[Path, asyncssh.SSHKey]]:
-    """The plain host keys that known_hosts lists under this host's name (file, key)."""
-    entries = entries_for(read_known_hosts(resolved), resolved.key_name)
-    return [(line.path, line.key) for line in entries if not line.marker]
 
 
 async def server_key(
