@@ -843,11 +843,11 @@ def cmd_trust(args: argparse.Namespace) -> int:
 
     host, _, port_text = args.host.partition(":")
     try:
-        port = int(port_text) if port_text else 22
+        port = int(port_text) if port_text else None  # None: the Port ~/.ssh/config gives
     except ValueError:
         _err(f"{args.host}: port must be a number (HOST or HOST:PORT)")
         return EXIT_USAGE
-    if not host or not 0 < port < 65536:
+    if not host or (port is not None and not 0 < port < 65536):
         _err(f"{args.host}: give HOST or HOST:PORT (port 1 to 65535)")
         return EXIT_USAGE
     from runners.targets.base import TargetError
@@ -855,9 +855,9 @@ def cmd_trust(args: argparse.Namespace) -> int:
     try:
         key_type, fingerprint, _ = asyncio.run(fetch_host_key(host, port))
     except (OSError, TargetError) as exc:
-        _err(f"{host}:{port}: could not fetch the host key ({exc})")
+        _err(f"{args.host}: could not fetch the host key ({exc})")
         return EXIT_INFRA
-    print(f"{host}:{port} presents {key_type} {fingerprint}")
+    print(f"{args.host} presents {key_type} {fingerprint}")
     if not args.yes:
         if not sys.stdin.isatty():
             _err("not a terminal: compare the fingerprint out of band, then rerun with --yes")
@@ -873,7 +873,7 @@ def cmd_trust(args: argparse.Namespace) -> int:
     except TargetError as exc:  # the key changed between showing and trusting
         _err(str(exc))
         return EXIT_INFRA
-    print(f"trusted {host}:{port}")
+    print(f"trusted {args.host}")
     return 0
 
 

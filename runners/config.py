@@ -9,9 +9,11 @@
     [notify]                       # run when a headless run ends, with five quoted arguments:
     command = "notify-team"        # run id, preset, verdict, exit code, report path
 
-The lock belongs to the host, not to a preset: every preset aimed at a host takes that host's
-lock (DEFAULT_LOCK unless configured), so two kinds of run never share one GPU. A preset or a
-`--set target.lock=...` that names another lock is a deliberate choice of the operator.
+The lock belongs to the host the run goes to, not to a preset: every run on a host takes that
+host's lock (DEFAULT_LOCK unless configured), so two kinds of run never share one GPU. Two
+deliberate choices name another: `--set target.lock=...` (this run, wherever it goes), and a
+preset's own `[target] lock`, which speaks for the preset's own `[target] host` only: a run the
+preset sends elsewhere (--target, the console's target, a fleet) takes that host's lock.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ from __future__ import annotations
 import os
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from runners.presets import Preset
 
 DEFAULT_LOCK = "/tmp/tracedeck.lock"
 HOST_KEYS = {"lock": str}
@@ -138,11 +143,33 @@ def fleet_member_problem(spec: str) -> str | None:
 
 
 def host_lock(target: str, preset_lock: str = "") -> str:
-    """The lock a run on `target` takes: the preset's own when it names one, else the host's."""
+    """The lock a run on `target` takes given the lock chosen for the run (see run_lock), else
+    the host's own: config.toml's hosts.TARGET.lock, else DEFAULT_LOCK."""
     if preset_lock:
         return preset_lock
     host = load_config().get("hosts", {}).get(target.strip(), {})
     return str(host.get("lock") or DEFAULT_LOCK)
+
+
+def chosen_lock(preset: Preset, run_target: str) -> tuple[str, str]:
+    """The lock the preset names for a run going to run_target, and who named it:
+    ("/x", "--set") for `--set target.lock=...`, which holds wherever the run goes;
+    ("/x", "the preset") for the preset's own `[target] lock` when the run goes to the preset's
+    own `[target] host`; ("", "the host") otherwise: the lock belongs to the host the run goes
+    to, so a preset written for one host never takes its lock on another."""
+    tgt = preset.section("target")
+    if not tgt["lock"]:
+        return "", "the host"
+    if any(o.split("=", 1)[0].strip() == "target.lock" for o in preset.overrides):
+        return str(tgt["lock"]), "--set"
+    if run_target.strip() == str(tgt["host"]).strip():
+        return str(tgt["lock"]), "the preset"
+    return "", "the host"
+
+
+def run_lock(host: str, preset: Preset, run_target: str | None = None) -> str:
+    """The lock a run of preset takes on host (one host of run_target when that is a fleet)."""
+    return host_lock(host, chosen_lock(preset, run_target or host)[0])
 
 
 def fleet_hosts(spec: str) -> list[str] | None:

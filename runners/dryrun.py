@@ -20,7 +20,7 @@ from typing import Any
 
 import orjson
 
-from runners.config import fleet_hosts, host_lock
+from runners.config import chosen_lock, fleet_hosts, run_lock
 from runners.determinism import PROFILES
 from runners.launchers.detached import holder_path, parse_holder
 from runners.launchers.slurm import SlurmSettings, job_script, slurm_settings
@@ -145,7 +145,7 @@ def preview(
     run_dir = f"{runs}/{run_id}/{MEMBER}" if hosts else f"{runs}/{run_id}"
     date = dt.date.today().isoformat()
     python = interpreter("local" if local else names[0], tgt["python"])
-    lock = host_lock(hosts[0] if hosts else target_spec, tgt["lock"])
+    lock = run_lock(hosts[0] if hosts else target_spec, preset, target_spec)
     ship = preset.section("engine")["ship_reference"]
     plan = build_plan(
         preset,
@@ -288,12 +288,26 @@ def plan_document(p: Preview) -> dict[str, Any]:
     }
 
 
+def _lock_source(p: Preview) -> str:
+    lock, who = chosen_lock(p.preset, p.target)
+    if who == "--set":
+        return "named with --set target.lock"
+    if who == "the preset":
+        return "the preset's lock"
+    if p.preset.section("target")["lock"]:
+        return (
+            f"the host's lock; the preset's [target] lock is for its own host "
+            f"{p.preset.section('target')['host']}, not this one"
+        )
+    return "the host's lock"
+
+
 def _fleet_document(p: Preview) -> dict[str, Any] | None:
     if not p.hosts:
         return None
-    tgt, fleet = p.preset.section("target"), p.preset.section("fleet")
+    fleet = p.preset.section("fleet")
     return {
-        "hosts": [{"host": h, "lock": host_lock(h, tgt["lock"])} for h in p.hosts],
+        "hosts": [{"host": h, "lock": run_lock(h, p.preset, p.target)} for h in p.hosts],
         "busy": fleet["busy"],
         "requeue": fleet["requeue"],
         "groups": p.groups,
@@ -322,7 +336,7 @@ def plan_lines(p: Preview) -> list[str]:
     det = preset.section("determinism")["profile"]
     where = f"over {len(p.hosts)} hosts" if p.hosts else f"on {p.target_name}"
     run_dir = f"(run id {p.run_id}; a new id each run)"
-    lock = f"{p.lock}  ({'the preset' if tgt['lock'] else 'the host'}'s lock)"
+    lock = f"{p.lock}  ({_lock_source(p)})"
     if p.hosts:
         run_dir = f"(run id {p.run_id}; {MEMBER}: the host and its batch, named as it starts)"
         lock = "each host's own, for the time it runs cells (below)"
@@ -403,8 +417,8 @@ def plan_lines(p: Preview) -> list[str]:
 
 
 def _fleet_lines(p: Preview) -> list[str]:
-    tgt, fleet = p.preset.section("target"), p.preset.section("fleet")
-    lines = [f"  host:        {h}  (lock {host_lock(h, tgt['lock'])})" for h in p.hosts]
+    fleet = p.preset.section("fleet")
+    lines = [f"  host:        {h}  (lock {run_lock(h, p.preset, p.target)})" for h in p.hosts]
     busy = {
         "skip": "skipped for this run (fleet.busy = skip)",
         "wait": "waited for (fleet.busy = wait)",

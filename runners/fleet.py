@@ -30,7 +30,7 @@ import orjson
 
 from runners import kinds
 from runners.cells import SETUP_CELL, CellState, cell_name
-from runners.config import host_lock
+from runners.config import run_lock
 from runners.determinism import run_env
 from runners.events import (
     CellFinished,
@@ -207,7 +207,7 @@ class FleetSession(Session):
             target = parse_target(
                 spec, connect_timeout=tgt["connect_timeout_s"], keepalive=tgt["keepalive_s"]
             )
-            self.hosts[spec] = Host(spec, slug, target, host_lock(spec, tgt["lock"]))
+            self.hosts[spec] = Host(spec, slug, target, run_lock(spec, preset, record.target))
         self.target = _FleetTargets(self)  # type: ignore[assignment]
         self.plan = None
         self.follower = None

@@ -26,7 +26,7 @@ import orjson
 from runners import kinds
 from runners.cells import CellState
 from runners.changes import Changes
-from runners.config import fleet_hosts, host_lock
+from runners.config import fleet_hosts, run_lock
 from runners.determinism import run_env
 from runners.events import (
     CellFinished,
@@ -270,7 +270,7 @@ class Session:
         target = parse_target(
             target_spec, connect_timeout=tgt["connect_timeout_s"], keepalive=tgt["keepalive_s"]
         )
-        record = new_record(preset, target_spec, out_dir, lock=host_lock(target_spec, tgt["lock"]))
+        record = new_record(preset, target_spec, out_dir, lock=run_lock(target_spec, preset))
         session = cls(record, preset, target, emit)
         session.by_id = by_id_link(out_dir, record.run_id)
         return session

@@ -1,10 +1,10 @@
-"""Host keys, looked up as OpenSSH does: fetch a server's key, match it in known_hosts by the
-name and port the operator asked for (HostKeyAlias, CheckHostIP), trust it on explicit request.
+"""Host keys as OpenSSH checks them: resolve a host through ~/.ssh/config, fetch its key, trust
+it on explicit request under the name OpenSSH looks up (runners.hostkeys holds the rules).
 
-asyncssh's own lookup differs from OpenSSH's in ways that matter here: it accepts a key listed
-for the resolved IP address only, falls back from `[host]:port` to `host`, and accepts any key
-when `UserKnownHostsFile none`. tracedeck never lets it decide: it hands asyncssh the keys it
-matched itself, and no known_hosts file means no host is known.
+asyncssh's own lookup differs from OpenSSH's in ways that matter here (it accepts a key listed
+for the resolved IP address only, appends the port to HostKeyAlias, accepts any key when
+`UserKnownHostsFile none`), so tracedeck never lets it decide: the SSH target judges every key
+the server presents with runners.hostkeys.judge.
 """
 
 from __future__ import annotations
@@ -16,10 +16,20 @@ import shutil
 from pathlib import Path
 
 import asyncssh
+from asyncssh.public_key import get_certificate_algs, get_public_key_algs
 
+from runners.hostkeys import (
+    Line,
+    Policy,
+    Status,
+    Verdict,
+    judge,
+    known_types,
+    order_algorithms,
+    read_lines,
+)
 from runners.targets.base import ConnectionLost, HostKeyMismatch, TargetError
 
-DEFAULT_KNOWN_HOSTS = Path("~", ".ssh", "known_hosts")
 # OpenSSH's defaults when ~/.ssh/config names no UserKnownHostsFile / GlobalKnownHostsFile.
 DEFAULT_USER_FILES = ("~/.ssh/known_hosts", "~/.ssh/known_hosts2")
 DEFAULT_GLOBAL_FILES = ("/etc/ssh/ssh_known_hosts", "/etc/ssh/ssh_known_hosts2")
@@ -27,34 +37,26 @@ DEFAULT_GLOBAL_FILES = ("/etc/ssh/ssh_known_hosts", "/etc/ssh/ssh_known_hosts2")
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ResolvedHost:
-    """Where ~/.ssh/config sends a host or alias, and which known_hosts files vouch for it."""
+    """Where ~/.ssh/config sends a host or alias, and how its key is checked (OpenSSH's rules)."""
 
     host: str  # after HostName
     port: int
     username: str
-    key_name: str  # the name known_hosts entries use: HostKeyAlias, else host
+    policy: Policy  # the name known_hosts must carry, CheckHostIP, ...
     user_files: tuple[Path, ...]  # UserKnownHostsFile: where `tracedeck trust` writes
     global_files: tuple[Path, ...]  # GlobalKnownHostsFile: read only
-    check_ip: bool  # CheckHostIP: the key listed for the address must agree too
+    algorithms: tuple[str, ...]  # OpenSSH's HostKeyAlgorithms for this host (`ssh -G`)
+    algorithms_verbatim: bool  # HostKeyAlgorithms set outright: no reordering by known keys
     options: asyncssh.SSHClientConnectionOptions
 
     @property
     def known_hosts(self) -> tuple[Path, ...]:
         return self.user_files + self.global_files
 
-    def entry_name(self, name: str | None = None) -> str:
-        """`name`, or `[name]:port` off port 22: the only form OpenSSH matches for this host."""
-        name = name or self.key_name
-        return name if self.port == 22 else f"[{name}]:{self.port}"
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class KnownKeys:
-    """What the known_hosts files say of one name: its keys (with their files), CAs, revoked."""
-
-    keys: list[tuple[Path, asyncssh.SSHKey]]
-    ca_keys: list[asyncssh.SSHKey]
-    revoked: list[asyncssh.SSHKey]
+    @property
+    def key_name(self) -> str:
+        """The name known_hosts entries use: HostKeyAlias as is, else `[host]:port` off 22."""
+        return self.policy.name
 
 
 async def resolve_host(
@@ -86,14 +88,27 @@ async def resolve_host(
             "Check ~/.ssh/config (IdentityFile, Host entries) and the key files it names."
         ) from exc
     port_used = options.port or 22
+    ssh_g = await _ssh_config(host, port_used, username)
+    alias = options.host_key_alias
+    configured_algs = options.config.get("HostKeyAlgorithms", ())
+    policy = Policy(
+        hostname=options.host.lower(),
+        port=port_used,
+        alias=alias.lower() if alias else None,
+        check_host_ip=ssh_g.get("checkhostip") == "yes",
+        localhost_unchecked=ssh_g.get("nohostauthenticationforlocalhost") == "yes",
+        proxy=bool(options.proxy_command or options.tunnel),
+    )
     return ResolvedHost(
         host=options.host,
         port=port_used,
         username=options.username,
-        key_name=options.host_key_alias or options.host,
+        policy=policy,
         user_files=_files(options.config.get("UserKnownHostsFile", ()), DEFAULT_USER_FILES),
         global_files=_files(options.config.get("GlobalKnownHostsFile", ()), DEFAULT_GLOBAL_FILES),
-        check_ip=await _check_host_ip(host, port_used, username),
+        algorithms=tuple(a for a in ssh_g.get("hostkeyalgorithms", "").split(",") if a),
+        algorithms_verbatim=isinstance(configured_algs, str)
+        and not configured_algs.startswith(("+", "-")),
         options=options,
     )
 
@@ -104,12 +119,13 @@ def _files(configured: object, default: tuple[str, ...]) -> tuple[Path, ...]:
     return tuple(Path(str(f)).expanduser() for f in names)  # type: ignore[union-attr]
 
 
-async def _check_host_ip(host: str, port: int, username: str | None) -> bool:
-    """CheckHostIP for this host, as OpenSSH's own `ssh -G` reads ~/.ssh/config (asyncssh does
-    not know the option); OpenSSH's default, no, when no ssh client is installed."""
+async def _ssh_config(host: str, port: int, username: str | None) -> dict[str, str]:
+    """The options OpenSSH's own `ssh -G` reads from ~/.ssh/config for this host (asyncssh does
+    not know CheckHostIP, NoHostAuthenticationForLocalhost or the default HostKeyAlgorithms);
+    empty, so OpenSSH's defaults, when no ssh client is installed."""
     ssh = shutil.which("ssh")
     if ssh is None:
-        return False
+        return {}
     config = Path("~", ".ssh", "config").expanduser()
     argv = [ssh, "-G", "-F", str(config) if config.is_file() else "none", "-p", str(port)]
     argv += ["-l", username] if username else []
@@ -133,46 +149,41 @@ async def _check_host_ip(host: str, port: int, username: str | None) -> bool:
             f"`ssh -G {host}` gave no answer within 10 s: check ~/.ssh/config (a Match exec?)"
         ) from None
     if proc.returncode != 0:
-        return False  # ssh rejects a config asyncssh accepted: asyncssh's reading stands
-    return any(line.strip().lower() == "checkhostip yes" for line in out.decode().splitlines())
+        return {}  # ssh rejects a config asyncssh accepted: asyncssh's reading stands
+    values: dict[str, str] = {}
+    for line in out.decode(errors="replace").splitlines():
+        key, _, value = line.strip().partition(" ")
+        values.setdefault(key.lower(), value.strip())
+    return values
 
 
-def read_known_hosts(resolved: ResolvedHost) -> list[tuple[Path, asyncssh.SSHKnownHosts]]:
+def read_known_hosts(resolved: ResolvedHost) -> list[list[Line]]:
     """The known_hosts files that exist, parsed; an unreadable one is named."""
     parsed = []
     for path in resolved.known_hosts:
         if not path.is_file():
             continue
         try:
-            parsed.append((path, asyncssh.read_known_hosts(str(path))))
-        except (OSError, ValueError) as exc:
+            parsed.append(read_lines(path))
+        except OSError as exc:
             raise TargetError(f"cannot read known_hosts file {path}: {exc}") from exc
     return parsed
 
 
-def lookup(
-    files: list[tuple[Path, asyncssh.SSHKnownHosts]], resolved: ResolvedHost, name: str
-) -> KnownKeys:
-    """The entries for exactly `name` at the host's port: `[name]:port` off port 22, with no
-    fallback to the bare name and no match by address (OpenSSH's rules)."""
-    port = None if resolved.port == 22 else resolved.port
-    keys: list[tuple[Path, asyncssh.SSHKey]] = []
-    ca_keys: list[asyncssh.SSHKey] = []
-    revoked: list[asyncssh.SSHKey] = []
-    for path, entries in files:
-        # _match is the exact lookup; the public match() adds the fallbacks OpenSSH does not make.
-        host_keys, cas, bad, *_ = entries._match(name, "", port)
-        keys += [
-            (path, k) for k in host_keys if all(k.public_data != o.public_data for _, o in keys)
-        ]
-        ca_keys += cas
-        revoked += bad
-    return KnownKeys(keys, ca_keys, revoked)
-
-
-def known_keys(resolved: ResolvedHost) -> list[tuple[Path, asyncssh.SSHKey]]:
-    """The host keys that the known_hosts files list for this host (file, key), in file order."""
-    return lookup(read_known_hosts(resolved), resolved, resolved.key_name).keys
+def host_key_algorithms(resolved: ResolvedHost, files: list[list[Line]]) -> list[str] | None:
+    """The host key algorithms to offer, in OpenSSH's order for this host (those asyncssh
+    knows); None (asyncssh's own) when `ssh -G` gave none."""
+    if not resolved.algorithms:
+        return None
+    ordered = order_algorithms(
+        list(resolved.algorithms), files, resolved.key_name, resolved.algorithms_verbatim
+    )
+    _, has_ca = known_types(files, resolved.key_name)
+    supported = {a.decode() for a in get_public_key_algs()}
+    if has_ca:
+        supported |= {a.decode() for a in get_certificate_algs()}
+    offered = [a for a in ordered if a in supported]
+    return offered or None
 
 
 async def server_key(
@@ -203,35 +214,47 @@ async def server_key(
 
 
 def known_hosts_line(resolved: ResolvedHost, key: asyncssh.SSHKey) -> str:
-    """The OpenSSH known_hosts line for key at this host: `[host]:port` when port != 22."""
-    name = resolved.entry_name()
+    """The known_hosts line OpenSSH looks up for key at this host: the HostKeyAlias as is, else
+    the lower-cased host as `[host]:port` when the port is not 22."""
     key_type, key_data = key.export_public_key("openssh").decode().split()[:2]
-    return f"{name} {key_type} {key_data}"
+    return f"{resolved.key_name} {key_type} {key_data}"
 
 
-def describe_mismatch(
-    resolved: ResolvedHost, known: list[tuple[Path, asyncssh.SSHKey]], key: asyncssh.SSHKey
-) -> str:
+def describe_mismatch(resolved: ResolvedHost, known: list[Line], key: asyncssh.SSHKey) -> str:
     """A message for a changed host key that says what was expected and how to recover."""
-    name = resolved.entry_name()
+    name = resolved.key_name
     expected = "; ".join(
-        f"{k.get_algorithm()} {k.get_fingerprint('sha256')} in {path}" for path, k in known
+        f"{line.key.get_algorithm()} {line.key.get_fingerprint('sha256')} in {line.where}"
+        for line in known
     )
-    files = sorted({str(path) for path, _ in known})
-    spec = resolved.key_name if resolved.port == 22 else f"{resolved.key_name}:{resolved.port}"
+    files = sorted({str(line.path) for line in known})
     return (
         f"HOST KEY CHANGED for {resolved.host}:{resolved.port}: the server presents "
         f"{key.get_algorithm()} {key.get_fingerprint('sha256')}, but known_hosts has {expected}. "
         "Someone may be intercepting the connection, or the host was reinstalled. Refusing to "
         "connect. Confirm the new fingerprint with the host's administrator, then remove the old "
-        f"entry (ssh-keygen -R '{name}' -f {files[0]}) and run: tracedeck trust {spec}"
+        f"entry (ssh-keygen -R '{name}' -f {files[0]}) and run: tracedeck trust "
+        f"{trust_spec(resolved)}"
     )
+
+
+def describe_revoked(resolved: ResolvedHost, verdict: Verdict) -> str:
+    where = verdict.revoked.where if verdict.revoked else "known_hosts"
+    return (
+        f"REVOKED HOST KEY for {resolved.host}:{resolved.port}: the server presents "
+        f"{verdict.key.get_algorithm()} {verdict.key.get_fingerprint('sha256')}, which "
+        f"{where} marks @revoked. Refusing to connect; the host must get a new key."
+    )
+
+
+def trust_spec(resolved: ResolvedHost) -> str:
+    return resolved.host if resolved.port == 22 else f"{resolved.host}:{resolved.port}"
 
 
 async def fetch_host_key(host: str, port: int | None = None) -> tuple[str, str, str]:
     """(key_type, SHA256 fingerprint, known_hosts line) of the key that host:port presents."""
     resolved = await resolve_host(host, port, load_keys=False)
-    key = await server_key(resolved)
+    key = await server_key(resolved, host_key_algorithms(resolved, read_known_hosts(resolved)))
     return key.get_algorithm(), key.get_fingerprint("sha256"), known_hosts_line(resolved, key)
 
 
@@ -242,28 +265,25 @@ async def trust_host(
     *,
     expected_fingerprint: str | None = None,
 ) -> str:
-    """Append host's key to known_hosts; return its fingerprint.
+    """Append host's key to known_hosts, under the name OpenSSH looks up; return its fingerprint.
 
     known_hosts None means the first UserKnownHostsFile of ~/.ssh/config, else ~/.ssh/known_hosts.
-    port None lets ~/.ssh/config decide (else 22). Idempotent when the key is already trusted.
-    Raises HostKeyMismatch when known_hosts already holds a different key for the host, or when
-    expected_fingerprint is given (what the operator was shown) and the server now presents another.
+    port None lets ~/.ssh/config decide (else 22). Idempotent when OpenSSH already accepts the key.
+    Raises HostKeyMismatch when known_hosts already holds a different key for the host (or marks
+    this one revoked), or when expected_fingerprint is given (what the operator was shown) and the
+    server now presents another.
     """
     resolved = await resolve_host(host, port, load_keys=False)
-    if known_hosts is None:
+    if known_hosts is None:  # what the host's files say, as a connection would read them
         if not resolved.user_files:
             raise TargetError(no_user_file(host))
-        known_hosts = resolved.user_files[0]
-    path = known_hosts.expanduser()
-    check = dataclasses.replace(resolved, user_files=(path,), global_files=())
-    known = known_keys(check)
-    algorithms = sorted({k.get_algorithm() for _, k in known}) or None
-    try:
-        key = await server_key(resolved, algorithms)
-    except ConnectionLost:
-        if not algorithms:
-            raise
-        key = await server_key(resolved)  # the server no longer offers the known key's type
+        path = resolved.user_files[0]
+        files = read_known_hosts(resolved)
+    else:  # the file named: what it says alone
+        path = known_hosts.expanduser()
+        named = dataclasses.replace(resolved, user_files=(path,), global_files=())
+        files = read_known_hosts(named)
+    key = await server_key(resolved, host_key_algorithms(resolved, files))
     fingerprint = key.get_fingerprint("sha256")
     if expected_fingerprint is not None and fingerprint != expected_fingerprint:
         raise HostKeyMismatch(
@@ -271,10 +291,14 @@ async def trust_host(
             f"not the {expected_fingerprint} you were shown; nothing was trusted. Check the host "
             "and run the trust command again."
         )
-    if any(k.public_data == key.public_data for _, k in known):
+    # No address: trusting writes the name; CheckHostIP is for the connection to judge.
+    verdict = judge(resolved.policy, files, key, "")
+    if verdict.accepted:
         return fingerprint
-    if known:
-        raise HostKeyMismatch(describe_mismatch(check, known, key))
+    if verdict.status is Status.REVOKED:
+        raise HostKeyMismatch(describe_revoked(resolved, verdict))
+    if verdict.status is Status.CHANGED:
+        raise HostKeyMismatch(describe_mismatch(resolved, list(verdict.known), key))
     _append_line(path, known_hosts_line(resolved, key))
     return fingerprint
 

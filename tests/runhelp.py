@@ -106,6 +106,15 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 60, what: str = "con
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def wait_until_held(lock: Path, timeout: float = 60) -> None:
+    """Wait until another process holds lock (a non-blocking flock on it fails)."""
+
+    def held() -> bool:
+        return subprocess.run(["flock", "-n", str(lock), "true"]).returncode != 0
+
+    wait_for(held, timeout, what=f"a process to hold {lock}")
+
+
 def output_lines(evts: list[dict[str, Any]]) -> list[str]:
     return [line for e in evts if e["type"] == "output" for line in e["lines"]]
 

@@ -29,10 +29,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def keygen(path: Path, comment: str) -> None:
-    """Generate an ed25519 key pair at path (private) and path.pub, without a passphrase."""
+def keygen(path: Path, comment: str, key_type: str = "ed25519") -> None:
+    """Generate a key pair (ed25519 unless told) at path and path.pub, without a passphrase."""
     subprocess.run(
-        [SSH_KEYGEN, "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)],
+        [SSH_KEYGEN, "-q", "-t", key_type, "-N", "", "-C", comment, "-f", str(path)],
         check=True,
         capture_output=True,
     )
@@ -91,12 +91,13 @@ class SshServer:
                 self.process.wait(timeout=5)
 
 
-def _sshd_config(d: Path, port: int) -> str:
+def _sshd_config(d: Path, port: int, listen: str, extra_keys: tuple[str, ...]) -> str:
     return "\n".join(
         [
             f"Port {port}",
-            "ListenAddress 127.0.0.1",
+            f"ListenAddress {listen}",
             f"HostKey {d / 'ssh_host_ed25519_key'}",
+            *(f"HostKey {d / f'ssh_host_{t}_key'}" for t in extra_keys),
             f"PidFile {d / 'sshd.pid'}",
             f"AuthorizedKeysFile {d / 'authorized_keys'}",
             "PubkeyAuthentication yes",
@@ -114,16 +115,29 @@ def _sshd_config(d: Path, port: int) -> str:
     )
 
 
-def start_sshd(d: Path, *, attempts: int = 3, wrap: list[str] | None = None) -> SshServer:
-    """Start /usr/sbin/sshd on a free loopback port with fresh keys in d; wait until it listens.
+def start_sshd(
+    d: Path,
+    *,
+    attempts: int = 3,
+    wrap: list[str] | None = None,
+    listen: str = "127.0.0.1",
+    extra_host_keys: tuple[str, ...] = (),
+) -> SshServer:
+    """Start /usr/sbin/sshd on a free port with fresh keys in d; wait until it listens.
 
-    wrap: a command that execs the rest (e.g. a new mount namespace, see own_tmp)."""
+    wrap: a command that execs the rest (e.g. a new mount namespace, see own_tmp).
+    listen: the address (loopback unless told); extra_host_keys: more host key types
+    ("ecdsa", "rsa") besides the ed25519 one."""
     d.mkdir(parents=True, exist_ok=True)
     host_key = d / "ssh_host_ed25519_key"
     client_key = d / "id_ed25519"
     if not host_key.exists():
         keygen(host_key, "tracedeck-test-host")
         keygen(client_key, "tracedeck-test-client")
+    for key_type in extra_host_keys:
+        extra = d / f"ssh_host_{key_type}_key"
+        if not extra.exists():
+            keygen(extra, f"tracedeck-test-host-{key_type}", key_type)
     (d / "authorized_keys").write_text(client_key.with_suffix(".pub").read_text())
     if os.geteuid() == 0:
         Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # privilege separation dir
@@ -134,7 +148,7 @@ def start_sshd(d: Path, *, attempts: int = 3, wrap: list[str] | None = None) -> 
     for _ in range(attempts):
         port = free_port()
         config = d / "sshd_config"
-        config.write_text(_sshd_config(d, port))
+        config.write_text(_sshd_config(d, port, listen, extra_host_keys))
         with log.open("ab") as log_file:
             proc = subprocess.Popen(
                 [*(wrap or []), str(SSHD), "-D", "-e", "-f", str(config)],
@@ -143,11 +157,11 @@ def start_sshd(d: Path, *, attempts: int = 3, wrap: list[str] | None = None) -> 
                 stderr=log_file,
                 preexec_fn=_die_with_parent,
             )
-        if _wait_listening(proc, port, timeout=10.0):
+        if _wait_listening(proc, listen, port, timeout=10.0):
             known_hosts = d / "known_hosts"
-            known_hosts.write_text(known_hosts_line("127.0.0.1", port, host_pub))
+            known_hosts.write_text(known_hosts_line(listen, port, host_pub))
             return SshServer(
-                host="127.0.0.1",
+                host=listen,
                 port=port,
                 user=user,
                 dir=d,
@@ -225,12 +239,12 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _wait_listening(proc: subprocess.Popen[bytes], port: int, timeout: float) -> bool:
+def _wait_listening(proc: subprocess.Popen[bytes], host: str, port: int, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             return False
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+        with contextlib.suppress(OSError), socket.create_connection((host, port), 0.5):
             return True
         time.sleep(0.02)
     return False

@@ -13,8 +13,11 @@ from pathlib import Path
 
 import orjson
 import pytest
+from runhelp import wait_until_held
 from textual import events
 from textual.pilot import Pilot
+from textual.screen import Screen
+from textual.widgets import DataTable, TextArea
 
 from console.app import TracedeckApp, create_app
 from console.panels.equivalence import EquivalenceView, FirstFailPanel, VerdictTable
@@ -43,6 +46,9 @@ from runners.kinds.equivalence import PairVerdict
 
 DATA = Path(__file__).resolve().parent / "data"
 SIZE = (120, 40)
+# The least any wait here allows: what a test waits for can take this long on a loaded 2-core
+# machine. Only a failing test ever waits it out.
+LOADED_S = 60.0
 
 
 # -- helpers the lead's B3.67 smoke test reuses ---------------------------------------------------
@@ -77,7 +83,12 @@ async def select_preset(pilot: Pilot, name: str) -> PresetsScreen:
     await pilot.press("ctrl+l")
     table = screen.query_one("#presets")
     await pilot.press(*["up"] * table.cursor_row, *["down"] * names.index(name))
-    assert screen.selected() is not None and screen.selected().name == name
+
+    def chosen() -> bool:
+        entry = screen.selected()
+        return entry is not None and entry.name == name
+
+    await wait_for(pilot, chosen, LOADED_S, f"the cursor on preset {name}")
     return screen
 
 
@@ -87,12 +98,16 @@ async def start_preset(pilot: Pilot, name: str, overrides: Iterable[str] = ()) -
     await pilot.press("ctrl+o")
     if overrides:
         # One bracketed paste, as a terminal delivers pasted text: typing key by key is slow.
-        screen.query_one("#overrides").post_message(events.Paste("\n".join(overrides)))
-        await pilot.pause()
+        pasted = "\n".join(overrides)
+        area = screen.query_one("#overrides", TextArea)
+        area.post_message(events.Paste(pasted))
+        await wait_for(pilot, lambda: pasted in area.text, LOADED_S, "the pasted overrides")
     await pilot.press("ctrl+r")
 
 
 async def wait_for(pilot: Pilot, condition, timeout: float, what: str) -> None:  # noqa: ANN001
+    """Poll condition until it holds; fail naming `what` after max(timeout, LOADED_S)."""
+    timeout = max(timeout, LOADED_S)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while not condition():
@@ -120,8 +135,32 @@ async def wait_for_banner(pilot: Pilot, timeout: float = 30.0) -> RunScreen:
         return screen.query_one("#banner", VerdictBanner).verdict is not None and not screen.buffer
 
     await wait_for(pilot, shown, timeout, "the verdict banner")
-    await pilot.pause(0.1)
+    await wait_for(pilot, lambda: banner_text(screen).strip() != "", timeout, "the banner's text")
     return screen
+
+
+async def wait_for_screen(pilot: Pilot, kind: type) -> Screen:
+    """Wait until the app shows a screen of this kind; returns it."""
+    await wait_for(pilot, lambda: isinstance(pilot.app.screen, kind), LOADED_S, kind.__name__)
+    return pilot.app.screen
+
+
+async def wait_for_text(pilot: Pilot, *texts: str) -> str:
+    """Wait until the terminal shows every one of texts; returns what it shows."""
+    await wait_for(
+        pilot,
+        lambda: all(t in screen_text(pilot.app) for t in texts),
+        LOADED_S,
+        f"the screen to show {texts}",
+    )
+    return screen_text(pilot.app)
+
+
+def error_text(app: TracedeckApp) -> str:
+    """The presets screen's error line ("" on another screen)."""
+    if not isinstance(app.screen, PresetsScreen):
+        return ""
+    return str(app.screen.query_one("#preset-error").content)
 
 
 def banner_text(screen: RunScreen) -> str:
@@ -258,8 +297,7 @@ async def test_live_hello_command_from_presets_to_banner(home: Path) -> None:
         log = screen.query_one("#log", RunLog).lines()
         assert "[2] | cell 2 line 3" in log
         assert load_recent(out_dir(home)) == ["local"]
-        text = screen_text(app)
-        assert "PASS  (exit 0)" in text and "hello_command" in text
+        await wait_for_text(pilot, "PASS  (exit 0)", "hello_command")
 
 
 async def test_live_run_replayed_from_history_shows_the_same(home: Path) -> None:
@@ -273,8 +311,7 @@ async def test_live_run_replayed_from_history_shows_the_same(home: Path) -> None
             banner_text(live),
         )
         await pilot.press("escape", "f2")
-        assert isinstance(app.screen, HistoryScreen)
-        history = app.screen
+        history = await wait_for_screen(pilot, HistoryScreen)
         await wait_for(pilot, lambda: len(history.entries) == 1, 10, "the history scan")
         assert history.entries[0].verdict == "PASS"
         await pilot.press("enter")
@@ -300,10 +337,12 @@ async def test_cancel_asks_first_then_cancels(home: Path) -> None:
             "cell 1 to run",
         )
         await pilot.press("c")
-        assert isinstance(app.screen, ConfirmDialog)
+        await wait_for_screen(pilot, ConfirmDialog)
         await pilot.press("n")
-        assert app.screen is screen and screen.model.finished is None
+        await wait_for(pilot, lambda: app.screen is screen, LOADED_S, "the dialog to close")
+        assert screen.model.finished is None
         await pilot.press("c")
+        await wait_for_screen(pilot, ConfirmDialog)
         await pilot.press("y")
         await wait_for_banner(pilot, timeout=30)
         assert screen.model.finished is not None and screen.model.finished.verdict == "CANCELLED"
@@ -318,13 +357,16 @@ async def test_leaving_keeps_the_run_going_and_history_reattaches(home: Path) ->
         first = await wait_for_run_screen(pilot)
         await wait_for(pilot, lambda: first.model.header.holder != {}, 15, "the lock holder")
         await pilot.press("escape")
-        assert isinstance(app.screen, PresetsScreen)
+        await wait_for_screen(pilot, PresetsScreen)
         await pilot.press("f2")
-        history = app.screen
-        assert isinstance(history, HistoryScreen)
+        history = await wait_for_screen(pilot, HistoryScreen)
         await wait_for(pilot, lambda: len(history.entries) == 1, 10, "the history scan")
         assert history.entries[0].verdict is None  # nobody followed it to the end
-        assert UNFINISHED in screen_text(app)
+        # The row's verdict cell (the text drawn from it may be cut: DataTable sizes columns on
+        # its own idle, which a headless app under load may not reach; see the i21 report).
+        runs = history.query_one("#runs", DataTable)
+        await wait_for(pilot, lambda: runs.row_count == 1, LOADED_S, "the history row")
+        assert str(runs.get_row_at(0)[4]) == UNFINISHED
         await pilot.press("enter")
         attached = await wait_for_banner(pilot, timeout=30)
         assert attached.source.mode == "ATTACHED"
@@ -338,9 +380,8 @@ async def test_bad_override_is_shown_naming_the_key_and_nothing_starts(home: Pat
     async with app.run_test(size=SIZE) as pilot:
         await select_preset(pilot, "hello_command")
         await pilot.press("ctrl+o", *"matrix.n=[]", "ctrl+r")  # typed key by key
-        await pilot.pause(0.1)
-        assert isinstance(app.screen, PresetsScreen)
-        error = str(app.screen.query_one("#preset-error").content)
+        await wait_for(pilot, lambda: "matrix.n" in error_text(app), LOADED_S, "the error")
+        error = error_text(app)
         assert "(--set matrix.n=[])" in error and "matrix.n: must be a non-empty list" in error
         assert not list(out_dir(home).glob("**/run.json"))
 
@@ -353,7 +394,7 @@ async def test_recorded_equivalence_run_from_history(home: Path) -> None:
     app = create_app(out_dir=out_dir(home))
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press("f2")
-        history = app.screen
+        history = await wait_for_screen(pilot, HistoryScreen)
         await wait_for(pilot, lambda: len(history.entries) == 1, 10, "the history scan")
         await pilot.press("enter")
         screen = await wait_for_banner(pilot, timeout=10)
@@ -378,7 +419,7 @@ async def test_first_fail_panel_shows_token_and_both_top5(home: Path) -> None:
         screen = await wait_for_banner(pilot, timeout=10)
         panel = screen.query_one("#first-fail", FirstFailPanel)
         assert panel.has_class("-shown") and panel.first_fail is not None
-        text = screen_text(app)
+        text = await wait_for_text(pilot, "token_idx=17", "decode: runs/")
         assert "kv_aligned=1  seed=1  token_idx=17  token_id=4242  FAIL_EQUIV" in text
         assert "max_abs_diff = 0.0123  threshold 0.005 (must be <=)" in text
         rows = [line for line in text.splitlines() if re.match(r"^│\s+[1-5]\s", line)]
@@ -409,9 +450,10 @@ async def test_readout_run_fills_the_traces_screen(home: Path) -> None:
         screen = await wait_for_banner(pilot, timeout=10)
         assert banner_text(screen).split("\n")[0] == "NO OK  (exit 1)"
         await pilot.press("d")
-        traces = app.screen
-        assert isinstance(traces, TracesScreen)
-        rows = traces.query_one("#readout", ReadoutTable).contents()
+        traces = await wait_for_screen(pilot, TracesScreen)
+        table = traces.query_one("#readout", ReadoutTable)
+        await wait_for(pilot, lambda: len(table.contents()) == 5, LOADED_S, "the five rows")
+        rows = table.contents()
         assert [(r[0], r[1], r[3], r[6], r[7]) for r in rows] == [
             ("p0_short", "79", "79", "0", "OK"),
             ("p1_len_16", "4413", "9023", "0", "NO OK"),
@@ -420,11 +462,15 @@ async def test_readout_run_fills_the_traces_screen(home: Path) -> None:
             ("p4_prefill_only", "1200", "no decode", "0", "—"),
         ]
         await pilot.press("down", "down", "down")
-        row = screen.panel.rows[traces.selected]
-        assert row["prompt"] == "p3_collapsed"
-        assert traces.query_one("#spark-top1").data == [13.0] * 8
+
+        def on_p3() -> bool:
+            return screen.panel.rows[traces.selected]["prompt"] == "p3_collapsed"
+
+        await wait_for(pilot, on_p3, LOADED_S, "the cursor on p3_collapsed")
+        spark = traces.query_one("#spark-top1")
+        await wait_for(pilot, lambda: spark.data == [13.0] * 8, LOADED_S, "p3's sparkline")
         await pilot.press("escape")
-        assert app.screen is screen
+        await wait_for(pilot, lambda: app.screen is screen, LOADED_S, "the run screen again")
 
 
 async def test_replay_at_speed_paces_by_recorded_time(home: Path) -> None:
@@ -432,7 +478,7 @@ async def test_replay_at_speed_paces_by_recorded_time(home: Path) -> None:
     app = create_app(out_dir=out_dir(home))
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press("f2")
-        history = app.screen
+        history = await wait_for_screen(pilot, HistoryScreen)
         await wait_for(pilot, lambda: len(history.entries) == 1, 10, "the history scan")
         history.query_one("#speed").value = 10.0  # 31 recorded seconds in about 3 s
         await pilot.press("r")
@@ -483,23 +529,25 @@ async def test_connection_loss_and_retries_are_shown(home: Path, tmp_path: Path)
     async with app.run_test(size=SIZE) as pilot:
         screen = await wait_for_run_screen(pilot)
         await wait_for(pilot, lambda: "UNFINISHED" in banner_text(screen), 10, "the banner")
-        text = screen_text(app)
-        assert "connection retrying (attempt 2): gpu-box:22: connection reset" in text
-        assert "[run] * connection lost: gpu-box:22: connection reset" in text
+        await wait_for_text(
+            pilot,
+            "connection retrying (attempt 2): gpu-box:22: connection reset",
+            "[run] * connection lost: gpu-box:22: connection reset",
+        )
 
 
 async def test_busy_lock_is_reported_on_the_presets_screen(home: Path) -> None:
     lock = home / "lock"
     holder = subprocess.Popen(["flock", str(lock), "sleep", "60"])
     try:
-        await asyncio.sleep(0.2)
+        wait_until_held(lock)
         app = create_app(out_dir=out_dir(home))
         async with app.run_test(size=SIZE) as pilot:
             await start_preset(pilot, "hello_command", run_overrides(home))
             screen = app.screen
             await wait_for(pilot, lambda: not screen.launching, 20, "the launch to end")
-            assert isinstance(app.screen, PresetsScreen)
-            error = str(screen.query_one("#preset-error").content)
+            await wait_for(pilot, lambda: "is held" in error_text(app), LOADED_S, "the error")
+            error = error_text(app)
             assert f"lock {lock} is held" in error and "wait for that run to end" in error
     finally:
         holder.kill()
@@ -527,7 +575,7 @@ async def test_help_lists_every_binding(home: Path) -> None:
     app = create_app(out_dir=out_dir(home))
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press("f1")
-        assert isinstance(app.screen, HelpScreen)
+        await wait_for_screen(pilot, HelpScreen)
         table = app.screen.query_one("#keys")
         rows = [[str(c) for c in table.get_row(k)] for k in table.rows]
         listed = {(r[0], r[2]) for r in rows}
@@ -537,7 +585,7 @@ async def test_help_lists_every_binding(home: Path) -> None:
                 assert (where, description) in listed, (where, description)
         assert ("everywhere", "Quit") in listed
         await pilot.press("escape")
-        assert isinstance(app.screen, PresetsScreen)
+        await wait_for_screen(pilot, PresetsScreen)
 
 
 async def test_ctrl_q_quits_with_zero(home: Path) -> None:
@@ -559,8 +607,7 @@ async def test_unknown_host_key_dialog_trusts_and_launches(ssh_home, sshd, home:
         overrides = [*run_overrides(home), "target.host=testbox"]
         await start_preset(pilot, "hello_command", overrides)
         await wait_for(pilot, lambda: isinstance(app.screen, HostKeyDialog), 20, "the dialog")
-        text = screen_text(app)
-        assert sshd.fingerprint in text and sshd.key_type in text
+        await wait_for_text(pilot, sshd.fingerprint, sshd.key_type)  # drawn, not just pushed
         await pilot.press("t")
         screen = await wait_for_banner(pilot, timeout=40)
         assert banner_text(screen).startswith("PASS")
@@ -574,9 +621,10 @@ async def test_refusing_an_unknown_host_key_trusts_nothing(ssh_home, sshd, home:
     async with app.run_test(size=SIZE) as pilot:
         await start_preset(pilot, "hello_command", [*run_overrides(home), "target.host=testbox"])
         await wait_for(pilot, lambda: isinstance(app.screen, HostKeyDialog), 20, "the dialog")
+        await wait_for_text(pilot, sshd.fingerprint)
         await pilot.press("r")
-        assert isinstance(app.screen, PresetsScreen)
-        error = str(app.screen.query_one("#preset-error").content)
+        await wait_for(pilot, lambda: "not trusted" in error_text(app), LOADED_S, "the refusal")
+        error = error_text(app)
         assert "not trusted" in error and "tracedeck trust testbox" in error
     assert ssh_home.known_hosts.read_text() == ""
 
@@ -649,8 +697,7 @@ follow = ["trace.jsonl"]
         run = await wait_for_run_screen(pilot)
         await wait_for(pilot, lambda: bool(run.panel.rows), 30, "the first readout row")
         await pilot.press("d")
-        traces = app.screen
-        assert isinstance(traces, TracesScreen)
+        traces = await wait_for_screen(pilot, TracesScreen)
 
         def first_row() -> list[str] | None:
             rows = traces.query_one("#readout", ReadoutTable).contents()

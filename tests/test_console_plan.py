@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from test_console import (  # noqa: F401  (home is a fixture)
+    LOADED_S,
     SIZE,
     banner_text,
     home,
@@ -14,8 +15,10 @@ from test_console import (  # noqa: F401  (home is a fixture)
     select_preset,
     wait_for,
     wait_for_banner,
+    wait_for_screen,
 )
 from textual import events
+from textual.widgets import TextArea
 
 from console.app import create_app
 from console.screens.plan import PlanScreen
@@ -31,8 +34,10 @@ DATA = Path(__file__).resolve().parent / "data"
 async def open_plan(pilot, name: str, overrides: list[str]) -> PlanScreen:  # noqa: ANN001
     screen = await select_preset(pilot, name)
     await pilot.press("ctrl+o")
-    screen.query_one("#overrides").post_message(events.Paste("\n".join(overrides)))
-    await pilot.pause()
+    pasted = "\n".join(overrides)
+    area = screen.query_one("#overrides", TextArea)
+    area.post_message(events.Paste(pasted))
+    await wait_for(pilot, lambda: pasted in area.text, LOADED_S, "the pasted overrides")
     await pilot.press("ctrl+l", "enter")  # Enter on a preset: its plan, nothing started
     await wait_for(pilot, lambda: isinstance(pilot.app.screen, PlanScreen), 10, "the plan")
     return pilot.app.screen  # type: ignore[return-value]
@@ -53,6 +58,7 @@ async def test_the_plan_is_shown_before_start_checked_then_started(home: Path) -
         await pilot.press("c")
         checks = plan.query_one("#plan-checks")
         await wait_for(pilot, lambda: plan.checked is not None, 20, "the check")
+        await wait_for(pilot, lambda: "check:" in str(checks.content), LOADED_S, "its lines")
         assert "check: the target is ready for this run" in str(checks.content)
         assert "lock: " in str(checks.content)
         assert any(line.startswith(f"  runs:        {home}/runs") for line in plan.lines())
@@ -66,12 +72,12 @@ async def test_leaving_the_plan_starts_nothing(home: Path) -> None:  # noqa: F81
     async with app.run_test(size=SIZE) as pilot:
         await open_plan(pilot, "hello_command", run_overrides(home))
         await pilot.press("escape")
-        assert isinstance(app.screen, PresetsScreen)
+        await wait_for_screen(pilot, PresetsScreen)
         await pilot.press("ctrl+p")  # the plan again, from its key
         await wait_for(pilot, lambda: isinstance(app.screen, PlanScreen), 10, "the plan")
         await pilot.press("escape")
-        await pilot.pause()
-        assert isinstance(app.screen, PresetsScreen) and not app.screen.launching
+        await wait_for_screen(pilot, PresetsScreen)
+        assert not app.screen.launching
         assert not out_dir(home).exists()
 
 
@@ -92,9 +98,16 @@ async def test_long_log_lines_wrap_whole_and_scroll_when_unwrapped(home: Path) -
             OutputLines(cell=0, stream="stderr", lines=[long], file="f", end_offset=1)
         )
         await wait_for(pilot, lambda: any(long in line for line in log.lines()), 5, "the line")
-        await pilot.pause(0.2)
         assert f"[1] ! {long}" in log.lines()
         width = log.log_widget.scrollable_content_region.width
+
+        def wrapped_rows() -> bool:
+            rows = log.rows()
+            return any(r.startswith("[1] ! engine says:") for r in rows) and rows[
+                -1
+            ].rstrip().endswith("END")
+
+        await wait_for(pilot, wrapped_rows, LOADED_S, "the line's rows, wrapped")
         rows = log.rows()
         start = rows.index(next(r for r in rows if r.startswith("[1] ! engine says:")))
         wrapped = [rows[start]] + [r for r in rows[start + 1 :] if r.startswith(CONTINUATION)]
@@ -102,10 +115,13 @@ async def test_long_log_lines_wrap_whole_and_scroll_when_unwrapped(home: Path) -
         rebuilt = wrapped[0] + "".join(r[len(CONTINUATION) :] for r in wrapped[1:])
         assert rebuilt == f"[1] ! {long}"  # every character shown, none cut
         await pilot.press("w")  # unwrapped: one row, the log scrolls sideways to its end
-        await pilot.pause(0.2)
-        assert f"[1] ! {long}" in log.rows()
-        await pilot.pause(0.3)
-        assert log.log_widget.virtual_size.width >= len(f"[1] ! {long}")
+        await wait_for(pilot, lambda: f"[1] ! {long}" in log.rows(), LOADED_S, "one row")
+        await wait_for(
+            pilot,
+            lambda: log.log_widget.virtual_size.width >= len(f"[1] ! {long}"),
+            LOADED_S,
+            "the log as wide as the line",
+        )
 
 
 async def test_progress_of_long_work_shows_while_it_lasts(home: Path) -> None:  # noqa: F811

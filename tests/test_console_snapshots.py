@@ -14,6 +14,7 @@ import pytest
 from textual.pilot import Pilot
 
 from console.app import create_app
+from console.panels.readout import TracesScreen
 from console.screens.history import HistoryScreen
 from console.screens.run import RunScreen
 from console.widgets.banner import VerdictBanner
@@ -33,13 +34,19 @@ def out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "td" / "runs"
 
 
-async def until(pilot: Pilot, condition, timeout: float = 10.0) -> None:  # noqa: ANN001
+# What a loaded 2-core machine may need; only a failing test waits it out.
+LOADED_S = 60.0
+
+
+async def until(pilot: Pilot, condition, timeout: float = LOADED_S) -> None:  # noqa: ANN001
+    """Poll condition, then let pending messages and animations finish (no fixed time)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while not condition():
         assert loop.time() < deadline, "the screen did not settle"
         await pilot.pause(0.05)
-    await pilot.pause(0.1)
+    await pilot.wait_for_scheduled_animations()
+    await pilot.pause()
 
 
 async def run_finished(pilot: Pilot) -> None:
@@ -70,6 +77,7 @@ def test_traces_screen(snap_compare, out: Path) -> None:  # noqa: ANN001
     async def open_traces(pilot: Pilot) -> None:
         await run_finished(pilot)
         await pilot.press("d", "down", "down", "down")
+        await until(pilot, lambda: isinstance(pilot.app.screen, TracesScreen))
 
     assert snap_compare(app, terminal_size=SIZE, run_before=open_traces)
 

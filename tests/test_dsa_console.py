@@ -21,7 +21,9 @@ import orjson
 import pytest
 from dsa_writer import write_trace
 from runhelp import ROOT, cli_env, tracedeck
+from runhelp import wait_for as wait_until
 from test_console import (  # noqa: F401 (home is a fixture)
+    LOADED_S,
     banner_text,
     home,
     out_dir,
@@ -30,6 +32,7 @@ from test_console import (  # noqa: F401 (home is a fixture)
     wait_for,
     wait_for_banner,
     wait_for_run_screen,
+    wait_for_screen,
 )
 from test_console_snapshots import run_finished
 from test_dsa_live import WRITER
@@ -68,7 +71,10 @@ def test_dsa_detail_screen_snapshot(snap_compare, out: Path) -> None:  # noqa: A
     async def open_details(pilot) -> None:  # noqa: ANN001
         await run_finished(pilot)
         await pilot.press("d")
-        await pilot.pause(0.2)
+        detail = await wait_for_screen(pilot, DsaDetail)
+        await wait_for(
+            pilot, lambda: "request" in str(detail.query_one("#dd-heat").render()), 0, "the heat"
+        )
 
     assert snap_compare(app, terminal_size=SIZE, run_before=open_details)
 
@@ -115,20 +121,27 @@ async def test_a_live_dsa_smoke_run_fills_the_panel_while_it_runs(home: Path) ->
             return screen.model.finished is not None and not screen.buffer
 
         await wait_for(pilot, records_shown, 120, "the run to end")
-        await pilot.pause(0.2)
         assert seen_live, "no DSA record was shown before the run ended"
         records = 3 * (gen - 1) * 3  # requests x decode steps x layers
+
+        def counted() -> bool:
+            return f"records {records}" in str(panel.query_one("#dsa-counters").render())
+
+        await wait_for(pilot, counted, LOADED_S, f"the counters to show records {records}")
         counters = str(panel.query_one("#dsa-counters").render())
         assert f"records {records}" in counters and "invalid 0" in counters
         assert banner_text(screen).startswith("TRACE_OK  (exit 0)")
         assert "no invalid record" in str(panel.query_one("#dsa-first").render())
         same_state(panel, rebuilt(Path(screen.model.header.local_dir)))
         await pilot.press("d")
-        await pilot.pause(0.2)
-        assert isinstance(app.screen, DsaDetail)
-        assert "request 2: records touching" in str(app.screen.query_one("#dd-heat").render())
+        detail = await wait_for_screen(pilot, DsaDetail)
+
+        def heat_drawn() -> bool:
+            return "request 2: records touching" in str(detail.query_one("#dd-heat").render())
+
+        await wait_for(pilot, heat_drawn, LOADED_S, "the detail's heat map of request 2")
         await pilot.press("escape")
-        assert app.screen is screen
+        await wait_for(pilot, lambda: app.screen is screen, LOADED_S, "the run screen again")
 
 
 async def test_a_dsa_run_left_and_reattached_shows_the_same_state(home: Path) -> None:  # noqa: F811
@@ -141,10 +154,9 @@ async def test_a_dsa_run_left_and_reattached_shows_the_same_state(home: Path) ->
             pilot, lambda: first.panel.book.totals()["records"] > 0, 60, "the first records"
         )
         await pilot.press("escape")  # the run goes on without the console
-        assert isinstance(app.screen, PresetsScreen)
+        await wait_for_screen(pilot, PresetsScreen)
         await pilot.press("f2")
-        history = app.screen
-        assert isinstance(history, HistoryScreen)
+        history = await wait_for_screen(pilot, HistoryScreen)
         await wait_for(pilot, lambda: len(history.entries) == 1, 10, "the history scan")
         await pilot.press("enter")
         attached = await wait_for_banner(pilot, timeout=120)
@@ -168,7 +180,7 @@ def _writer(tmp_path: Path) -> tuple[subprocess.Popen[bytes], Path]:
     src = write_trace(tmp_path / "src")
     out = tmp_path / "live"
     writer = subprocess.Popen([sys.executable, "-c", WRITER, str(src), str(out / "block16")])
-    time.sleep(0.2)
+    wait_until(lambda: (out / "block16").exists(), LOADED_S, what=f"the writer to create {out}")
     return writer, out
 
 
@@ -179,15 +191,20 @@ async def test_the_watch_console_follows_a_directory_being_written(tmp_path: Pat
         app = DsaWatchApp(screen)
         async with app.run_test(size=SIZE) as pilot:
             await wait_for(pilot, lambda: screen.outcome is not None, 60, "the watch to end")
-            await pilot.pause(0.2)
             assert screen.outcome == ("TRACE_OK (exit 0)", 0)
+
+            def counted() -> bool:
+                return "records 45" in str(screen.panel.query_one("#dsa-counters").render())
+
+            await wait_for(pilot, counted, LOADED_S, "the counters to show records 45")
+            log = screen.query_one("#watch-log").lines
+            await wait_for(pilot, lambda: log and log[-1] == "RESULT: TRACE_OK", 0, "the result")
             counters = str(screen.panel.query_one("#dsa-counters").render())
             assert "records 45" in counters and "shards 3" in counters and "invalid 0" in counters
             log = screen.query_one("#watch-log").lines
             assert "following trace_steps_4_5.jsonl" in log and log[-1] == "RESULT: TRACE_OK"
             await pilot.press("d")
-            await pilot.pause(0.2)
-            assert isinstance(app.screen, DsaDetail)
+            await wait_for_screen(pilot, DsaDetail)
             await pilot.press("escape", "q")
         assert app.return_code == 0
     finally:

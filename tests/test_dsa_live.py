@@ -5,15 +5,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from dsa_writer import write_trace
 from runhelp import ROOT, cli_env, run_dirs, spawn, tracedeck
+from runhelp import wait_for as wait_until
 from sshd import SshHome
+from test_console import LOADED_S, wait_for, wait_for_screen
 
 from console.app import create_app
+from console.panels.dsa_trace import DsaDetail
 from console.screens.run import RunScreen
 
 WRITER = """
@@ -34,7 +37,8 @@ def _watch_while_writing(tmp_path: Path, target: str, env: dict) -> tuple[str, d
     out = tmp_path / "live"
     writer = subprocess.Popen([sys.executable, "-c", WRITER, str(src), str(out / "block16")])
     try:
-        time.sleep(0.2)  # the directory exists, the first shard is being written
+        # Watched once the directory exists (the first shard is being written).
+        wait_until(lambda: (out / "block16").exists(), LOADED_S, what=f"the writer to make {out}")
         watched = tracedeck(
             "watch", target.format(dir=out), "--idle", "1", "--dsa-topk", "32", env=env, timeout=120
         )
@@ -125,28 +129,27 @@ async def test_the_dsa_panel_and_detail_screen_after_a_smoke_run(tmp_path: Path)
     [local] = run_dirs(out)
     app = create_app(out_dir=tmp_path / "td", replay_dir=local, speed=0)
     async with app.run_test(size=(120, 40)) as pilot:
-        for _ in range(200):
-            screen = app.screen
-            if isinstance(screen, RunScreen) and screen.model.finished is not None:
-                break
-            await pilot.pause(0.05)
-        await pilot.pause(0.3)
+        screen = await wait_for_screen(pilot, RunScreen)
+        await wait_for(pilot, lambda: screen.model.finished is not None, LOADED_S, "the replay")
         panel = screen.panel
-        assert type(panel).__name__ == "DsaPanel" and panel.display
+        assert type(panel).__name__ == "DsaPanel"
+
+        def drawn(widget: str, text: str) -> Callable[[], bool]:
+            return lambda: text in str(app.screen.query_one(widget).render())
+
+        await wait_for(pilot, lambda: panel.display, LOADED_S, "the DSA panel")
+        await wait_for(pilot, drawn("#dsa-counters", "records 45"), LOADED_S, "45 records")
         counters = str(panel.query_one("#dsa-counters").render())
         assert "records 45" in counters and "invalid 0" in counters
-        assert "n=45" in str(panel.query_one("#dsa-h-touched").render())
+        await wait_for(pilot, drawn("#dsa-h-touched", "n=45"), LOADED_S, "the histogram")
         await pilot.press("d")
-        await pilot.pause(0.3)
-        detail = app.screen
-        assert type(detail).__name__ == "DsaDetail"
-        assert "request 2: records touching" in str(detail.query_one("#dd-heat").render())
+        detail = await wait_for_screen(pilot, DsaDetail)
+        heat = "request 2: records touching"
+        await wait_for(pilot, drawn("#dd-heat", heat), LOADED_S, "the heat map")
         await pilot.press("l")
-        await pilot.pause(0.1)
-        assert panel.view.label() == "layer 0 only"
+        await wait_for(pilot, lambda: panel.view.label() == "layer 0 only", LOADED_S, "layer 0")
         await pilot.press("r")
-        await pilot.pause(0.1)
-        assert panel.view.label() == "request 0 only"
+        await wait_for(pilot, lambda: panel.view.label() == "request 0 only", LOADED_S, "req 0")
         assert "records 15" not in str(detail.query_one("#dd-counters").render())
         hist = panel.view.live().vector(request=0)
         assert int(hist[-2]) == 15  # request 0: 5 decode steps x 3 layers

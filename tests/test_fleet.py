@@ -418,10 +418,11 @@ def test_hosts_that_share_a_lock_file_are_told_and_never_run_at_once(
     fleet: Fleet, tmp_path: Path
 ) -> None:
     shared = tmp_path / "shared.lock"  # in the home every host shares: one file for both
-    preset = lines_preset(tmp_path, cells=4, lines=2, pause=0.2, extra=f'lock = "{shared}"')
+    preset = lines_preset(tmp_path, cells=4, lines=2, pause=0.2)
+    # Named for this run: a preset's own [target] lock speaks only for its own host.
     done = tracedeck(
         "run", str(preset), "--target", "gpu-a,gpu-b", "--out", str(tmp_path / "out"),
-        env=cli_env(fleet.home.path),
+        "--set", f'target.lock="{shared}"', env=cli_env(fleet.home.path),
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     [local_dir] = run_dirs(tmp_path / "out")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from runhelp import ROOT, cli_env, run_dirs, tracedeck
+from test_console import LOADED_S, wait_for, wait_for_screen
 
 import console.panels
 import runners.kinds
@@ -82,17 +83,13 @@ async def test_each_kind_runs_headless_and_the_console_shows_its_panel(
 
     app = create_app(out_dir=tmp_path / "td", replay_dir=local_dir, speed=0)
     async with app.run_test(size=(120, 40)) as pilot:
-        for _ in range(200):
-            screen = app.screen
-            if isinstance(screen, RunScreen) and screen.model.finished is not None:
-                break
-            await pilot.pause(0.05)
-        assert isinstance(screen, RunScreen)
+        screen = await wait_for_screen(pilot, RunScreen)
+        await wait_for(pilot, lambda: screen.model.finished is not None, LOADED_S, "the replay")
         assert type(screen.panel) is type(panel_for(name))
         assert screen.panel.is_mounted
         if name in all_panels():
-            await pilot.pause(0.2)
-            assert screen.panel.display, f"the {name} panel stays hidden after a whole run"
+            what = f"the {name} panel to show after a whole run"
+            await wait_for(pilot, lambda: screen.panel.display, LOADED_S, what)
 
 
 # -- a kind added from outside: a module under another kinds package, and its panel ----------------
@@ -282,15 +279,17 @@ async def test_a_toy_kind_from_outside_runs_headless_and_in_the_console(
     assert "toy" in all_kinds() and "toy" in all_panels()
     app = create_app(out_dir=tmp_path / "td", replay_dir=local_dir, speed=0)
     async with app.run_test(size=(120, 40)) as pilot:
-        for _ in range(100):
-            screen = app.screen
-            if isinstance(screen, RunScreen) and screen.model.finished is not None:
-                break
-            await pilot.pause(0.05)
-        await pilot.pause(0.2)
-        assert isinstance(screen, RunScreen) and type(screen.panel).__name__ == "ToyPanel"
-        assert str(screen.panel.query_one("#toys").content) == "toys seen: 2"
-        banner = str(screen.query_one("#banner").content)
+        screen = await wait_for_screen(pilot, RunScreen)
+        await wait_for(pilot, lambda: screen.model.finished is not None, LOADED_S, "the replay")
+        assert type(screen.panel).__name__ == "ToyPanel"
+
+        def toys() -> str:
+            return str(screen.panel.query_one("#toys").content)
+
+        await wait_for(pilot, lambda: toys() == "toys seen: 2", LOADED_S, "toys seen: 2")
+        banner_widget = screen.query_one("#banner")
+        await wait_for(pilot, lambda: str(banner_widget.content), LOADED_S, "the banner")
+        banner = str(banner_widget.content)
         assert banner.startswith("TOY_OK") and screen.query_one("#banner").has_class("-pass")
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from rich.text import Text
+from test_console import LOADED_S, wait_for, wait_for_screen
 from textual.pilot import Pilot
 
 from analysis.kv_invariance_llamacpp import LlamaCppBook, parse_line
@@ -46,7 +47,7 @@ def out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 async def settled(pilot: Pilot) -> RunScreen:
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + 15
+    deadline = loop.time() + LOADED_S
     while True:
         screen = pilot.app.screen
         if (
@@ -57,7 +58,9 @@ async def settled(pilot: Pilot) -> RunScreen:
             break
         assert loop.time() < deadline, "the run screen did not settle"
         await pilot.pause(0.05)
-    await pilot.pause(0.2)
+    banner = screen.query_one("#banner", VerdictBanner)
+    await wait_for(pilot, lambda: str(banner.content).strip() != "", LOADED_S, "the banner")
+    await wait_for(pilot, lambda: screen.panel.display, LOADED_S, "the 03C panel")
     return screen
 
 
@@ -93,25 +96,26 @@ async def test_the_first_failure_then_the_cell_the_operator_picks(out: Path) -> 
         # the operator moves onto the precondition cell: its rule and fix
         table = panel.query_one(GridTable)
         table.focus()
-        await pilot.pause(0.1)
+        await wait_for(pilot, lambda: table.has_focus, LOADED_S, "the grid to take focus")
         row, col = key_of(PRECONDITION_AT)
         keys = ["down"] * sorted(view.grid.rows).index(row)
         keys += ["right"] * sorted(view.grid.cols).index(col)
         await pilot.press(*keys)
-        await pilot.pause(0.2)
-        assert detail.border_title == "cell"
+
+        def on_precondition() -> bool:
+            return detail.border_title == "cell" and "PRECONDITION" in plain_text(detail)
+
+        await wait_for(pilot, on_precondition, LOADED_S, "the precondition cell's detail")
         text = plain_text(detail)
         assert "PRECONDITION" in text and "rule kv_stride_256" in text
         assert "fix  pad the KV view to 256" in text
         # engine text is shown literally, never as markup
         await pilot.press("d")
-        await pilot.pause(0.2)
-        assert isinstance(app.screen, KvGridScreen)
-        grid_screen = app.screen
-        assert "96/96 judged" in str(grid_screen.query_one("#kv-title").content)
+        grid_screen = await wait_for_screen(pilot, KvGridScreen)
+        title = grid_screen.query_one("#kv-title")
+        await wait_for(pilot, lambda: "96/96 judged" in str(title.content), LOADED_S, "96/96")
         await pilot.press("escape")
-        await pilot.pause(0.1)
-        assert isinstance(app.screen, RunScreen)
+        await wait_for_screen(pilot, RunScreen)
 
 
 LOG = (DATA / "kv_invariance_llamacpp" / "rocm_fail.log").read_text().splitlines()

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from runhelp import cli_env, run_dirs, tracedeck
+from runhelp import cli_env, run_dirs, tracedeck, wait_until_held
 from sshd import SshHome
 
 from console.cli import main
@@ -128,7 +128,7 @@ def test_check_names_what_would_fail_with_exit_3(
         json.dumps({"run_id": "20260101-000000-other-beef", "user": "ann", "pgid": holder.pid})
     )
     try:
-        time.sleep(0.2)
+        wait_until_held(lock)
         argv = [
             "plan",
             "b3_67_smoke",

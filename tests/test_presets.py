@@ -236,3 +236,70 @@ def test_the_greta_presets_pass_only_what_the_seeds_show() -> None:
         "GRETA_TRACE_READOUT_OUT",
     }
     assert "--max-tokens 16 --greedy --debug-decode 4" in readout.section("engine")["command"]
+
+
+# -- the lock belongs to the host the run goes to (issue 21 item 7) ---------------------------
+
+ELSEWHERE = 'host = "gpu-elsewhere"\n'
+
+
+def _host_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str) -> None:
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    config = tmp_path / "xdg" / "tracedeck" / "config.toml"
+    config.parent.mkdir(parents=True)
+    config.write_text(text)
+
+
+def test_a_preset_lock_speaks_for_its_own_host_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from runners.config import DEFAULT_LOCK, run_lock
+    from runners.presets import load_preset
+
+    _host_config(tmp_path, monkeypatch, '[hosts.gpu-b]\nlock = "/tmp/gpu-b.lock"\n')
+    path = tmp_path / "p.toml"
+    path.write_text(
+        '[preset]\nname = "p"\nkind = "command"\ndescription = "d"\n\n'
+        f'[target]\n{ELSEWHERE}lock = "/tmp/elsewhere.lock"\n\n'
+        '[engine]\ncommand = "true"\n\n[matrix]\nn = [1]\n'
+    )
+    preset = load_preset(path)
+    assert run_lock("gpu-elsewhere", preset) == "/tmp/elsewhere.lock"  # its own host
+    assert run_lock("gpu-b", preset) == "/tmp/gpu-b.lock"  # --target gpu-b: gpu-b's lock
+    assert run_lock("gpu-c", preset) == DEFAULT_LOCK  # a host with no lock configured
+    # One host of a fleet: the preset's lock holds when the fleet is the preset's own target.
+    assert run_lock("gpu-b", preset, "gpu-b,gpu-c") == "/tmp/gpu-b.lock"
+    assert run_lock("gpu-b", preset, "gpu-elsewhere") == "/tmp/elsewhere.lock"
+    # --set target.lock is the operator's choice for this run, wherever it goes.
+    chosen = load_preset(path, ['target.lock="/tmp/chosen.lock"'])
+    assert run_lock("gpu-b", chosen) == "/tmp/chosen.lock"
+    # --set target.host makes that host the preset's own.
+    moved = load_preset(path, ['target.host="gpu-b"'])
+    assert run_lock("gpu-b", moved) == "/tmp/elsewhere.lock"
+
+
+def test_a_run_sent_to_another_host_takes_that_hosts_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from runhelp import LINES_PRESET, cli_env, events, run_dirs, tracedeck
+
+    local_lock = tmp_path / "local.lock"
+    _host_config(tmp_path, monkeypatch, f'[hosts.local]\nlock = "{local_lock}"\n')
+    preset = tmp_path / "lines.toml"
+    text = LINES_PRESET.format(
+        runs=tmp_path / "runs", lock=tmp_path / "elsewhere.lock", attempts=1, lines=1, pause=0
+    )
+    preset.write_text(text.replace("[target]\n", f"[target]\n{ELSEWHERE}"))
+    home = tmp_path / "home"
+    home.mkdir()
+    env = cli_env(home, XDG_CONFIG_HOME=str(tmp_path / "xdg"))
+    plan = tracedeck("plan", str(preset), "--target", "local", env=env)
+    assert plan.returncode == 0, plan.stdout + plan.stderr
+    assert str(local_lock) in plan.stdout and "gpu-elsewhere, not this one" in plan.stdout
+    done = tracedeck(
+        "run", str(preset), "--target", "local", "--out", str(tmp_path / "out"), env=env
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    [run_dir] = run_dirs(tmp_path / "out")
+    [acquired] = [e for e in events(run_dir) if e["type"] == "lock_acquired"]
+    assert acquired["lock"] == str(local_lock)

@@ -295,7 +295,8 @@ def test_a_run_on_an_impostor_host_is_refused_before_anything_runs(
             f"  IdentityFile {ssh_home.identity}\n  HostKeyAlias gpu\n"
         )
     trusted = ssh_home.server.known_hosts_line().split()[1:]
-    ssh_home.known_hosts.write_text(" ".join([f"[gpu]:{impostor.port}", *trusted]) + "\n")
+    # OpenSSH looks a HostKeyAlias up bare: `gpu`, never `[gpu]:port`.
+    ssh_home.known_hosts.write_text(" ".join(["gpu", *trusted]) + "\n")
     preset = write_lines_preset(tmp_path, lines=3, pause=0.01)
     done = tracedeck(
         "run",

@@ -12,7 +12,17 @@ from pathlib import Path
 
 import pytest
 from faults import record_of
-from runhelp import cli_env, events, kill_group, run_alive, run_dirs, spawn, tracedeck, wait_for
+from runhelp import (
+    cli_env,
+    events,
+    kill_group,
+    run_alive,
+    run_dirs,
+    spawn,
+    tracedeck,
+    wait_for,
+    wait_until_held,
+)
 from runhelp import write_lines_preset as lines_preset
 from sshd import SshHome
 
@@ -55,7 +65,7 @@ def test_a_run_refused_by_the_lock_leaves_no_directory(home: Path, tmp_path: Pat
     lock = tmp_path / "gpu.lock"
     holder = subprocess.Popen(["flock", str(lock), "sleep", "60"])
     try:
-        time.sleep(0.2)
+        wait_until_held(lock)
         preset = lines_preset(tmp_path, lines=1, pause=0, lock=lock)
         out = tmp_path / "out"
         done = tracedeck("run", str(preset), "--out", str(out), env=cli_env(home))

@@ -107,7 +107,14 @@ def test_hostile_values_are_data_never_run(where: Where, tmp_path: Path) -> None
 
 def test_second_run_on_a_held_lock_exits_3_naming_the_holder(where: Where, tmp_path: Path) -> None:
     lock = tmp_path / "gpu.lock"
-    slow = write_lines_preset(tmp_path, lines=40, pause=0.05, lock=lock)
+    # The first run's cells wait for `release`: it holds the lock until the test says, however
+    # long the second console takes to start on a loaded machine.
+    release = tmp_path / "release"
+    slow = write_lines_preset(tmp_path, lines=1, pause=0, lock=lock)
+    text = slow.read_text()
+    slow.write_text(
+        text.replace("sh -c '", f"sh -c 'until [ -e {release} ]; do sleep 0.05; done; ")
+    )
     env = cli_env(where.home)
     first = spawn("run", str(slow), "--target", where.spec, "--out", str(tmp_path / "a"), env=env)
     try:
@@ -124,6 +131,7 @@ def test_second_run_on_a_held_lock_exits_3_naming_the_holder(where: Where, tmp_p
         assert run_a in second.stderr and "user=" in second.stderr
         assert "lock busy" in second.stdout
     finally:
+        release.touch()
         out, err = first.communicate(timeout=120)
     assert first.returncode == 0, out + err
     # The kernel released the lock when the first run ended: no cleanup needed.

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import asyncssh
 
+from runners.hostkeys import Line, Status, Verdict, ca_status, entries_for, judge
 from runners.targets.base import (
     CommandResult,
     ConnectionLost,
@@ -23,11 +24,11 @@ from runners.targets.base import (
 from runners.trust import (
     ResolvedHost,
     describe_mismatch,
-    lookup,
+    describe_revoked,
+    host_key_algorithms,
     no_user_file,
     read_known_hosts,
     resolve_host,
-    server_key,
 )
 
 # sshd allows 10 sessions per connection (MaxSessions); SFTP holds one, a stream (the change
@@ -57,6 +58,17 @@ class _Client(asyncssh.SSHClient):
         if self._owner._generation == self._generation:  # not a late word from an old link
             self._owner._lost = exc or ConnectionResetError("connection closed")
 
+    def validate_host_public_key(
+        self, host: str, addr: str, port: int, key: asyncssh.SSHKey
+    ) -> bool:
+        """Every plain host key comes here (tracedeck hands asyncssh no trusted keys)."""
+        return self._owner._judge_key(addr, key)
+
+    def validate_host_ca_key(self, host: str, addr: str, port: int, key: asyncssh.SSHKey) -> bool:
+        """A host certificate's signer: trusted when a @cert-authority line for the host lists
+        it and nothing revokes it (asyncssh then checks the principals and validity)."""
+        return self._owner._judge_ca(key)
+
 
 class SshTarget:
     """A host reached over SSH; host may be a hostname or an alias in ~/.ssh/config."""
@@ -85,6 +97,8 @@ class SshTarget:
         self._lost: BaseException | None = None
         self._generation = 0
         self._resolved: ResolvedHost | None = None
+        self._files: list[list[Line]] = []
+        self._verdict: Verdict | None = None  # the host-key judgement of the last connect
         self._connect_lock = asyncio.Lock()
         self._channels = asyncio.Semaphore(MAX_COMMAND_CHANNELS)
 
@@ -115,17 +129,22 @@ class SshTarget:
             self._lost = None
             self._generation += 1
             generation = self._generation
-            trusted = _TrustedKeys(resolved, read_known_hosts(resolved))
+            self._files = read_known_hosts(resolved)
+            self._verdict = None
+            algorithms = host_key_algorithms(resolved, self._files)
             try:
                 conn = await asyncssh.connect(
                     self.host,
                     self.port if self.port is not None else (),
                     options=resolved.options,
                     client_factory=lambda: _Client(self, generation),
-                    known_hosts=trusted,  # always: never asyncssh's own lookup, never "accept all"
+                    # Always a callable with no keys: every key reaches validate_host_public_key,
+                    # never asyncssh's own lookup, never "accept all".
+                    known_hosts=_no_keys,
+                    server_host_key_algs=algorithms or (),
                 )
             except asyncssh.HostKeyNotVerifiable as exc:
-                raise await self._host_key_error(resolved, trusted, exc) from exc
+                raise await self._host_key_error(resolved, exc) from exc
             except asyncssh.PermissionDenied as exc:
                 raise TargetError(self._auth_message(resolved)) from exc
             except TimeoutError as exc:
@@ -177,40 +196,44 @@ class SshTarget:
             except (TimeoutError, OSError, asyncssh.Error):
                 conn.abort()
 
-    async def _host_key_error(
-        self, resolved: ResolvedHost, trusted: _TrustedKeys, exc: Exception
-    ) -> TargetError:
-        known = trusted.by_name.keys
-        algorithms = sorted({k.get_algorithm() for _, k in known}) or None
-        try:
-            key = await server_key(resolved, algorithms)
-        except ConnectionLost:
-            if not algorithms:
-                raise
-            key = await server_key(resolved)  # the server no longer offers the known key type
-        if not known and not resolved.user_files:
-            return TargetError(f"{self._where}: {no_user_file(self.host)}")
-        if not known:
+    def _judge_key(self, addr: str, key: asyncssh.SSHKey) -> bool:
+        assert self._resolved is not None
+        self._verdict = judge(self._resolved.policy, self._files, key, addr)
+        return self._verdict.accepted
+
+    def _judge_ca(self, ca_key: asyncssh.SSHKey) -> bool:
+        assert self._resolved is not None
+        entries = entries_for(self._files, self._resolved.key_name)
+        return ca_status(entries, ca_key) is Status.OK
+
+    async def _host_key_error(self, resolved: ResolvedHost, exc: Exception) -> TargetError:
+        verdict = self._verdict
+        if verdict is None:  # a host certificate refused: say so, with the key behind it
+            return TargetError(
+                f"{self._where}: host certificate refused ({exc}); check the @cert-authority "
+                f"lines in {', '.join(str(p) for p in resolved.known_hosts)} and the "
+                "certificate's principals"
+            )
+        key = verdict.key
+        if verdict.status is Status.NEW:
+            if not verdict.known and not resolved.user_files:
+                return TargetError(f"{self._where}: {no_user_file(self.host)}")
             # Name the host as the operator wrote it, so `tracedeck trust` resolves it the same way.
             return HostKeyUnknown(
                 self.host, resolved.port, key.get_fingerprint("sha256"), key.get_algorithm()
             )
-        if any(k.public_data == key.public_data for _, k in known):
-            if trusted.ip_keys and all(k.public_data != key.public_data for k in trusted.ip_keys):
-                ip = resolved.entry_name(trusted.addr)
-                return HostKeyMismatch(
-                    f"{self._where}: the host key {key.get_algorithm()} "
-                    f"{key.get_fingerprint('sha256')} is the one known for "
-                    f"{resolved.entry_name()}, but known_hosts lists another key for its address "
-                    f"{ip} (CheckHostIP yes): possible DNS spoofing, or the address moved to "
-                    f"another host. Refusing to connect. Check the host, then remove the stale "
-                    f"entry (ssh-keygen -R '{ip}')."
-                )
-            return TargetError(
-                f"{self._where}: host key refused ({exc}); check for a revoked entry or a host "
-                f"certificate problem in {', '.join(str(p) for p in resolved.known_hosts)}"
+        if verdict.status is Status.REVOKED:
+            return HostKeyMismatch(f"{self._where}: {describe_revoked(resolved, verdict)}")
+        if verdict.ip_name:
+            ip = verdict.ip_name
+            return HostKeyMismatch(
+                f"{self._where}: the host key {key.get_algorithm()} "
+                f"{key.get_fingerprint('sha256')} is the one known for {verdict.name}, but "
+                f"known_hosts lists another key for its address {ip} (CheckHostIP yes): "
+                "possible DNS spoofing, or the address moved to another host. Refusing to "
+                f"connect. Check the host, then remove the stale entry (ssh-keygen -R '{ip}')."
             )
-        return HostKeyMismatch(describe_mismatch(resolved, known, key))
+        return HostKeyMismatch(describe_mismatch(resolved, list(verdict.known), key))
 
     def _auth_message(self, resolved: ResolvedHost) -> str:
         tried = [_key_label(k) for k in resolved.options.client_keys or ()]
@@ -376,31 +399,10 @@ class SshStream:
             await asyncio.wait_for(self._proc.wait_closed(), timeout=2.0)
 
 
-class _TrustedKeys:
-    """asyncssh's known_hosts hook: the keys OpenSSH would accept for this host, matched by
-    tracedeck (trust.lookup) from files read before connecting."""
-
-    def __init__(
-        self, resolved: ResolvedHost, files: list[tuple[Path, asyncssh.SSHKnownHosts]]
-    ) -> None:
-        self.resolved = resolved
-        self.files = files
-        self.by_name = lookup(files, resolved, resolved.key_name)
-        self.addr = ""
-        self.ip_keys: list[asyncssh.SSHKey] = []
-
-    def __call__(
-        self, host: str, addr: str, port: int | None
-    ) -> tuple[list[asyncssh.SSHKey], list[asyncssh.SSHKey], list[asyncssh.SSHKey]]:
-        keys = [k for _, k in self.by_name.keys]
-        self.addr = addr
-        if self.resolved.check_ip and addr:
-            # OpenSSH: a key listed for the address must be the host's too (else refuse).
-            self.ip_keys = [k for _, k in lookup(self.files, self.resolved, addr).keys]
-            if self.ip_keys:
-                agreed = {k.public_data for k in self.ip_keys}
-                keys = [k for k in keys if k.public_data in agreed]
-        return keys, self.by_name.ca_keys, self.by_name.revoked
+def _no_keys(host: str, addr: str, port: int | None) -> tuple[list[object], ...]:
+    """asyncssh's known_hosts hook: no key trusted up front, so each goes to the client's
+    validate_host_public_key (tracedeck's judgement, runners.hostkeys)."""
+    return [], [], []
 
 
 def _key_label(keypair: asyncssh.SSHKeyPair) -> str:
