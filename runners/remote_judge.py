@@ -58,15 +58,25 @@ class RemoteJudge:
         self.judge_dir = judge_dir  # where the modules are shipped (its PYTHONPATH)
         self.artifacts = artifacts  # the run's artifacts directory on the target
         self.local_dir = local_dir
+        self.hashes: dict[str, str] | None = None  # {shipped file: sha256}, held here
 
     async def ship(self, spec: HostJudging) -> None:
+        """Write the judge's files there; their hashes are held here from the bytes sent."""
+        hashes = {}
         for rel in shipped(spec):
             data = (SOURCE_ROOT / rel).read_bytes()
             await self.target.write_file(f"{self.judge_dir}/{rel}", data)
+            hashes[rel] = hashlib.sha256(data).hexdigest()
+        self.hashes = hashes
 
     def command(self, spec: HostJudging, entry: str, args: list[str]) -> str:
-        """The shell command that runs `entry` of the shipped judge, checked and isolated."""
-        argv = [self.python, "-I", "-c", BOOT, self.judge_dir, json.dumps(manifest(spec)), entry]
+        """The shell command that runs `entry` of the shipped judge, checked and isolated.
+
+        The hashes are those of the bytes this console shipped (or, for a run it reattached
+        to, of its own copy of the same files)."""
+        if self.hashes is None:
+            self.hashes = manifest(spec)
+        argv = [self.python, "-I", "-c", BOOT, self.judge_dir, json.dumps(self.hashes), entry]
         return " ".join(shlex.quote(a) for a in [*argv, *args])
 
     async def unusable(self, spec: HostJudging, module: str) -> str | None:
