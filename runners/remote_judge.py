@@ -19,7 +19,6 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from runners.fetch import download_into
 from runners.kind import HostJudging
 from runners.targets.base import Target, TargetError
 
@@ -115,7 +114,3 @@ class RemoteJudge:
         if said.get("tampered"):
             raise TargetError(f"judging on {self.target.name} refused: {said['tampered']}")
         return said
-
-    async def fetch(self, rel: str) -> Path:
-        """Bring artifacts/rel home to the run's directory (atomically)."""
-        return await download_into(self.target, f"{self.artifacts}/{rel}", self.local_dir, rel)
