@@ -85,29 +85,10 @@ def judge_pair(
     on_token(tokens read, gen_len): progress through the pair's files."""
     base = pair_dir(root, kv_aligned, seed)
     logits: dict[str, Path] = {}
-    meta: dict[str, dict[str, Any]] = {}
     meta_path: dict[str, Path] = {}
     for mode in MODES:
         logits[mode], meta_path[mode] = _side_files(base / mode, mode)
-        meta[mode] = read_metadata(meta_path[mode])
-        expected = {"seed": seed, "kv_aligned": kv_aligned, "mode": mode}
-        for key, want in expected.items():
-            if meta[mode][key] != want:
-                raise InputError(
-                    meta_path[mode],
-                    None,
-                    f"'{key}' is {meta[mode][key]!r} but the directory says {want!r}",
-                    "the file is in the wrong place, or the runner wrote the wrong metadata",
-                )
-    for key in ("dtype", "prompt_len", "gen_len"):
-        if meta["prefill"][key] != meta["decode"][key]:
-            raise InputError(
-                meta_path["decode"],
-                None,
-                f"'{key}' is {meta['decode'][key]!r} here but {meta['prefill'][key]!r} in "
-                f"{meta_path['prefill']}: the two sides did not run the same configuration",
-                "re-run the pair with one configuration",
-            )
+    meta = _checked_metadata(meta_path, kv_aligned, seed)
     result = compare_files(
         logits["prefill"],
         logits["decode"],
@@ -130,6 +111,50 @@ def judge_pair(
             for side, where in (result.first_fail.get("where") or {}).items()
         }
     return result
+
+
+def _checked_metadata(
+    paths: dict[str, Path], kv_aligned: int, seed: int
+) -> dict[str, dict[str, Any]]:
+    """Both sides' metadata.json: each in its right place, both of one configuration."""
+    meta: dict[str, dict[str, Any]] = {}
+    for mode in MODES:
+        meta[mode] = read_metadata(paths[mode])
+        expected = {"seed": seed, "kv_aligned": kv_aligned, "mode": mode}
+        for key, want in expected.items():
+            if meta[mode][key] != want:
+                raise InputError(
+                    paths[mode],
+                    None,
+                    f"'{key}' is {meta[mode][key]!r} but the directory says {want!r}",
+                    "the file is in the wrong place, or the runner wrote the wrong metadata",
+                )
+    for key in ("dtype", "prompt_len", "gen_len"):
+        if meta["prefill"][key] != meta["decode"][key]:
+            raise InputError(
+                paths["decode"],
+                None,
+                f"'{key}' is {meta['decode'][key]!r} here but {meta['prefill'][key]!r} in "
+                f"{paths['prefill']}: the two sides did not run the same configuration",
+                "re-run the pair with one configuration",
+            )
+    return meta
+
+
+def read_pair_metadata(root: str | Path, kv_aligned: int, seed: int) -> dict[str, dict[str, Any]]:
+    """A pair's two metadata.json files (checked as judge_pair checks them), without its logits:
+    what the console holds of a pair judged on the host."""
+    base = pair_dir(root, kv_aligned, seed)
+    paths = {mode: base / mode / METADATA_NAME for mode in MODES}
+    for mode, path in paths.items():
+        if not path.is_file():
+            raise InputError(
+                path,
+                None,
+                f"missing: the {mode} side's metadata must come home to check what the host says",
+                f"keep {METADATA_NAME} in [artifacts] fetch",
+            )
+    return _checked_metadata(paths, kv_aligned, seed)
 
 
 def _check_token_count(lines: int, meta: dict[str, dict[str, Any]], paths: dict[str, Path]) -> None:

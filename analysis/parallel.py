@@ -30,6 +30,10 @@ _HEAD = struct.Struct("<qqq")  # line, token_idx, token_id
 # The directory that holds analysis/: the child imports it from there, wherever that is.
 _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 _CHILD = "import sys; from analysis.parallel import serve_side; serve_side(sys.argv[1])"
+# How the helper starts: None is `python -c _CHILD` with this package first on PYTHONPATH. A
+# judge on a target (runners/hosted/boot.py) sets the command it was itself run with, so the
+# helper, too, runs isolated from checked bytes; the module and the file are appended.
+HELPER_COMMAND: list[str] | None = None
 
 
 def serve_side(path: str) -> None:
@@ -54,6 +58,12 @@ def serve_side(path: str) -> None:
     out.flush()
 
 
+def main(argv: list[str]) -> int:
+    """The helper, run by runners/hosted/boot.py: serve_side(the file)."""
+    serve_side(argv[0])
+    return 0
+
+
 def _read_exact(stream: BinaryIO, n: int) -> bytes | None:
     data = stream.read(n)
     return data if len(data) == n else None
@@ -62,9 +72,13 @@ def _read_exact(stream: BinaryIO, n: int) -> bytes | None:
 def iter_logits_elsewhere(path: str | Path) -> Generator[LogitsRow, None, None]:
     """iter_logits(path), read by a helper process: the same rows, the same errors."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+    if HELPER_COMMAND is not None:
+        argv = [*HELPER_COMMAND, "analysis.parallel", str(path)]
+    else:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+        argv = [sys.executable, "-c", _CHILD, str(path)]
     helper = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, str(path)],
+        argv,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -210,6 +210,12 @@ def report_markdown(summary: dict[str, Any], results: list[PairResult]) -> str:
         f"max |Δ| ≤ {_num(t['max_abs_diff_max'])}, "
         f"top-1 agreement ≥ {_num(t['top1_agreement_min'])}.",
         "",
+        "Precision: both sides are normalised to float32 before they are compared (seed "
+        "section 4), so each |Δ| is a float32 difference of float32 values. A float64 reading "
+        "of section 8 can differ from it by one float32 rounding step: a pair within one "
+        "float32 step of a threshold may get the other verdict under a float64 judge. This "
+        "is the seed's normalisation, kept on purpose.",
+        "",
         "## Matrix",
         "",
         *_matrix(summary),

@@ -690,7 +690,8 @@ async def _check_judging(target: Target, out: Checked, p: Preview) -> None:
     if judge is None or judge["where"] == "console" or not judge["requires"]:
         return
     imports = ", ".join(judge["requires"])
-    code, _, err = await _sh(target, f"{_q(judge['python'])} -c {_q(f'import {imports}')}")
+    # -I: the judge runs isolated (runners/hosted/boot.py), so PYTHONPATH and ~/.local do not count
+    code, _, err = await _sh(target, f"{_q(judge['python'])} -I -c {_q(f'import {imports}')}")
     if code == 0:
         out.add(OK, "judging", f"on the host: {judge['python']} there has {imports}")
         return

@@ -826,6 +826,10 @@ def test_report_shows_verdicts_results_and_the_first_failure() -> None:
     ):
         assert heading in text
     assert "**Global verdict: FAIL_GUARDRAIL**" in text
+    # Issue 20: the float32 normalisation is said where the method is, with what it can flip.
+    method = text.split("## Method")[1].split("## Matrix")[0]
+    assert "normalised to float32 before they are compared (seed section 4)" in method
+    assert "one float32 step of a threshold may get the other verdict" in method
     for word in (PASS_EQUIV, FAIL_EQUIV, EXPECTED_DRIFT, PASS_GUARDRAIL, FAIL_GUARDRAIL):
         assert word in text
     ff = bad.first_fail

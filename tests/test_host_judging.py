@@ -7,24 +7,18 @@ here, and the run says why. The shipped judge runs with nothing but what is ship
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 from faults import assert_run_gone, record_of
 from runhelp import cli_env, events, run_dirs, tracedeck, wait_for
 from sshd import CuttableProxy, SshHome
 
-from analysis.equivalence_tree import judge_pair
-from runners.kinds.equivalence import HOST_JUDGING
-from runners.remote_judge import RemoteJudge
-from runners.targets.local import LocalTarget
+from runners.presets import load_preset, resolve_preset
 
 FAILING = ["--set", "matrix.seed=[0]", "--set", 'matrix.inject=["readout_offset"]']
 
@@ -135,47 +129,11 @@ def test_a_host_python_that_cannot_judge_is_judged_here_and_the_run_says_why(
     assert "[judge] on = host" in refused.stderr and "numpy" in refused.stderr
 
 
-def test_the_shipped_judge_needs_nothing_but_what_is_shipped(tmp_path: Path) -> None:
-    """Run the hosted judge with no site-packages but numpy's, from the shipped files alone:
-    it writes the same metrics as judging here, and loads no tracedeck module from elsewhere."""
-    from test_equivalence_tree import write_tree
-
-    tree = tmp_path / "tree"
-    tree.mkdir()
-    write_tree(tree, {1: {0: 0.5}})
-    ship = tmp_path / "judge"
-    remote = RemoteJudge(LocalTarget(), sys.executable, str(ship), str(tree), tmp_path / "home")
-    asyncio.run(remote.ship(HOST_JUDGING))
-    numpy_site = str(Path(np.__file__).parent.parent)
-    code = (
-        "import runpy, sys; sys.argv = ['judge', '--kv', '1', '--seed', '0', '--thresholds', "
-        '\'{"p99_abs_diff_max": 0.001, "max_abs_diff_max": 0.005, "top1_agreement_min": '
-        "0.999}']\n"
-        "try:\n    runpy.run_module('runners.hosted.equivalence', run_name='__main__')\n"
-        "except SystemExit:\n    pass\n"
-        "mods = [m.__file__ for n, m in list(sys.modules.items()) if n.split('.')[0] in "
-        "('runners', 'analysis', 'console') and getattr(m, '__file__', None)]\n"
-        "print('MODULES', *mods)"
-    )
-    env = {**os.environ, "PYTHONPATH": f"{ship}:{numpy_site}"}
-    done = subprocess.run(
-        [sys.executable, "-S", "-c", code], cwd=tree, env=env, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr
-    said = json.loads(done.stdout.splitlines()[0])
-    assert said == {"ok": True, "metrics": "metrics/kv_aligned_1/seed_0_metrics.json"}
-    modules = done.stdout.splitlines()[-1].split()[1:]
-    assert modules and all(m.startswith(str(ship)) for m in modules), modules
-    written = json.loads((tree / said["metrics"]).read_text())
-    here = judge_pair(tree, 1, 0, written["thresholds"])
-    assert written["metrics"] == here.metrics and written["first_fail"] == here.first_fail
-
-
 def judge_wrapper(tmp: Path, body: str) -> Path:
-    """A python for [judge] python that does `body` (sh) before each judging (-m) call."""
+    """A python for [judge] python that does `body` (sh) before each call that judges a pair."""
     path = tmp / "judge-python"
     path.write_text(
-        f'#!/bin/sh\nif [ "$1" = "-m" ]; then\n{body}\nfi\nexec {sys.executable} "$@"\n'
+        f'#!/bin/sh\ncase "$*" in *--thresholds*)\n{body}\n;;\nesac\nexec {sys.executable} "$@"\n'
     )
     path.chmod(0o755)
     return path
@@ -225,3 +183,107 @@ def test_a_link_cut_while_the_host_judges_loses_no_verdict(
     verdicts = [e for e in events(local) if e["type"] == "pair_verdict"]
     assert sorted((v["kv_aligned"], v["seed"]) for v in verdicts) == [(0, 0), (1, 0)]
     assert_run_gone(local)
+
+
+# ---------------------------------------------------------------- issue 20: a judge the engine
+# cannot touch or impersonate. The engine is the reference engine with its readout_offset canary
+# (it fails honestly), wrapped in a script that attacks the judging after it wrote its logits.
+
+# A judge impersonated, for the old protocol (a metrics file, its path on stdout) and the new
+# one (the document on stdout) alike: PASS_EQUIV with max |Δ| 14.09 and top-1 agreement 0.889.
+FAKE_JUDGE = r"""
+import os, sys
+a = sys.argv
+kv, seed = a[a.index("--kv") + 1], a[a.index("--seed") + 1]
+SEED = '{"p99_abs_diff_max": 0.001, "max_abs_diff_max": 0.005, "top1_agreement_min": 0.999}'
+thresholds = a[a.index("--thresholds") + 1] if "--thresholds" in a else SEED
+word = "PASS_EQUIV" if kv == "1" else "EXPECTED_DRIFT"
+doc = (
+    '{"seed": %s, "dtype": "bf16", "prompt_len": 64, "gen_len": 16, "kv_aligned": %s, '
+    '"pair_count": 16, "metrics": {"max_abs_diff": 14.09, "p99_abs_diff": 0.5, '
+    '"top1_agreement": 0.889, "cos_sim_mean": 0.9}, "verdict": "%s", "thresholds": %s, '
+    '"first_fail": null, "timestamp": "2026-11-25T00:00:00Z", "tokens": {"prefill": 16, '
+    '"decode": 16}, "precision": null}' % (seed, kv, word, thresholds)
+)
+rel = "metrics/kv_aligned_%s/seed_%s_metrics.json" % (kv, seed)
+os.makedirs(os.path.dirname(rel), exist_ok=True)
+open(rel, "w").write(doc)
+print('{"ok": true, "metrics": "%s", "document": %s}' % (rel, doc))
+"""
+
+
+def hostile_engine(tmp: Path, attack: str) -> list[str]:
+    """--set arguments that run the smoke preset's engine, then `attack` (sh, $out is {out})."""
+    fake = tmp / "fake_judge.py"
+    fake.write_text(FAKE_JUDGE)
+    script = tmp / "hostile.sh"
+    script.write_text(f'#!/bin/sh\nout="$1"; shift\n"$@" || exit $?\nfake={fake}\n{attack}\n')
+    command = load_preset(resolve_preset("b3_67_smoke")).section("engine")["command"]
+    return ["--set", f'engine.command="sh {script} {{out}} {command}"', *FAILING]
+
+
+def assert_not_a_pass(done: subprocess.CompletedProcess, local: Path) -> None:
+    assert done.returncode in (1, 3), done.stdout + done.stderr
+    assert "PASS" not in json.loads((local / "summary.json").read_text())["global_verdict"]
+    for path in local.glob("metrics/*/*.json"):
+        assert json.loads(path.read_text())["metrics"]["max_abs_diff"] != 14.09
+
+
+@pytest.mark.ssh
+def test_an_engine_that_plants_a_judge_in_its_output_is_never_judged_by_it(
+    ssh_home: SshHome, tmp_path: Path
+) -> None:
+    plant = (
+        'mkdir -p "$out/runners/hosted" "$out/analysis"\n'
+        "for f in runners/__init__.py runners/hosted/__init__.py analysis/__init__.py; do "
+        ': > "$out/$f"; done\n'
+        'cp "$fake" "$out/runners/hosted/equivalence.py"\n'
+        'cp "$fake" "$out/runners/hosted/check.py"\n'
+        'echo "raise SystemExit(\'planted\')" > "$out/numpy.py"\n'
+    )
+    done, local = smoke(ssh_home, tmp_path, "out", *hostile_engine(tmp_path, plant))
+    assert_not_a_pass(done, local)
+    # The real judge ran (the planted one never did): the canary's honest failure.
+    assert done.returncode == 1 and "RESULT: FAIL_GUARDRAIL (exit 1)" in done.stdout
+    assert f"judged on {ssh_home.server.spec}" in done.stdout
+    verdicts = [e for e in events(local) if e["type"] == "pair_verdict"]
+    assert {(v["kv_aligned"], v["verdict"]) for v in verdicts} == {
+        (1, "FAIL_EQUIV"),
+        (0, "EXPECTED_DRIFT"),
+    }
+
+
+@pytest.mark.ssh
+def test_an_engine_that_overwrites_the_shipped_judge_after_launch_gets_no_verdict(
+    ssh_home: SshHome, tmp_path: Path
+) -> None:
+    overwrite = 'cp "$fake" "$out/../judge/runners/hosted/equivalence.py"\n'
+    done, local = smoke(ssh_home, tmp_path, "out", *hostile_engine(tmp_path, overwrite))
+    assert_not_a_pass(done, local)
+    assert done.returncode == 3 and "RESULT: INFRA_ERROR (exit 3)" in done.stdout
+    assert "judge/runners/hosted/equivalence.py: sha256" in done.stdout
+    assert "changed after it was shipped" in done.stdout
+    assert not [e for e in events(local) if e["type"] == "pair_verdict"]
+
+
+@pytest.mark.ssh
+def test_a_lying_metrics_file_and_a_lying_host_judge_are_refused_naming_the_pair(
+    ssh_home: SshHome, tmp_path: Path
+) -> None:
+    """The engine leaves the issue's lying metrics file in its output, and the host's judging
+    python says the same on its stdout: the console recomputes the verdict and refuses it."""
+    leave = f'cd "$out" && {sys.executable} "$fake" --kv 1 --seed 0\n'
+    liar = judge_wrapper(tmp_path, f'exec {sys.executable} {tmp_path / "fake_judge.py"} "$@"')
+    done, local = smoke(
+        ssh_home,
+        tmp_path,
+        "out",
+        *hostile_engine(tmp_path, leave),
+        "--set",
+        f'judge.python="{liar}"',
+    )
+    assert_not_a_pass(done, local)
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "kv_aligned_1/seed_0: the metrics judged on" in done.stdout
+    assert "refused" in done.stdout
+    assert not [e for e in events(local) if e["type"] == "pair_verdict"]

@@ -1,10 +1,13 @@
-"""B3.67 on the host: judge one pair of the tree in the current directory, write its metrics.
+"""B3.67 on the host: judge one pair of the tree in the current directory; say its metrics.
 
-    python -m runners.hosted.equivalence --kv K --seed N --thresholds JSON [--workers W]
+    python -I -c BOOT JUDGE_DIR MANIFEST runners.hosted.equivalence --kv K --seed N
+        --thresholds JSON [--workers W]            (runners/hosted/boot.py; runners/remote_judge)
 
-Prints one JSON line: {"ok": true, "metrics": RELATIVE PATH} after writing the seed section 2.2
-metrics file, or {"ok": false, "error": MESSAGE} (exit 2) when the pair cannot be judged (the
-message names the file and line, as `tracedeck analyze` would).
+Prints one JSON line on stdout, the console's channel: {"ok": true, "document": METRICS} with
+the seed section 2.2 metrics document, or {"ok": false, "error": MESSAGE} (exit 2) when the
+pair cannot be judged (the message names the file and line, as `tracedeck analyze` would).
+Nothing is written on the host: the console checks the document, recomputes its verdict and
+writes the metrics file itself.
 """
 
 from __future__ import annotations
@@ -47,8 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as exc:
         print(json.dumps({"ok": False, "error": str(exc)}))
         return 2
-    path = write_pair_metrics(root, result)
-    print(json.dumps({"ok": True, "metrics": str(path.relative_to(root))}))
+    stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    doc = metrics_document(result, stamp)
+    print(json.dumps({"ok": True, "document": doc}, allow_nan=False, ensure_ascii=False))
     return 0
 
 

@@ -37,6 +37,7 @@ from analysis.equivalence import (
     resolve_thresholds,
     summarize,
 )
+from analysis.equivalence_claims import ClaimError, checked_pair
 from analysis.equivalence_tree import (
     expected_pairs,
     judge_pair,
@@ -44,6 +45,7 @@ from analysis.equivalence_tree import (
     load_pair_result,
     metrics_path,
     read_config,
+    read_pair_metadata,
 )
 from analysis.logits import InputError
 from analysis.report import report_markdown
@@ -312,13 +314,15 @@ class EquivalenceJudge(Judge):
 
             try:
                 if self.ctx.host is not None:
-                    result = await self._judge_on_host(kv, seed)
+                    result = await self._judge_on_host(kv, seed, hosts)
                 else:
                     result = await asyncio.to_thread(self._judge, kv, seed, hosts, on_token)
             except ConnectionLost:
                 raise  # judged once the link is back
             except (ValueError, TargetError) as exc:
-                kind = "infra" if isinstance(exc, TargetError) else "output"
+                # A host judge whose code changed or whose word contradicts its own metrics is
+                # not the engine's output to fail: the pair has no verdict (never a pass).
+                kind = "infra" if isinstance(exc, TargetError | ClaimError) else "output"
                 self.ctx.emit(Error(message=str(exc), where=f"kv_aligned_{kv}/seed_{seed}"))
                 self.ctx.emit(PairUnjudged(seed=seed, kv_aligned=kv, reason=str(exc), kind=kind))
                 continue
@@ -372,16 +376,27 @@ class EquivalenceJudge(Judge):
         write_pair(self.ctx.local_dir, result, hosts)
         return result
 
-    async def _judge_on_host(self, kv: int, seed: int) -> PairResult:
-        """The pair judged where its logits are; only its metrics file comes home."""
-        said = await self.ctx.host.run(
-            HOST_JUDGING.entry,
+    async def _judge_on_host(self, kv: int, seed: int, hosts: dict[str, str]) -> PairResult:
+        """The pair judged where its logits are. Its metrics come back on the judge's stdout;
+        they are checked against this run's thresholds and the metadata fetched here, and
+        every verdict word is recomputed (ClaimError, naming the pair, where they disagree)."""
+        host = self.ctx.host
+        said = await host.run(
+            HOST_JUDGING,
             ["--kv", str(kv), "--seed", str(seed), "--thresholds", json.dumps(self.thresholds)],
         )
-        if not said.get("ok"):
-            raise ValueError(f"judged on {self.ctx.host.target.name}: {said.get('error')}")
-        await self.ctx.host.fetch(said["metrics"])
-        return load_pair_result(self.ctx.local_dir, kv, seed)
+        if said.get("ok") is not True:
+            raise ValueError(f"judged on {host.target.name}: {said.get('error')}")
+        result = checked_pair(
+            said.get("document"),
+            kv_aligned=kv,
+            seed=seed,
+            thresholds=self.thresholds,
+            metadata=read_pair_metadata(self.ctx.local_dir, kv, seed),
+            where=host.target.name,
+        )
+        write_pair(self.ctx.local_dir, result, hosts)
+        return result
 
     def _side_home(self, cell: int) -> bool:
         """The side passed and every artifact it must bring home is here (or held there)."""

@@ -1,0 +1,91 @@
+"""The one way a shipped judge runs on the target: from bytes checked against the console's hashes.
+
+    python -I -c "$(this file's text)" JUDGE_DIR MANIFEST ENTRY [ARGS...]
+
+The console sends this program's text on the command line (it is never read from the target)
+and MANIFEST, a JSON object mapping each shipped file (relative to JUDGE_DIR) to the sha256 of
+the console's own copy. `-I` keeps the current directory (the engine's output), PYTHON*
+variables and the user's site-packages off the path. Every shipped file is read once and
+checked before any of it runs; the modules are then made from those checked bytes (the files,
+which the engine's process can write, are never read again), and a module of the shipped
+packages that the manifest does not hold is refused rather than looked for elsewhere.
+ENTRY's main(ARGS) then runs. A file that differs prints {"ok": false, "tampered": WHY} and
+exits 3. Standard library only: nothing is imported from the target before the check.
+"""
+
+import hashlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import json
+import sys
+
+TAMPERED_EXIT = 3
+
+
+class CheckedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves the shipped packages from checked bytes, and only from them."""
+
+    def __init__(self, sources, packages):
+        self.sources = sources  # module name -> (path, bytes, is a package)
+        self.packages = packages  # top-level names no other finder may serve
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in self.sources:
+            if name.split(".")[0] in self.packages:
+                raise ImportError(f"{name} was not shipped with the judge (refused)", name=name)
+            return None
+        origin, _, package = self.sources[name]
+        spec = importlib.machinery.ModuleSpec(name, self, origin=origin, is_package=package)
+        spec.has_location = True  # __file__ = the checked file's path
+        return spec
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        origin, data, _ = self.sources[module.__spec__.name]
+        exec(compile(data, origin, "exec", dont_inherit=True), module.__dict__)
+
+
+def checked_sources(root, manifest):
+    """{module: (path, bytes, is a package)}; raises ValueError naming a file that differs."""
+    sources = {}
+    for rel, digest in manifest.items():
+        path = f"{root}/{rel}"
+        try:
+            with open(path, "rb") as fh:
+                data = fh.read()
+        except OSError as exc:
+            raise ValueError(f"{path}: cannot be read ({exc.strerror})") from None
+        got = hashlib.sha256(data).hexdigest()
+        if got != digest:
+            raise ValueError(
+                f"{path}: sha256 {got[:16]}..., but the console shipped {digest[:16]}...: the "
+                "judge was changed after it was shipped; nothing of it was run"
+            )
+        package = rel.endswith("/__init__.py")
+        name = rel[: -len("/__init__.py")] if package else rel[: -len(".py")]
+        sources[name.replace("/", ".")] = (path, data, package)
+    return sources
+
+
+def main():
+    root, manifest, entry, args = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], sys.argv[4:]
+    try:
+        sources = checked_sources(root, manifest)
+    except ValueError as exc:
+        print(json.dumps({"ok": False, "tampered": str(exc)}))
+        return TAMPERED_EXIT
+    sys.meta_path.insert(0, CheckedModules(sources, {n.split(".")[0] for n in sources}))
+    if "analysis.parallel" in sources:
+        # The helper process that reads a pair's second side runs the same way: this program,
+        # these hashes (never `python -c` with the engine's directory first on its path).
+        code = sys.orig_argv[sys.orig_argv.index("-c") + 1]
+        parallel = importlib.import_module("analysis.parallel")
+        parallel.HELPER_COMMAND = [sys.executable, "-I", "-c", code, root, sys.argv[2]]
+    return importlib.import_module(entry).main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
