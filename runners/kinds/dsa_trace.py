@@ -22,7 +22,7 @@ from typing import Any
 import orjson
 
 from analysis.dsa_stats import percentile
-from analysis.dsa_stream import SHARD, TraceStream
+from analysis.dsa_stream import BLOCK_DIR, SHARD, TraceStream
 from analysis.dsa_tree import (
     TRACE_INVALID,
     TRACE_OK,
@@ -33,7 +33,7 @@ from analysis.dsa_tree import (
     read_summary,
     trace_verdict,
 )
-from runners.events import Event, RunFinished, TraceBatch
+from runners.events import CellFinished, Event, RunFinished, TraceBatch
 from runners.exits import EXIT_FAIL, EXIT_INFRA, EXIT_PASS, EXIT_USAGE
 from runners.kind import ENGINE_ERROR, Digest, Ending, Judge, JudgeContext, Kind, KindPrinter
 from runners.presets import PresetError
@@ -347,6 +347,8 @@ class DsaTraceKind(Kind):
         )
 
     def analyze(self, path: Path, args: argparse.Namespace) -> int:
+        if (path / "run.json").is_file():
+            return rejudge_run(path, args)
         if getattr(args, "output", None) is not None:
             print(
                 f"tracedeck: {self.name} analyze writes no file; --output is not used",
@@ -365,6 +367,103 @@ class DsaTraceKind(Kind):
 
 
 KIND = DsaTraceKind()
+
+
+# -- tracedeck analyze RUN_DIR: a finished run re-judged from what it kept ---------------------
+
+
+def rejudge_run(run_dir: Path, args: argparse.Namespace) -> int:
+    """A DSA run's directory judged again. Its traces stay on the host (only summary.json comes
+    home), so each trace is re-judged from the run's record: the digests of every batch as the
+    console judged it (counts, first fails, the claims the cross-record checks tally, the exact
+    aggregates) folded again, then the end-of-trace checks and summary.json recomputed against
+    them. Shards copied into the run directory (<dir>/<trace-out>/block<N>/) are judged whole
+    from their records instead. Nothing in the run directory is written."""
+    from runners.record import EVENTS, RunRecord, iter_events
+
+    try:
+        record = RunRecord.load(run_dir)
+        events = list(iter_events(run_dir / EVENTS))
+    except (OSError, ValueError, TypeError) as exc:
+        print(f"tracedeck: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    dsa = record.preset_data.get("dsa") if isinstance(record.preset_data.get("dsa"), dict) else {}
+    topk, source = args.dsa_topk, "--dsa-topk"
+    if topk is None and isinstance(dsa.get("topk"), int) and dsa["topk"] > 0:
+        topk, source = dsa["topk"], "preset dsa.topk"
+    layers = args.dsa_layers or (dsa.get("layers") if isinstance(dsa.get("layers"), int) else 0)
+    book = TraceBook(topk, layers or None, source if topk else "")
+    recorded: RunFinished | None = None
+    failed_cells: list[str] = []
+    for event in events:
+        if isinstance(event, TraceBatch):
+            book.apply(event)
+        elif isinstance(event, RunFinished):
+            recorded = event
+        elif isinstance(event, CellFinished) and event.exit_code not in (0, None):
+            failed_cells.append(f"cell {event.cell} exited {event.exit_code}")
+    traces: list[dict[str, Any]] = []
+    seen: set[Path] = set()
+    for folder, stream in sorted(book.streams.items()):
+        home = run_dir / folder.split("/artifacts/", 1)[-1]
+        seen.add(home)
+        traces.append(_rejudge_dir(home, folder, stream, book, topk, layers))
+    for summary in sorted(run_dir.glob("**/block*/summary.json")):
+        if summary.parent not in seen and BLOCK_DIR.fullmatch(summary.parent.name):
+            traces.append(_rejudge_dir(summary.parent, str(summary.parent), None, book, topk, layers))  # fmt: skip
+    if not traces:
+        print(
+            f"tracedeck: {run_dir}: the run recorded no DSA trace batch and holds no trace "
+            "directory: nothing to re-judge",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    ok = all(t["verdict"] == TRACE_OK for t in traces) and not failed_cells
+    verdict, code = (TRACE_OK, EXIT_PASS) if ok else (TRACE_INVALID, EXIT_FAIL)
+    if recorded is not None and recorded.verdict == ENGINE_ERROR:
+        verdict, code = ENGINE_ERROR, EXIT_INFRA  # the engine did not finish: never a pass
+    result = {
+        "verdict": verdict,
+        "recorded_verdict": recorded.verdict if recorded is not None else None,
+        "failed_cells": failed_cells,
+        "traces": traces,
+        **book.totals(),
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return code
+    print(f"{run_dir}: re-judged from the run's record (its traces stay on the host)")
+    for line in DsaPrinter().final(RunFinished(verdict=verdict, exit_code=code, summary=result)):
+        print(line)
+    for cell in failed_cells:
+        print(f"  {cell}")
+    shown = recorded.verdict if recorded is not None else "none (the run did not end here)"
+    print(f"recorded verdict: {shown} (left as it was)")
+    print(f"RESULT: {verdict}")
+    return code
+
+
+def _rejudge_dir(
+    home: Path,
+    folder: str,
+    stream: TraceStream | None,
+    book: TraceBook,
+    topk: int | None,
+    layers: int | None,
+) -> dict[str, Any]:
+    """One trace: whole from its shards when they are here, else from the recorded digests."""
+    from analysis.dsa_tree import analyze_block, shard_files
+
+    if home.is_dir() and shard_files(home):
+        result = analyze_block(home, topk, layers or None)
+        result["from"] = "the shards in the run directory"
+        return result
+    if stream is None:
+        return _missing_dir(folder)
+    engine, why = read_summary(home / "summary.json")
+    result = trace_verdict(folder, stream, engine, why, None, book.serving_stats(folder))
+    result["from"] = "the run's recorded digests"
+    return result
 
 
 # -- tracedeck watch: follow a trace directory some other process writes ----------------------
