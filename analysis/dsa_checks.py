@@ -257,7 +257,7 @@ def check_batch(b: Batch, ctx: Context) -> Derived:
         (c["hbm_batch"] == ub, lambda r: Fail("kv_fetch.hbm.batch_size", f"unique_blocks = {ub[r]}", str(c["hbm_batch"][r]))),
         (bytes_ok, lambda r: Fail("kv_fetch.hbm.bytes_read", f"unique_blocks x block_size x {bpt} bytes/token = {ub[r] * bs * (bpt or 0)}", str(c["bytes"][r]))),
         (np.isfinite(lat) & (lat >= 0), lambda r: Fail("kv_fetch.hbm.latency_us", "a wall time >= 0 in microseconds", _fmt(lat[r]))),
-        (c["pools_ok"], lambda r: Fail("kv_fetch.local_pool/remote_pool", "batch_size = len(hit_blocks)", "a different count")),
+        (c["pools_ok"], lambda r: Fail("kv_fetch.local_pool/remote_pool", "unused tiers (HBM-only, seed 3.3): hit_blocks [], bytes_read 0, read_ops 0, batch_size 0, latency_us null", "a tier that claims a fetch")),
         (c["pcb"] >= 0, lambda r: Fail("prefix.prefix_cached_blocks", ">= 0", str(c["pcb"][r]))),
         (key_ok, lambda r: Fail("prefix.prefix_key", "a SHA1 (40 lowercase hex digits)", repr(b.names[r][2][:48]))),
         (inter_ok, lambda r: Fail("prefix.intersection_blocks", f"selected blocks < prefix_cached_blocks {c['pcb'][r]}: {_short(np.array(sorted(x for x in b.blocks[r] if x < c['pcb'][r])))}", _short(np.array(b.inter[r])))),

@@ -318,12 +318,15 @@ class TraceStream:
         return "top-k unknown (no record)"
 
     def _learn_bytes(self, c: dict[str, np.ndarray], bs: int) -> None:
-        for ub, nbytes in zip(c["ublocks"], c["bytes"], strict=True):
-            if ub > 0 and nbytes >= 0:
-                per = int(ub) * bs
-                if nbytes % per == 0:
-                    self.bytes_per_token = int(nbytes // per)
-                return
+        """KV bytes per token, as most records of the first batch give it (not the first one's
+        alone: an odd first record would blame all the others)."""
+        ub, nbytes = c["ublocks"], c["bytes"]
+        ok = (ub > 0) & (nbytes >= 0)
+        per = np.where(ok, ub * bs, 1)
+        whole = ok & (nbytes % per == 0)
+        if whole.any():
+            values, counts = np.unique((nbytes // per)[whole], return_counts=True)
+            self.bytes_per_token = int(values[np.argmax(counts)])
 
     def _aggregate(self, batch: Any, d: Any, valid: np.ndarray) -> dict[str, Any]:
         c = batch.col

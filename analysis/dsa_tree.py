@@ -15,7 +15,14 @@ from typing import Any
 
 from analysis.dsa_record import Fail
 from analysis.dsa_stats import compare_summary, percentile
-from analysis.dsa_stream import BLOCK_DIR, SHARD, TraceStream, problem, shard_range
+from analysis.dsa_stream import (
+    BLOCK_DIR,
+    SHARD,
+    TraceStream,
+    dir_block_size,
+    problem,
+    shard_range,
+)
 
 SERVING = "serving.jsonl"
 TRACE_OK = "TRACE_OK"
@@ -76,7 +83,7 @@ def analyze_block(folder: Path, topk: int | None, layers: int | None) -> dict[st
     stream = TraceStream(
         topk=topk,
         layers=layers or _int(config.get("n_layers")),
-        block_size=_int(config.get("kv_block_size_tokens")),
+        block_size=dir_block_size(str(folder / "x")) or _int(config.get("kv_block_size_tokens")),
         bytes_per_token=_int0(config.get("kv_bytes_per_token")),
         topk_source=source,
     )
