@@ -304,7 +304,8 @@ def compare_summary(engine: dict[str, Any], agg: SummaryAgg) -> list[Fail]:
     for name in STATS:
         theirs, ours = engine.get(name), recomputed.get(name) or {}
         if not isinstance(theirs, dict):
-            out.append(Fail(name, f"an object {_show_stats(ours)}", _found(theirs)))
+            found = _found(theirs) if name in engine else "missing"
+            out.append(Fail(name, f"an object {_show_stats(ours)}", found))
             continue
         for key in ("count", "min", "p50", "p95", "max", "mean"):
             if key not in theirs:
