@@ -175,6 +175,9 @@ class TraceStream:
     late_invalid: int = 0
 
     def __post_init__(self) -> None:
+        # layers not given: each step's layer count is tallied and judged by the majority at
+        # the end (a short first step must not blame every step after it)
+        self.layers_given = self.layers is not None
         self.summary = SummaryAgg(exact=self.exact)
         self.live = LiveAgg()
         if self.topk is not None and not self.topk_source:
@@ -385,7 +388,7 @@ class TraceStream:
             tally(votes.setdefault("world_size", {}), str(int(c["world"][r])), 1, where)
         if shard is not None and not shard[0] <= req < shard[1]:
             return Fail("request_id", f"in [{shard[0]}, {shard[1]}) (this shard's name)", str(req))
-        if self.layers is not None and layer >= self.layers:
+        if self.layers_given and self.layers is not None and layer >= self.layers:
             return Fail("layer_id", f"< {self.layers} (n_layers)", str(layer))
         st = self.reqs.get(req)
         if st is None:
@@ -415,7 +418,7 @@ class TraceStream:
                     f"{layer} ({what})",
                 )
         elif step > st.step:
-            fail = self._close_step(req, st)
+            fail = self._close_step(req, st, votes)
             st.step, st.step_line = step, line
             if fail is None and layer != 0:
                 fail = Fail("layer_id", f"0 (the first layer of step {step})", str(layer))
@@ -431,13 +434,18 @@ class TraceStream:
                 st.cur_fp[layer] = fp
         return fail
 
-    def _close_step(self, req: int, st: Request) -> Fail | None:
+    def _close_step(
+        self, req: int, st: Request, votes: dict[str, dict[str, list[Any]]]
+    ) -> Fail | None:
         """The step of request `req` ended: its layer count (returned as the next record's
-        fail), its latency_us vote and a stale selection (added to late)."""
+        fail when the layer count is given, else tallied), its latency_us vote and a stale
+        selection (added to late)."""
         done = st.next_layer
         fail = None
-        if self.layers is None:
-            self.layers = done
+        if not self.layers_given:
+            tally(votes.setdefault("layers", {}), str(done), 1, [st.file, st.step_line, req, 0, st.step])  # fmt: skip
+            if self.layers is None:
+                self.layers = done  # shown while the trace streams; judged at the end
         elif done != self.layers:
             fail = Fail(
                 "layer_id",
@@ -528,14 +536,25 @@ class TraceStream:
         bad = 0
         saved = (self.late, self.late_invalid)
         self.late, self.late_invalid = [], 0
+        steps = {k: [*v] for k, v in self.votes.get("layers", {}).items()}
+        open_steps: dict[str, dict[str, list[Any]]] = {"layers": steps}
         for req, st in sorted(self.reqs.items()):
             copy = Request.of(orjson.loads(orjson.dumps(st.state())))
-            fail = self._close_step(req, copy)
+            fail = self._close_step(req, copy, open_steps)
             if fail is not None:
                 out.append(problem(st.file, None, (req, st.next_layer - 1, st.step), fail))
         out += self.late
         bad += self.late_invalid
         self.late, self.late_invalid = saved
+        if steps:
+            self.layers = int(majority(steps))
+            total = sum(v[0] for v in steps.values())
+            for value, (count, file, line, req, _, step) in sorted(steps.items()):
+                if int(value) != self.layers:
+                    expected = f"{self.layers} layers per step ({steps[str(self.layers)][0]} of the {total} steps)"  # fmt: skip
+                    fail = Fail("layer_id", expected, f"{value} ({count} steps so)")
+                    out.append(problem(file, line, (req, 0, step), fail))
+                    bad += int(value) * count
         for name in ("run_name", "dataset", "world_size"):
             votes = self.votes.get(name, {})
             if len(votes) > 1:

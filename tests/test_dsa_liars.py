@@ -235,6 +235,18 @@ def test_an_odd_first_record_is_blamed_not_the_others(
     assert (first["field"], first["line"], first["request"]) == (field, 1, 0)
 
 
+def test_a_short_first_step_is_blamed_not_every_step_after_it(tmp_path: Path) -> None:
+    folder = write_trace(tmp_path / "t")
+    edit_summary(folder, lambda d: d["config"].pop("n_layers"))  # the layer count is learned
+    _drop(folder / "trace_steps_0_2.jsonl", 3)  # request 0's first step loses its last layer
+    code, result = analyze(tmp_path / "t", tmp_path)
+    [block] = result["dirs"]
+    assert code == 1 and block["layers"] == 3 and block["invalid"] == 2, block["problems"]
+    first = block["first_fail"]
+    assert (first["field"], first["line"], first["request"]) == ("layer_id", 1, 0)
+    assert first["found"] == "2 (1 steps so)"
+
+
 def test_messages_print_plain_numbers(tmp_path: Path) -> None:
     folder = write_trace(tmp_path / "t")
     edit_records(folder, "trace_steps_0_2.jsonl", [2], _set("touched_block_ratio", 0.01))
