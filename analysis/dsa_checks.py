@@ -115,7 +115,7 @@ class Derived:
 class Context:
     """Trace-wide facts a record is judged against (the stream learns the unknown ones)."""
 
-    topk: int
+    topk: int | None  # None: not known yet (the stream tallies the counts instead)
     block_size: int
     bytes_per_token: int | None = None
 
@@ -229,7 +229,7 @@ def check_batch(b: Batch, ctx: Context) -> Derived:
         return _row_counts(counts, block_base, tb, r)
 
     topk = ctx.topk
-    want = np.minimum(topk, seq_c)
+    want = lens if topk is None else np.minimum(topk, seq_c)
     checks: list[tuple[np.ndarray, Callable[[int], Fail]]] = [
         (c["event_ok"], lambda r: Fail("event", "'dsa_topk'", "another event")),
         (c["rank"] == 0, lambda r: Fail("rank", "0 (only rank 0 writes)", str(c["rank"][r]))),
@@ -249,20 +249,20 @@ def check_batch(b: Batch, ctx: Context) -> Derived:
         (listed_ok, lambda r: Fail("selected_block_ids", f"the blocks pos // {bs}: {_blocks_of(b.positions(r), bs)}", _short(b.blocks[r]))),
         (ub == blens, lambda r: Fail("unique_blocks", f"{blens[r]} (block ids listed)", str(ub[r]))),
         (ub == n_touched, lambda r: Fail("unique_blocks", f"{n_touched[r]} touched blocks", str(ub[r]))),
-        (np.isnan(tbr) | _close(tbr, ratio_exp), lambda r: Fail("touched_block_ratio", f"unique_blocks / total_blocks_in_use = {ratio_exp[r]!r}", _fmt(tbr[r]))),
-        (_close(c["tpb_mean"], lens / safe_ub), lambda r: Fail("tokens_per_touched_block.mean", f"{lens[r]} / {ub[r]} = {lens[r] / max(ub[r], 1)!r}", _fmt(c["tpb_mean"][r]))),
+        (np.isnan(tbr) | _close(tbr, ratio_exp), lambda r: Fail("touched_block_ratio", f"unique_blocks / total_blocks_in_use = {_fmt(ratio_exp[r])}", _fmt(tbr[r]))),
+        (_close(c["tpb_mean"], lens / safe_ub), lambda r: Fail("tokens_per_touched_block.mean", f"{lens[r]} / {ub[r]} = {_fmt(lens[r] / max(ub[r], 1))}", _fmt(c["tpb_mean"][r]))),
         (tpb_p50_ok, lambda r: Fail("tokens_per_touched_block.p50", _between(counts_of(r), Q50), _fmt(c["tpb_p50"][r]))),
         (tpb_p95_ok, lambda r: Fail("tokens_per_touched_block.p95", _between(counts_of(r), Q95), _fmt(c["tpb_p95"][r]))),
         (c["hits_eq"], lambda r: Fail("kv_fetch.hbm.hit_blocks", "equal to selected_block_ids (HBM-only)", "a different list")),
         (c["hbm_batch"] == ub, lambda r: Fail("kv_fetch.hbm.batch_size", f"unique_blocks = {ub[r]}", str(c["hbm_batch"][r]))),
         (bytes_ok, lambda r: Fail("kv_fetch.hbm.bytes_read", f"unique_blocks x block_size x {bpt} bytes/token = {ub[r] * bs * (bpt or 0)}", str(c["bytes"][r]))),
         (np.isfinite(lat) & (lat >= 0), lambda r: Fail("kv_fetch.hbm.latency_us", "a wall time >= 0 in microseconds", _fmt(lat[r]))),
-        (c["pools_ok"], lambda r: Fail("kv_fetch.local_pool/remote_pool", "batch_size = len(hit_blocks)", "a different count")),
+        (c["pools_ok"], lambda r: Fail("kv_fetch.local_pool/remote_pool", "unused tiers (HBM-only, seed 3.3): hit_blocks [], bytes_read 0, read_ops 0, batch_size 0, latency_us null", "a tier that claims a fetch")),
         (c["pcb"] >= 0, lambda r: Fail("prefix.prefix_cached_blocks", ">= 0", str(c["pcb"][r]))),
         (key_ok, lambda r: Fail("prefix.prefix_key", "a SHA1 (40 lowercase hex digits)", repr(b.names[r][2][:48]))),
         (inter_ok, lambda r: Fail("prefix.intersection_blocks", f"selected blocks < prefix_cached_blocks {c['pcb'][r]}: {_short(np.array(sorted(x for x in b.blocks[r] if x < c['pcb'][r])))}", _short(np.array(b.inter[r])))),
-        (_close(c["ratio"], ilens / safe_ub), lambda r: Fail("prefix.intersection_ratio", f"{ilens[r]} / {ub[r]} = {ilens[r] / max(ub[r], 1)!r}", _fmt(c["ratio"][r]))),
-        (stats_ok, lambda r: Fail("scores_stats", "finite, min <= mean <= max", f"{s_min[r]!r} / {s_mean[r]!r} / {s_max[r]!r}")),
+        (_close(c["ratio"], ilens / safe_ub), lambda r: Fail("prefix.intersection_ratio", f"{ilens[r]} / {ub[r]} = {_fmt(ilens[r] / max(ub[r], 1))}", _fmt(c["ratio"][r]))),
+        (stats_ok, lambda r: Fail("scores_stats", "finite, min <= mean <= max", f"{_fmt(s_min[r])} / {_fmt(s_mean[r])} / {_fmt(s_max[r])}")),
         (scores_ok, lambda r: Fail("scores_topk", "one finite score per position, matching scores_stats", f"{len(b.scores.get(r, []))} scores")),
     ]  # fmt: skip
     if n:

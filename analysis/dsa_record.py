@@ -608,9 +608,7 @@ def _columns(
     for row, r in enumerate(rests):
         kv = r.kv_fetch
         loc, rem = kv.local_pool, kv.remote_pool
-        pools_ok.append(
-            loc.batch_size == len(loc.hit_blocks) and rem.batch_size == len(rem.hit_blocks)
-        )
+        pools_ok.append(_empty(loc) and _empty(rem))
         event_ok.append(r.event == "dsa_topk")
         if r.scores_topk is not msgspec.UNSET:
             batch.scores[row] = np.asarray(r.scores_topk, dtype=np.float64)
@@ -618,6 +616,17 @@ def _columns(
     c["pools_ok"] = np.array(pools_ok, dtype=bool)
     c["hits_eq"] = hits_eq
     c["event_ok"] = np.array(event_ok, dtype=bool)
+
+
+def _empty(pool: _Pool) -> bool:
+    """An unused tier (seed 3.3: the demo is HBM-only; local/remote are all-zero placeholders)."""
+    return (
+        not pool.hit_blocks
+        and pool.bytes_read == 0
+        and pool.read_ops == 0
+        and pool.batch_size == 0
+        and pool.latency_us in (None, 0)
+    )
 
 
 def _starts(lens: np.ndarray) -> np.ndarray:

@@ -17,6 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from analysis.dsa_live import pack, unpack
+from analysis.dsa_record import Fail
+
 SUB = 32  # buckets per power of two above EXACT
 EXACT = 64
 STATS = ("unique_blocks", "tokens_per_touched_block", "offsets", "prefix_intersection_ratio")
@@ -91,7 +94,7 @@ class SummaryAgg:
     The counts live in dense arrays indexed by value (unique_blocks, tokens per block, offset
     bucket, layer x prefix block), so folding an increment is a few vector adds."""
 
-    def __init__(self, exact: bool = False) -> None:
+    def __init__(self, exact: bool = True) -> None:
         self.records = 0
         self.ub = np.zeros(0, dtype=np.int64)  # ub[v]: records with unique_blocks v
         self.tpb = np.zeros(0, dtype=np.int64)  # tpb[v]: touched blocks holding v positions
@@ -134,12 +137,9 @@ class SummaryAgg:
             total = int(off_hist.sum())
             weighted = int(np.dot(nz, off_hist[nz]))
             inc["off_stats"] = [total, weighted, int(nz[0]), int(nz[-1])]
-            if self.off_exact is not None:
-                if len(off_hist) > len(self.off_exact):
-                    self.off_exact = np.pad(
-                        self.off_exact, (0, len(off_hist) - len(self.off_exact))
-                    )
-                self.off_exact[: len(off_hist)] += off_hist
+            # the exact offsets too (summary.json's p50/p95 are checked exactly, live and on
+            # replay): from the smallest offset on, packed (a few KB per batch)
+            inc["offx"] = [int(nz[0]), pack(off_hist[nz[0] : nz[-1] + 1])]
         pair_key = inter_lens.astype(np.int64) * (1 << 32) + ub.astype(np.int64)
         keys, n = np.unique(pair_key, return_counts=True)
         parts["ratio"] = np.column_stack((keys >> 32, keys & 0xFFFFFFFF, n))
@@ -165,6 +165,11 @@ class SummaryAgg:
         self.ub = _add(self.ub, rows("ub", 2))
         self.tpb = _add(self.tpb, rows("tpb", 2))
         self.off_hdr = _add(self.off_hdr, rows("off", 2))
+        if "offx" in inc and self.off_exact is not None:
+            lo, packed = inc["offx"]
+            self._add_exact(int(lo), unpack(packed))
+        elif "off_stats" in inc:
+            self.off_exact = None  # recorded before exact offsets: bucket ranges only
         if "off_stats" in inc:
             n, total, lo, hi = inc["off_stats"]
             self.off_n += n
@@ -186,6 +191,13 @@ class SummaryAgg:
                 self.hot = grown
             np.add.at(self.hot, (t[:, 0], t[:, 1]), t[:, 2])
 
+    def _add_exact(self, lo: int, hist: np.ndarray) -> None:
+        assert self.off_exact is not None
+        top = lo + len(hist)
+        if top > len(self.off_exact):
+            self.off_exact = np.pad(self.off_exact, (0, top - len(self.off_exact)))
+        self.off_exact[lo:top] += hist
+
     def increment(self) -> dict[str, Any]:
         """Everything folded so far as one increment (several batches' digests merged)."""
         out: dict[str, Any] = {"records": self.records}
@@ -194,6 +206,9 @@ class SummaryAgg:
             out[name] = np.column_stack((nz, hist[nz])).ravel().tolist()
         if self.off_n:
             out["off_stats"] = [self.off_n, self.off_sum, self.off_min, self.off_max]
+            if self.off_exact is not None:
+                lo = int(self.off_min or 0)
+                out["offx"] = [lo, pack(self.off_exact[lo : int(self.off_max or 0) + 1])]
         out["ratio"] = [x for (a, b), c in sorted(self.ratios.items()) for x in (a, b, c)]
         layers, blocks = np.nonzero(self.hot)
         out["hot"] = np.column_stack((layers, blocks, self.hot[layers, blocks])).ravel().tolist()
@@ -281,47 +296,113 @@ def _hdr_percentile(items: list[tuple[int, int]], q: float) -> tuple[int, int]:
     return lo, hi
 
 
-def compare_summary(engine: dict[str, Any], recomputed: dict[str, Any]) -> list[str]:
-    """Every statistic of the engine's summary.json that differs from the recomputation."""
-    out: list[str] = []
+def compare_summary(engine: dict[str, Any], agg: SummaryAgg) -> list[Fail]:
+    """Every statistic of the engine's summary.json (seed 5.3) that differs from the
+    recomputation from the valid records: the field, what the records give, what it says."""
+    recomputed = {"records": agg.records, **agg.summary()}
+    out: list[Fail] = []
     for name in STATS:
-        theirs, ours = engine.get(name), recomputed.get(name)
+        theirs, ours = engine.get(name), recomputed.get(name) or {}
         if not isinstance(theirs, dict):
-            out.append(f"{name}: missing from summary.json (recomputed {ours})")
+            found = _found(theirs) if name in engine else "missing"
+            out.append(Fail(name, f"an object {_show_stats(ours)}", found))
             continue
         for key in ("count", "min", "p50", "p95", "max", "mean"):
-            a, b = theirs.get(key), ours.get(key)
-            if not _same(a, b):
-                out.append(f"{name}.{key}: summary.json says {a!r}, the shards give {_show(b)}")
-    hot_theirs = engine.get("prefix_hot_blocks")
-    if isinstance(hot_theirs, dict):
-        hot_ours = recomputed.get("prefix_hot_blocks", {})
-        for layer in sorted(set(hot_theirs) | set(hot_ours), key=lambda k: (len(k), k)):
-            a = _hot_counts(hot_theirs.get(layer, []))
-            b = _hot_counts(hot_ours.get(layer, []))
-            if a is None or any(b.get(block) != n for block, n in a.items()):
-                out.append(f"prefix_hot_blocks[{layer}]: summary.json {a} vs the shards' {b}")
-    else:
-        out.append("prefix_hot_blocks: missing from summary.json")
+            if key not in theirs:
+                out.append(Fail(f"{name}.{key}", _show(ours.get(key)), "missing"))
+            elif not _same(theirs[key], ours.get(key), integer=key == "count"):
+                out.append(Fail(f"{name}.{key}", _show(ours.get(key)), _found(theirs[key])))
+    if "records" in engine and not _same(engine["records"], recomputed.get("records"), True):
+        out.append(Fail("records", _show(recomputed.get("records")), _found(engine["records"])))
+    out += compare_hot(engine.get("prefix_hot_blocks"), recomputed["prefix_hot_blocks"], agg.hot)
     return out
 
 
-def _hot_counts(entries: Any) -> dict[int, int] | None:
-    try:
-        return {int(e["block_id"]): int(e["touch_count"]) for e in entries}
-    except (TypeError, KeyError, ValueError):
+def compare_hot(theirs: Any, ours: dict[str, Any], hot: np.ndarray) -> list[Fail]:
+    """prefix_hot_blocks: per layer_id (a string key), the HOT_BLOCKS hottest prefix blocks by
+    touch_count (records of that layer whose intersection_blocks hold the block), hottest
+    first; a tie at the cut may keep either block; a layer with no touch is absent or []."""
+    if not isinstance(theirs, dict):
+        return [Fail("prefix_hot_blocks", "an object keyed by layer_id", _found(theirs))]
+    out: list[Fail] = []
+    for layer in sorted(set(theirs) | set(ours), key=lambda k: (len(k), k)):
+        field = f"prefix_hot_blocks[{layer!r}]"
+        mine = ours.get(layer, [])
+        row = hot[int(layer)] if layer.isdigit() and int(layer) < len(hot) else np.zeros(0)
+        full = {b: int(row[b]) for b in np.flatnonzero(row).tolist()}
+        want = [(e["block_id"], e["touch_count"]) for e in mine]
+        got = _hot_pairs(theirs.get(layer, []))
+        if got is None:
+            out.append(Fail(field, "a list of {block_id, touch_count}", _found(theirs[layer])))
+            continue
+        counts = [n for _, n in got]
+        cut = want[-1][1] if len(want) == HOT_BLOCKS else 1
+        ok = (
+            len(got) == len(want)
+            and len({b for b, _ in got}) == len(got)
+            and all(full.get(b) == n for b, n in got)
+            and counts == sorted(counts, reverse=True)
+            and all(n >= cut for n in counts)
+        )
+        if not ok:
+            out.append(Fail(field, f"{_pairs(want)} (the hottest, hottest first)", _pairs(got)))
+    return out
+
+
+def _hot_pairs(entries: Any) -> list[tuple[int, int]] | None:
+    if not isinstance(entries, list):
         return None
+    out = []
+    for e in entries:
+        if not isinstance(e, dict):
+            return None
+        b, n = e.get("block_id"), e.get("touch_count")
+        if type(b) is not int or type(n) is not int:
+            return None
+        out.append((b, n))
+    return out
 
 
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(b, list):  # a bucket range from the live (bucketed) recomputation
-        return isinstance(a, int | float) and b[0] - 1e-9 <= a <= b[1] + 1e-9
+def _pairs(pairs: list[tuple[int, int]], limit: int = 6) -> str:
+    shown = ", ".join(f"{b}:{n}" for b, n in pairs[:limit])
+    more = f", ... ({len(pairs)} in all)" if len(pairs) > limit else ""
+    return f"[{shown}{more}] (block:touches)"
+
+
+def _same(a: Any, b: Any, integer: bool = False) -> bool:
+    if isinstance(b, list):  # a bucket range (digests recorded before exact offsets)
+        return type(a) in (int, float) and b[0] - 1e-9 <= a <= b[1] + 1e-9
     if a is None or b is None:
         return a is b
     if isinstance(a, bool) or not isinstance(a, int | float):
         return False
+    if integer:
+        return type(a) is int and a == b
     return abs(float(a) - float(b)) <= 1e-9 * max(1.0, abs(float(b)))
 
 
+def plain(v: Any) -> Any:
+    """numpy scalars as the Python numbers they hold (messages never say np.float64(1.0))."""
+    return v.item() if isinstance(v, np.generic) else v
+
+
 def _show(v: Any) -> str:
-    return f"a value in [{v[0]}, {v[1]}]" if isinstance(v, list) else repr(v)
+    if isinstance(v, list):
+        return f"a value in [{v[0]}, {v[1]}]"
+    v = plain(v)
+    if isinstance(v, float) and v.is_integer():
+        return str(int(v))
+    return repr(v)
+
+
+def _show_stats(stats: dict[str, Any]) -> str:
+    return "{" + ", ".join(f"{k}: {_show(v)}" for k, v in stats.items()) + "}"
+
+
+def _found(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, dict | list):
+        text = str(v)
+        return text if len(text) <= 60 else text[:57] + "..."
+    return _show(v)

@@ -20,11 +20,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import orjson
 
 from analysis.dsa_checks import Context, check_batch, explain
 from analysis.dsa_live import LiveAgg
 from analysis.dsa_record import MAX_SEQ, Batch, Fail, read_batch
-from analysis.dsa_stats import SummaryAgg
+from analysis.dsa_stats import SummaryAgg, _show
 
 SHARD = re.compile(r"trace_steps_(\d+)_(\d+)\.jsonl")
 BLOCK_DIR = re.compile(r"block(\d+)")
@@ -61,52 +62,126 @@ def problem(
     }
 
 
+VOTE_KEYS = 64  # distinct values kept per tally; more fold into the largest kept
+
+
+def fingerprints(pos: Any) -> np.ndarray:
+    """An order-free fingerprint of each row's selected positions (a Ragged): their count, sum
+    and sum of squares mixed into 63 bits (two sets alike in all three, in every layer of two
+    steps running, do not happen by chance)."""
+    n = len(pos.lens)
+    if not n or not len(pos.flat):
+        return np.zeros(n, np.int64)
+    flat = pos.flat
+    starts = np.minimum(pos.starts, len(flat) - 1)
+    with np.errstate(over="ignore"):
+        s1 = np.add.reduceat(flat, starts)
+        s2 = np.add.reduceat(flat * flat, starts)
+        fp = (s1 * np.int64(1000003) + s2) * np.int64(31) + pos.lens
+    return np.where(pos.lens > 0, fp & np.int64((1 << 62) - 1), 0)
+
+
+def tally(into: dict[str, list[Any]], key: str, count: int, where: list[Any]) -> None:
+    """Add count records claiming `key` (where: file, line, request, layer, step of the first)."""
+    got = into.get(key)
+    if got is None and len(into) >= VOTE_KEYS:
+        key = max(into, key=_vote_order)  # bounded: the extra values join the largest kept
+        got = into[key]
+    if got is None:
+        into[key] = [count, *where]
+        return
+    got[0] += count
+    if tuple(where[:2]) < tuple(got[1:3]):
+        got[1:] = where
+
+
+def _vote_order(key: str) -> tuple[int, str]:
+    return (0, key) if not key.lstrip("-").isdigit() else (1, f"{int(key):020d}")
+
+
+def majority(votes: dict[str, list[Any]]) -> str:
+    """The value most records claim (a tie: the one claimed first)."""
+    return min(votes, key=lambda k: (-votes[k][0], tuple(votes[k][1:3])))
+
+
+def _before(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Problem a is at an earlier place than b (the same file: an earlier line)."""
+    return a["file"] == b["file"] and (a["line"] or 0) < (b["line"] or 0)
+
+
 @dataclass
 class Request:
+    """What the cross-record checks keep per request (never its records)."""
+
     file: str
     step: int
     next_layer: int
-    latency: float | None  # None: not known yet (the step began with an unreadable record)
-    key: str
-    hit: bool
-    pcb: int
-    line: int
+    line: int  # the request's first record
+    step_line: int  # the current step's first record
+    lat: dict[str, list[Any]]  # the current step's latency_us claims (a vote)
+    pfx: dict[str, list[Any]]  # [prefix_key, prefix_cache_hit, prefix_cached_blocks] claims
+    prev_fp: list[int]  # the last closed step's selection fingerprints, by layer
+    cur_fp: list[int]
+    n: int = 0  # records
 
     def state(self) -> list[Any]:
         return [
             self.file,
             self.step,
             self.next_layer,
-            self.latency,
-            self.key,
-            self.hit,
-            self.pcb,
             self.line,
+            self.step_line,
+            self.lat,
+            self.pfx,
+            self.prev_fp,
+            self.cur_fp,
+            self.n,
         ]
+
+    @classmethod
+    def of(cls, st: list[Any]) -> Request:
+        if len(st) == 8:  # recorded before votes: file, step, next, latency, key, hit, pcb, line
+            pfx = {orjson.dumps([st[4], st[5], st[6]]).decode(): [1, st[0], st[7], 0, 0, st[1]]}
+            return cls(st[0], st[1], st[2], st[7], st[7], {}, pfx, [], [], 0)
+        return cls(*st)
 
 
 @dataclass
 class TraceStream:
-    """The judge of one trace (a directory's shards, live or at rest)."""
+    """The judge of one trace (a directory's shards, live or at rest).
+
+    topk None: not known yet (no flag, preset or summary.json so far). The records' count
+    check then waits: each valid record's claim is tallied (a record that selected fewer
+    than seq_len_current positions says top-k = its count; one that selected all says top-k
+    >= seq_len_current) and judged when set_topk() is told the top-k, or at finish() by the
+    records' majority. Nothing is judged against a guess."""
 
     topk: int | None = None
     layers: int | None = None
     block_size: int | None = None
     bytes_per_token: int | None = None
-    exact: bool = False
+    exact: bool = True
+    topk_source: str = ""
+    prefix_tokens: int | None = None  # config.trace_prefix_key_tokens, when summary.json says
     consts: dict[str, Any] = field(default_factory=dict)
     reqs: dict[int, Request] = field(default_factory=dict)
-    keys: dict[str, list[tuple[int, bool, str, int]]] = field(default_factory=dict)
-    pending: dict[int, tuple[str, int]] = field(default_factory=dict)  # unexplained hits
+    votes: dict[str, dict[str, list[Any]]] = field(default_factory=dict)
     files: dict[str, int] = field(default_factory=dict)  # file -> records read
     records: int = 0
     invalid: int = 0
+    end_invalid: int = 0  # records found invalid by finish()
     first: dict[str, Any] | None = None
     late: list[dict[str, Any]] = field(default_factory=list)
+    late_invalid: int = 0
 
     def __post_init__(self) -> None:
+        # layers not given: each step's layer count is tallied and judged by the majority at
+        # the end (a short first step must not blame every step after it)
+        self.layers_given = self.layers is not None
         self.summary = SummaryAgg(exact=self.exact)
         self.live = LiveAgg()
+        if self.topk is not None and not self.topk_source:
+            self.topk_source = "given"
 
     # -- one batch -------------------------------------------------------------------------------
 
@@ -120,17 +195,20 @@ class TraceStream:
         bs = self.block_size or 1
         if n and self.bytes_per_token is None:
             self._learn_bytes(batch.col, bs)
-        ctx = Context(self.topk or DEFAULT_TOPK, bs, self.bytes_per_token)
+        ctx = Context(self.topk, bs, self.bytes_per_token)
         chunks = _chunks(batch, bs)
         derived = [(r0, sub, check_batch(sub, ctx)) for r0, sub in chunks]
         valid = np.concatenate([d.code == 0 for _, _, d in derived]) if n else np.ones(0, bool)
+        fps = np.where(valid, fingerprints(batch.pos), -1) if n else np.zeros(0, np.int64)
         shard = shard_range(file)
         first: dict[str, Any] | None = None
         touched: dict[int, None] = {}
+        votes: dict[str, dict[str, list[Any]]] = {}
         c = batch.col
         requests, layers, steps = (
             (c["request"].tolist(), c["layer"].tolist(), c["step"].tolist()) if n else ([], [], [])
         )
+        fp_list = fps.tolist()
         bad_rows = iter(batch.bad)  # in line order, interleaved with the rows (the cross checks
         unread = next(bad_rows, None)  # see every record in the order it was written)
         for r in range(n + 1):
@@ -141,23 +219,30 @@ class TraceStream:
                     first = problem(file, bad_line, ident, fail)
                 if ident is not None:
                     touched[ident[0]] = None
-                    self._cross(file, shard, bad_line, ident, None)
+                    self._cross(file, shard, bad_line, ident, None, votes)
                 unread = next(bad_rows, None)
             if line is None:
                 break
             ident = (requests[r], layers[r], steps[r])
             touched[ident[0]] = None
-            fail = self._cross(file, shard, line, ident, (c, batch.names, r))
+            fail = self._cross(file, shard, line, ident, (c, batch.names, r, fp_list[r]), votes)
             if fail is not None:
                 valid[r] = False
             elif not valid[r] and (first is None or line < first["line"]):
                 fail = _explain(derived, r)
             if fail is not None and (first is None or line < first["line"]):
                 first = problem(file, line, ident, fail)
+        if self.topk is None and n:
+            self._witness(file, batch, valid, votes)
+        for name, got in votes.items():
+            mine = self.votes.setdefault(name, {})
+            for key, (count, *where) in got.items():
+                tally(mine, key, count, where)
         late, self.late = self.late, []
-        if first is None and late:
+        late_bad, self.late_invalid = self.late_invalid, 0
+        if late and (first is None or _before(late[0], first)):
             first = late[0]
-        bad = len(batch.bad) + int((~valid).sum())
+        bad = len(batch.bad) + int((~valid).sum()) + late_bad
         self.records += len(lines)
         self.invalid += bad
         if self.first is None and first is not None:
@@ -165,6 +250,8 @@ class TraceStream:
         digest: dict[str, Any] = {"records": len(lines), "invalid": bad}
         if first is not None:
             digest["first"] = first
+        if votes:
+            digest["votes"] = votes
         incs, live = [], []
         for r0, sub, d in derived:
             keep = valid[r0 : r0 + len(sub)]
@@ -177,13 +264,73 @@ class TraceStream:
         digest["state"] = self._delta(touched)
         return digest
 
+    def _witness(
+        self, file: str, batch: Batch, valid: np.ndarray, votes: dict[str, dict[str, list[Any]]]
+    ) -> None:
+        """Tally what each valid record says of the top-k (the top-k is not known yet)."""
+        c = batch.col
+        lens, seq = batch.pos.lens, c["seq"]
+        for r in np.flatnonzero(valid).tolist():
+            where = [file, batch.lines[r], int(c["request"][r]), int(c["layer"][r]), int(c["step"][r])]  # fmt: skip
+            if lens[r] < seq[r]:
+                tally(votes.setdefault("topk", {}), str(int(lens[r])), 1, where)
+            else:
+                tally(votes.setdefault("topk>=", {}), str(int(seq[r])), 1, where)
+
+    def set_topk(self, topk: int, source: str) -> list[dict[str, Any]]:
+        """The top-k is known now (from summary.json, say): judge the records that waited for
+        it. Returns their problems (also counted invalid); a known top-k is kept."""
+        if self.topk is not None:
+            return []
+        self.topk, self.topk_source = topk, source
+        out, bad = self._topk_problems()
+        self.invalid += bad
+        if out and (self.first is None or _before(out[0], self.first)):
+            self.first = out[0]
+        self.late += out
+        return out
+
+    def _topk_problems(self) -> tuple[list[dict[str, Any]], int]:
+        topk = self.topk or 0
+        out, bad = [], 0
+        for key, (count, file, line, req, layer, step) in sorted(
+            self.votes.get("topk", {}).items(), key=lambda kv: kv[1][1:3]
+        ):
+            if int(key) != topk:
+                bad += count
+                want = f"min(top-k {topk} ({self.topk_source}), seq_len_current) = {topk} positions"
+                fail = Fail("selected_token_pos", want, f"{key} ({count} records so)")
+                out.append(problem(file, line, (req, layer, step), fail))
+        for key, (count, file, line, req, layer, step) in sorted(
+            self.votes.get("topk>=", {}).items(), key=lambda kv: kv[1][1:3]
+        ):
+            if int(key) > topk:
+                bad += count
+                want = f"min(top-k {topk} ({self.topk_source}), seq_len_current {key}) = {topk} positions"  # fmt: skip
+                fail = Fail("selected_token_pos", want, f"all {key} positions ({count} records)")
+                out.append(problem(file, line, (req, layer, step), fail))
+        out.sort(key=lambda p: (p["file"], p["line"] or 0))
+        return out, bad
+
+    def topk_claim(self) -> str:
+        """Where the top-k came from, for the report."""
+        if self.topk is not None:
+            return f"top-{self.topk} ({self.topk_source})"
+        full = self.votes.get("topk>=", {})
+        if full:
+            return f"top-k >= {max(int(k) for k in full)} (every record selected all positions)"
+        return "top-k unknown (no record)"
+
     def _learn_bytes(self, c: dict[str, np.ndarray], bs: int) -> None:
-        for ub, nbytes in zip(c["ublocks"], c["bytes"], strict=True):
-            if ub > 0 and nbytes >= 0:
-                per = int(ub) * bs
-                if nbytes % per == 0:
-                    self.bytes_per_token = int(nbytes // per)
-                return
+        """KV bytes per token, as most records of the first batch give it (not the first one's
+        alone: an odd first record would blame all the others)."""
+        ub, nbytes = c["ublocks"], c["bytes"]
+        ok = (ub > 0) & (nbytes >= 0)
+        per = np.where(ok, ub * bs, 1)
+        whole = ok & (nbytes % per == 0)
+        if whole.any():
+            values, counts = np.unique((nbytes // per)[whole], return_counts=True)
+            self.bytes_per_token = int(values[np.argmax(counts)])
 
     def _aggregate(self, batch: Any, d: Any, valid: np.ndarray) -> dict[str, Any]:
         c = batch.col
@@ -222,47 +369,47 @@ class TraceStream:
         line: int,
         ident: tuple[int, int, int],
         cols: Any,
+        votes: dict[str, dict[str, list[Any]]],
     ) -> Fail | None:
+        """The record against the ones before it. Claims that must be equal across a group of
+        records (a step's latency_us, a request's prefix fields, the trace's constants) are
+        tallied and judged by their majority when the group ends: a group's odd record is
+        blamed, never the others."""
         req, layer, step = ident
+        where = [file, line, req, layer, step]
+        fp = -1
         if cols is not None:
-            c, names, r = cols
-            latency = float(c["latency"][r])
+            c, names, r, fp = cols
+            latency = _num(float(c["latency"][r]))
             run_name, dataset, key = names[r]
             hit, pcb = bool(c["hit"][r]), int(c["pcb"][r])
-            for name, value in (
-                ("run_name", run_name),
-                ("dataset", dataset),
-                ("world_size", int(c["world"][r])),
-            ):
-                known = self.consts.setdefault(name, value)
-                if known != value:
-                    return Fail(name, f"{known!r} (as in the trace's first record)", repr(value))
+            for name, value in (("run_name", run_name), ("dataset", dataset)):
+                tally(votes.setdefault(name, {}), value, 1, where)
+            tally(votes.setdefault("world_size", {}), str(int(c["world"][r])), 1, where)
         if shard is not None and not shard[0] <= req < shard[1]:
             return Fail("request_id", f"in [{shard[0]}, {shard[1]}) (this shard's name)", str(req))
-        if self.layers is not None and layer >= self.layers:
+        if self.layers_given and self.layers is not None and layer >= self.layers:
             return Fail("layer_id", f"< {self.layers} (n_layers)", str(layer))
         st = self.reqs.get(req)
         if st is None:
             if cols is None:
                 return None
-            st = Request(file, step, 0, latency, key, hit, pcb, line)
+            st = Request(file, step, 0, line, line, {}, {}, [], [])
             self.reqs[req] = st
-            self._register(req, key, hit, file, line)
-            if layer != 0:
-                st.next_layer = layer + 1
-                return Fail(
-                    "layer_id", f"0 (the first layer of request {req}'s step {step})", str(layer)
-                )
-            st.next_layer = 1
-            return self._hit_fail(req, key, hit)
-        if st.file != file:
+        elif st.file != file:
             return Fail(
                 "request_id",
                 f"all of request {req} in {st.file} (a request never splits across shards)",
                 f"request {req} in {file}",
             )
+        st.n += 1
         fail: Fail | None = None
-        if step == st.step:
+        if st.n == 1:
+            if layer != 0:
+                fail = Fail(
+                    "layer_id", f"0 (the first layer of request {req}'s step {step})", str(layer)
+                )
+        elif step == st.step:
             if layer != st.next_layer:
                 what = "repeated" if layer < st.next_layer else f"layer {st.next_layer} missing"
                 fail = Fail(
@@ -270,71 +417,72 @@ class TraceStream:
                     f"{st.next_layer} (each layer once per step, in order)",
                     f"{layer} ({what})",
                 )
-            elif cols is not None and st.latency is None:
-                st.latency = latency  # the step's first record was unreadable
-            elif cols is not None and latency != st.latency:
-                fail = Fail(
-                    "kv_fetch.hbm.latency_us",
-                    f"{_num(st.latency)} (the step's wall time, equal on every layer)",
-                    _num(latency),
-                )
         elif step > st.step:
-            fail = self._close_group(req, st)
-            st.step = step
-            st.latency = latency if cols is not None else None
+            fail = self._close_step(req, st, votes)
+            st.step, st.step_line = step, line
             if fail is None and layer != 0:
                 fail = Fail("layer_id", f"0 (the first layer of step {step})", str(layer))
         else:
             fail = Fail("step_idx", f"> {st.step} (steps of a request only grow)", str(step))
         st.next_layer = layer + 1
-        if fail is None and cols is not None:
-            for name, known, value in (
-                ("prefix.prefix_key", st.key, key),
-                ("prefix.prefix_cache_hit", st.hit, hit),
-                ("prefix.prefix_cached_blocks", st.pcb, pcb),
-            ):
-                if known != value:
-                    fail = Fail(name, f"{known!r} (the same for all of request {req})", repr(value))
-                    break
+        if cols is not None:
+            tally(st.lat, latency, 1, [line, layer])
+            claim = orjson.dumps([key, hit, pcb]).decode()
+            tally(st.pfx, claim, 1, where)
+            if layer < 4096:
+                st.cur_fp += [-1] * (layer + 1 - len(st.cur_fp))
+                st.cur_fp[layer] = fp
         return fail
 
-    def _close_group(self, req: int, st: Request) -> Fail | None:
+    def _close_step(
+        self, req: int, st: Request, votes: dict[str, dict[str, list[Any]]]
+    ) -> Fail | None:
+        """The step of request `req` ended: its layer count (returned as the next record's
+        fail when the layer count is given, else tallied), its latency_us vote and a stale
+        selection (added to late)."""
         done = st.next_layer
-        if self.layers is None:
-            self.layers = done
-            return None
-        if done != self.layers:
-            return Fail(
+        fail = None
+        if not self.layers_given:
+            tally(votes.setdefault("layers", {}), str(done), 1, [st.file, st.step_line, req, 0, st.step])  # fmt: skip
+            if self.layers is None:
+                self.layers = done  # shown while the trace streams; judged at the end
+        elif done != self.layers:
+            fail = Fail(
                 "layer_id",
                 f"{self.layers} layers in request {req}'s step {st.step}",
                 f"{done} (the step ended at layer {done - 1})",
             )
-        return None
-
-    def _register(self, req: int, key: str, hit: bool, file: str, line: int) -> None:
-        """A request's prefix key, against the requests numbered below and above it."""
-        entries = self.keys.setdefault(key, [])
-        for other, other_hit, ofile, oline in entries:
-            if other > req:
-                if other_hit:
-                    self.pending.pop(other, None)
-                else:  # read before this lower-numbered request with the same key
-                    why = f"true (request {req} had this prefix_key)"
-                    fail = Fail("prefix.prefix_cache_hit", why, "false")
-                    self.late.append(problem(ofile, oline, (other, 0, self.reqs[other].step), fail))
-        entries.append((req, hit, file, line))
-        if hit and not any(o < req for o, *_ in entries):
-            self.pending[req] = (file, line)
-
-    def _hit_fail(self, req: int, key: str, hit: bool) -> Fail | None:
-        lower = [o for o, *_ in self.keys.get(key, []) if o < req]
-        if not hit and lower:
-            return Fail(
-                "prefix.prefix_cache_hit",
-                f"true (request {min(lower)} had this prefix_key)",
-                "false",
+        if len(st.lat) > 1:
+            want = majority(st.lat)
+            total = sum(v[0] for v in st.lat.values())
+            for value, (count, line, layer) in sorted(st.lat.items(), key=lambda kv: kv[1][1]):
+                if value != want:
+                    expected = f"{want} (the step's wall time: {st.lat[want][0]} of its {total} records say so)"  # fmt: skip
+                    found = Fail("kv_fetch.hbm.latency_us", expected, value)
+                    self._late(problem(st.file, line, (req, layer, st.step), found), count)
+        cur, prev = st.cur_fp, st.prev_fp
+        if (
+            len(cur) == done
+            and len(prev) == done
+            and done
+            and -1 not in cur
+            and -1 not in prev
+            and cur == prev
+        ):
+            why = Fail(
+                "selected_token_pos",
+                f"a selection that changes from the previous traced step in at least one of "
+                f"the {done} layers (every step has a new query)",
+                f"step {st.step} selected exactly the previous step's positions in all {done} "
+                "layers (a stale top-k)",
             )
-        return None
+            self._late(problem(st.file, st.step_line, (req, 0, st.step), why), done)
+        st.prev_fp, st.cur_fp, st.lat = cur, [], {}
+        return fail
+
+    def _late(self, found: dict[str, Any], count: int) -> None:
+        self.late.append(found)
+        self.late_invalid += count
 
     # -- state, digests, the end ----------------------------------------------------------------
 
@@ -360,6 +508,12 @@ class TraceStream:
             self.summary.apply(digest["summary"])
         for inc in digest.get("live") or []:
             self.live.apply(inc)
+        for name, got in (digest.get("votes") or {}).items():
+            if name.startswith("topk") and self.topk is not None:
+                continue
+            mine = self.votes.setdefault(name, {})
+            for key, (count, *where) in got.items():
+                tally(mine, key, count, where)
         state = digest.get("state") or {}
         consts = dict(state.get("consts") or {})
         for name in ("layers", "block_size", "bytes_per_token"):
@@ -368,29 +522,64 @@ class TraceStream:
                 setattr(self, name, value)
         self.consts.update(consts)
         for key, st in (state.get("reqs") or {}).items():
-            req = int(key)
-            known = req in self.reqs
-            self.reqs[req] = Request(*st)
-            if not known:
-                self._register(req, st[4], st[5], st[0], st[7])
+            self.reqs[int(key)] = Request.of(st)
         self.late.clear()  # problems a replay re-finds were recorded when first found
+        self.late_invalid = 0
 
     def finish(
         self, requests: int | None = None, shard_files: list[str] | None = None
     ) -> list[dict[str, Any]]:
-        """The end-of-trace problems: open steps, unexplained hits, shards, an empty trace."""
+        """The end-of-trace problems: open steps, the groups' votes (the trace's constants, each
+        request's prefix fields), the prefix cache claims, the top-k claims, the shards, an
+        empty trace. Records found invalid here are end_invalid (finish may run again)."""
         out: list[dict[str, Any]] = []
+        bad = 0
+        saved = (self.late, self.late_invalid)
+        self.late, self.late_invalid = [], 0
+        steps = {k: [*v] for k, v in self.votes.get("layers", {}).items()}
+        open_steps: dict[str, dict[str, list[Any]]] = {"layers": steps}
         for req, st in sorted(self.reqs.items()):
-            fail = self._close_group(req, st)
+            copy = Request.of(orjson.loads(orjson.dumps(st.state())))
+            fail = self._close_step(req, copy, open_steps)
             if fail is not None:
                 out.append(problem(st.file, None, (req, st.next_layer - 1, st.step), fail))
-        for req, (file, line) in sorted(self.pending.items()):
-            fail = Fail(
-                "prefix.prefix_cache_hit",
-                "false (no request numbered lower had this prefix_key)",
-                "true",
-            )
-            out.append(problem(file, line, (req, 0, self.reqs[req].step), fail))
+        out += self.late
+        bad += self.late_invalid
+        self.late, self.late_invalid = saved
+        if steps:
+            self.layers = int(majority(steps))
+            total = sum(v[0] for v in steps.values())
+            for value, (count, file, line, req, _, step) in sorted(steps.items()):
+                if int(value) != self.layers:
+                    expected = f"{self.layers} layers per step ({steps[str(self.layers)][0]} of the {total} steps)"  # fmt: skip
+                    fail = Fail("layer_id", expected, f"{value} ({count} steps so)")
+                    out.append(problem(file, line, (req, 0, step), fail))
+                    bad += int(value) * count
+        for name in ("run_name", "dataset", "world_size"):
+            votes = self.votes.get(name, {})
+            if len(votes) > 1:
+                want = majority(votes)
+                total = sum(v[0] for v in votes.values())
+                for value, (count, file, line, req, layer, step) in votes.items():
+                    if value != want:
+                        expected = f"{want!r} (the trace's: {votes[want][0]} of {total} records)"
+                        fail = Fail(name, expected, f"{value!r} ({count} records)")
+                        out.append(problem(file, line, (req, layer, step), fail))
+                        bad += count
+        got, n = self._prefix_problems()
+        out += got
+        bad += n
+        if self.topk is None:
+            claims = self.votes.get("topk", {})
+            if claims:
+                self.topk = int(majority(claims))
+                self.topk_source = (
+                    f"the records: {claims[str(self.topk)][0]} of the records that selected "
+                    "fewer positions than seq_len_current"
+                )
+                got, n = self._topk_problems()
+                out += got
+                bad += n
         out += shard_problems(
             shard_files if shard_files is not None else list(self.files), requests
         )
@@ -400,7 +589,59 @@ class TraceStream:
                     "trace", None, None, Fail("records", "at least one dsa_topk record", "none")
                 )
             )
+        self.end_invalid = bad
         return out
+
+    def _prefix_problems(self) -> tuple[list[dict[str, Any]], int]:
+        """Seed 3.4 per request: its records agree on the prefix fields (the majority is the
+        request's claim); a hit iff a lower-numbered request had the same prefix_key; requests
+        with one prefix_key (the same first tokens) have the same prefix_cached_blocks; the
+        prefix covers no block past the request's last KV block, nor past the prefix key's
+        tokens (config.trace_prefix_key_tokens) when summary.json says how many."""
+        out: list[dict[str, Any]] = []
+        bad = 0
+        owners: dict[str, tuple[int, int]] = {}  # prefix_key -> (first request, its blocks)
+        bs = self.block_size or 1
+        for req, st in sorted(self.reqs.items()):
+            if not st.pfx:
+                continue
+            want = majority(st.pfx)
+            key, hit, pcb = orjson.loads(want)
+            total = sum(v[0] for v in st.pfx.values())
+            for claim, (count, file, line, _, layer, step) in st.pfx.items():
+                if claim != want:
+                    k2, h2, p2 = orjson.loads(claim)
+                    name, mine, theirs = next(
+                        (f"prefix.{n}", a, b)
+                        for n, a, b in (
+                            ("prefix_key", key, k2),
+                            ("prefix_cache_hit", hit, h2),
+                            ("prefix_cached_blocks", pcb, p2),
+                        )
+                        if a != b
+                    )
+                    expected = f"{_show(mine)} (request {req}'s: {st.pfx[want][0]} of its {total} records)"  # fmt: skip
+                    out.append(problem(file, line, (req, layer, step), Fail(name, expected, _show(theirs))))  # fmt: skip
+                    bad += count
+            count, file, line, _, layer, step = st.pfx[want]
+            at = (req, layer, step)
+            owner = owners.get(key)
+            fail = None
+            if owner is None and hit:
+                fail = Fail("prefix.prefix_cache_hit", "false (no request numbered lower had this prefix_key)", "true")  # fmt: skip
+            elif owner is not None and not hit:
+                fail = Fail("prefix.prefix_cache_hit", f"true (request {owner[0]} had this prefix_key)", "false")  # fmt: skip
+            elif owner is not None and pcb != owner[1]:
+                fail = Fail("prefix.prefix_cached_blocks", f"{owner[1]} (request {owner[0]}, the first with this prefix_key: the same first tokens)", str(pcb))  # fmt: skip
+            elif pcb > -(-(st.step + 1) // bs):
+                fail = Fail("prefix.prefix_cached_blocks", f"<= ceil(seq_len_current {st.step + 1} / {bs}) = {-(-(st.step + 1) // bs)} (the request's KV blocks at its last step)", str(pcb))  # fmt: skip
+            elif self.prefix_tokens is not None and pcb > -(-self.prefix_tokens // bs):
+                fail = Fail("prefix.prefix_cached_blocks", f"<= ceil(trace_prefix_key_tokens {self.prefix_tokens} / {bs}) = {-(-self.prefix_tokens // bs)}", str(pcb))  # fmt: skip
+            if fail is not None:
+                out.append(problem(file, line, at, fail))
+                bad += count
+            owners.setdefault(key, (req, pcb))
+        return out, bad
 
 
 def shard_problems(files: list[str], requests: int | None) -> list[dict[str, Any]]:

@@ -3,7 +3,7 @@
 A trace directory is <trace-out> (with block<N>/ inside) or one block<N>/ itself. Each block
 directory is judged on its own: every record against the contract, the shards against their
 names and each other, and summary.json against the statistics recomputed from the shards
-(differences are warnings: the demo's percentile method is not published). The verdict is
+(docs/ENGINES.md says how each is computed; any difference is a problem). The verdict is
 TRACE_OK, or TRACE_INVALID with the first invalid record.
 """
 
@@ -15,8 +15,16 @@ from typing import Any
 
 from analysis.dsa_record import Fail
 from analysis.dsa_stats import compare_summary, percentile
-from analysis.dsa_stream import BLOCK_DIR, SHARD, TraceStream, problem
+from analysis.dsa_stream import (
+    BLOCK_DIR,
+    SHARD,
+    TraceStream,
+    dir_block_size,
+    problem,
+    shard_range,
+)
 
+SERVING = "serving.jsonl"
 TRACE_OK = "TRACE_OK"
 TRACE_INVALID = "TRACE_INVALID"
 READ_CHUNK = 4 << 20
@@ -64,29 +72,23 @@ def analyze_dir(root: Path, topk: int | None = None, layers: int | None = None) 
 
 
 def analyze_block(folder: Path, topk: int | None, layers: int | None) -> dict[str, Any]:
-    problems: list[dict[str, Any]] = []
     engine, why = read_summary(folder / "summary.json")
-    if why:
-        problems.append(
-            problem(
-                str(folder / "summary.json"),
-                None,
-                None,
-                Fail(
-                    "summary.json",
-                    "the engine's summary (seed 5.3), written at the end of a run",
-                    why,
-                ),
-            )
-        )
     config = engine.get("config", {}) if isinstance(engine.get("config"), dict) else {}
+    if topk is not None:
+        source = "--dsa-topk"
+    elif _int(config.get("index_topk")) is not None:
+        topk, source = _int(config.get("index_topk")), "summary.json config.index_topk"
+    else:
+        source = ""
     stream = TraceStream(
-        topk=topk or _int(config.get("index_topk")),
+        topk=topk,
         layers=layers or _int(config.get("n_layers")),
-        block_size=_int(config.get("kv_block_size_tokens")),
-        exact=True,
+        block_size=dir_block_size(str(folder / "x")) or _int(config.get("kv_block_size_tokens")),
+        bytes_per_token=_int0(config.get("kv_bytes_per_token")),
+        topk_source=source,
     )
     files = shard_files(folder)
+    problems: list[dict[str, Any]] = []
     for path in stray_shards(folder, files):
         problems.append(
             problem(
@@ -105,28 +107,102 @@ def analyze_block(folder: Path, topk: int | None, layers: int | None) -> dict[st
         torn = feed_file(stream, path)
         if torn is not None:
             problems.append(torn)
-    requests = _int(config.get("requests"))
-    problems += stream.finish(requests, [str(p) for p in files])
+    result = trace_verdict(
+        str(folder), stream, engine, why, [str(p) for p in files], serving_stats(folder / SERVING)
+    )
+    result["problems"] = (problems + result["problems"])[:50]
+    result["first_fail"] = stream.first or (result["problems"] or [None])[0]
+    result["verdict"] = TRACE_OK if not result["invalid"] and not result["problems"] else TRACE_INVALID  # fmt: skip
+    result["shards"] = [p.name for p in files]
+    result["recomputed"] = {"records": stream.summary.records, **stream.summary.summary()}
+    return result
+
+
+def trace_verdict(
+    folder: str,
+    stream: TraceStream,
+    engine: dict[str, Any],
+    why: str,
+    shards: list[str] | None,
+    serving: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One trace directory's verdict (analyze, a run's judge, watch alike): the records as
+    judged, the end-of-trace checks, and summary.json (seed 5.3) recomputed from the records:
+    any difference is a problem naming the field, what the records give and what it says."""
+    where = f"{folder}/summary.json"
+    problems: list[dict[str, Any]] = []
+
+    def summary_fail(fail: Fail) -> None:
+        problems.append(problem(where, None, None, fail))
+
+    if why:
+        summary_fail(
+            Fail(
+                "summary.json",
+                "the engine's summary (seed 5.3), written at the end of a run",
+                why,
+            )
+        )
+    config = engine.get("config") if isinstance(engine.get("config"), dict) else {}
+    claimed = _int(config.get("index_topk"))
+    if claimed is not None:
+        if stream.topk is None:
+            problems += stream.set_topk(claimed, "summary.json config.index_topk")
+        elif claimed != stream.topk:
+            summary_fail(Fail("config.index_topk", f"{stream.topk} ({stream.topk_source})", str(claimed)))  # fmt: skip
+    for key, mine in (("n_layers", stream.layers), ("kv_block_size_tokens", stream.block_size)):
+        value = config.get(key)
+        if value is not None and mine is not None and value != mine:
+            summary_fail(Fail(f"config.{key}", f"{mine} (the records)", repr(value)))
+    stream.prefix_tokens = _int(config.get("trace_prefix_key_tokens"))
+    requests = _int0(config.get("requests"))
+    problems += stream.finish(requests, shards)
+    files = shards if shards is not None else list(stream.files)
+    problems += shard_name_problems(files, requests, _int0(config.get("max_requests_per_file")))
     problems += _shard_counts(engine, stream, folder)
-    first = stream.first or (problems[0] if problems else None)
-    recomputed = stream.summary.summary()
-    warnings = compare_summary(engine, recomputed) if engine else []
-    warnings += _serving_warnings(folder, engine)
-    ok = stream.invalid == 0 and not problems
+    if engine:
+        for fail in compare_summary(engine, stream.summary):
+            summary_fail(fail)
+        for fail in serving_problems(engine, serving):
+            summary_fail(fail)
+    invalid = stream.invalid + stream.end_invalid
+    ok = invalid == 0 and not problems
     return {
-        "dir": str(folder),
+        "dir": folder,
         "verdict": TRACE_OK if ok else TRACE_INVALID,
         "records": stream.records,
-        "invalid": stream.invalid,
-        "shards": [p.name for p in files],
+        "invalid": invalid,
         "requests": len(stream.reqs),
         "layers": stream.layers,
-        "first_fail": first,
-        "problems": problems[:50],
-        "warnings": warnings,
-        "recomputed": {"records": stream.summary.records, **recomputed},
         "topk": stream.topk,
+        "topk_from": stream.topk_claim(),
+        "first_fail": stream.first or (problems[0] if problems else None),
+        "problems": problems[:50],
     }
+
+
+def shard_name_problems(
+    files: list[str], requests: int | None, per: int | None
+) -> list[dict[str, Any]]:
+    """Shard names hold what summary.json says: no shard names a request past config.requests,
+    and with config.max_requests_per_file P > 0 shard k is [kP, min(N, (k+1)P)) (P 0: one)."""
+    out = []
+    for f in files:
+        got = shard_range(f)
+        if got is None or requests is None:
+            continue
+        start, end = got
+        if per is not None and per > 0:
+            want = (start - start % per, min(requests, start - start % per + per))
+        elif per == 0:
+            want = (0, requests)
+        else:
+            want = (start, min(end, requests))
+        if (start, end) != want:
+            name = f.rsplit("/", 1)[-1]
+            why = f"trace_steps_{want[0]}_{want[1]}.jsonl (config.requests {requests}, max_requests_per_file {per})"  # fmt: skip
+            out.append(problem(f, None, None, Fail("shards", why, f"{name} (its name claims requests it cannot hold)")))  # fmt: skip
+    return out
 
 
 def feed_file(stream: TraceStream, path: Path, chunk: int = READ_CHUNK) -> dict[str, Any] | None:
@@ -174,16 +250,16 @@ def read_summary(path: Path) -> tuple[dict[str, Any], str]:
     return data, ""
 
 
-def _shard_counts(
-    engine: dict[str, Any], stream: TraceStream, folder: Path
-) -> list[dict[str, Any]]:
+def _shard_counts(engine: dict[str, Any], stream: TraceStream, folder: str) -> list[dict[str, Any]]:
     """The reference engine lists each shard's record count: a lost or extra line shows."""
     out = []
     for entry in engine.get("shards", []) if isinstance(engine.get("shards"), list) else []:
         if not isinstance(entry, dict) or "file" not in entry:
             continue
-        path = str(folder / str(entry["file"]))
+        path = f"{folder}/{entry['file']}"
         seen = stream.files.get(path)
+        if seen is None and entry.get("records") == 0:
+            continue  # an empty shard: nothing to follow
         if seen is None:
             out.append(
                 problem(
@@ -221,24 +297,20 @@ def serving_stats(path: Path) -> dict[str, Any] | None:
     return {"requests": sum(lat.values()), "latency_ms": {**pcts, "max": items[-1][0]}}
 
 
-def _serving_warnings(folder: Path, engine: dict[str, Any]) -> list[str]:
+def serving_problems(engine: dict[str, Any], ours: dict[str, Any] | None) -> list[Fail]:
+    """summary.json serving (BurstGPT, seed 6.4) against serving.jsonl, when the engine wrote it."""
     serving = engine.get("serving")
-    ours = serving_stats(folder / "serving.jsonl")
     if engine.get("dataset") == "burstgpt" and not isinstance(serving, dict):
-        return ["serving: missing from summary.json (BurstGPT runs report serving.latency_ms)"]
+        return [Fail("serving", "serving.latency_ms (BurstGPT runs report it)", "missing")]
     if not isinstance(serving, dict) or ours is None:
         return []
     out = []
     if serving.get("requests") != ours["requests"]:
-        out.append(
-            f"serving.requests: summary.json says {serving.get('requests')}, serving.jsonl has {ours['requests']}"
-        )
+        out.append(Fail("serving.requests", f"{ours['requests']} (serving.jsonl)", repr(serving.get("requests"))))  # fmt: skip
     for key, value in ours["latency_ms"].items():
         theirs = (serving.get("latency_ms") or {}).get(key)
         if not isinstance(theirs, int | float) or abs(theirs - value) > 1e-6 * max(1.0, abs(value)):
-            out.append(
-                f"serving.latency_ms.{key}: summary.json says {theirs!r}, serving.jsonl gives {value!r}"
-            )
+            out.append(Fail(f"serving.latency_ms.{key}", f"{value!r} (serving.jsonl)", repr(theirs)))  # fmt: skip
     return out
 
 
@@ -246,12 +318,16 @@ def _int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
+def _int0(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
 def format_result(result: dict[str, Any]) -> str:
     lines = []
     for r in result["dirs"]:
         lines.append(
             f"DSA trace {r['dir']}: {r['records']} records, {r['requests']} requests, "
-            f"{r['layers']} layers, top-{r['topk']}, {len(r['shards'])} shards; "
+            f"{r['layers']} layers, {r['topk_from']}, {len(r['shards'])} shards; "
             f"{r['invalid']} invalid records"
         )
         if r["first_fail"]:
@@ -259,12 +335,7 @@ def format_result(result: dict[str, Any]) -> str:
         for p in r["problems"][:10]:
             if p is not r["first_fail"] and p["message"] != (r["first_fail"] or {}).get("message"):
                 lines.append(f"  problem: {p['message']}")
-        if r["warnings"]:
-            lines.append(
-                f"  summary.json differs from the shards' recomputation ({len(r['warnings'])} warnings):"
-            )
-            lines += [f"    - {w}" for w in r["warnings"]]
-        elif not any(p["field"] == "summary.json" for p in r["problems"]):
+        if not any(p["file"].endswith("summary.json") for p in r["problems"]):
             lines.append("  summary.json: equal to the statistics recomputed from the shards")
         lines.append(f"  verdict: {r['verdict']}")
     lines.append(f"RESULT: {result['verdict']}")

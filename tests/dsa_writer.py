@@ -33,6 +33,7 @@ def record(
     latency: int,
     key: str,
     compact: bool = False,
+    pcb: int | None = None,
 ) -> dict[str, Any]:
     seq = step + 1
     pos = rng.sample(range(seq), min(topk, seq))
@@ -42,7 +43,7 @@ def record(
         per_block[p // bs] = per_block.get(p // bs, 0) + 1
     blocks = sorted(per_block)
     counts = list(per_block.values())
-    pcb = -(-prefix_tokens // bs)
+    pcb = -(-prefix_tokens // bs) if pcb is None else pcb
     inter = [b for b in blocks if b < pcb]
     total = -(-seq // bs)
     scores = [rng.uniform(-5, 2) for _ in pos]
@@ -125,8 +126,13 @@ def write_trace(
     prefix_tokens: int = 24,
     seed: int = 0,
     compact: bool = False,
+    pcb: dict[int, int] | None = None,
+    names: dict[str, str] | None = None,
 ) -> Path:
-    """Write <root>/block<bs>/ with shards and summary.json; returns the block directory."""
+    """Write <root>/block<bs>/ with shards and summary.json; returns the block directory.
+
+    pcb: prefix_cached_blocks claimed by some requests (everything else made to agree with
+    it); names: shards written under another name (a lying writer, for mutations)."""
     rng = random.Random(seed)
     folder = root / f"block{bs}"
     folder.mkdir(parents=True, exist_ok=True)
@@ -156,10 +162,12 @@ def write_trace(
                         latency,
                         key,
                         compact,
+                        (pcb or {}).get(request),
                     )
                     all_recs.append(rec)
                     lines.append(json.dumps(rec))  # the demo's json.dumps: ", " and ": "
-        (folder / f"trace_steps_{start}_{end}.jsonl").write_text("\n".join(lines) + "\n")
+        name = f"trace_steps_{start}_{end}.jsonl"
+        (folder / (names or {}).get(name, name)).write_text("\n".join(lines) + "\n")
     (folder / "summary.json").write_text(
         json.dumps(summary(all_recs, bs, requests, topk, layers), indent=2)
     )

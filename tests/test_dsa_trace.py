@@ -160,7 +160,7 @@ def test_dsa_smoke_is_trace_ok_and_its_summary_equals_the_recomputation(tmp_path
     assert code == 0 and result["verdict"] == "TRACE_OK"
     [block] = result["dirs"]
     assert block["records"] == 45 and block["requests"] == 3 and block["layers"] == 3
-    assert block["warnings"] == [] and block["shards"] == [
+    assert block["problems"] == [] and block["shards"] == [
         "trace_steps_0_2.jsonl",
         "trace_steps_2_3.jsonl",
     ]
@@ -236,7 +236,7 @@ def test_analyze_judges_a_trace_from_an_independent_writer(tmp_path: Path) -> No
     assert code == 0, result
     [block] = result["dirs"]
     assert (block["records"], block["requests"], block["layers"], block["invalid"]) == (45, 5, 3, 0)
-    assert block["warnings"] == []  # the writer's own summary.json agrees with the recomputation
+    assert block["problems"] == []  # the writer's own summary.json agrees with the recomputation
     theirs = json.loads((folder / "summary.json").read_text())
     for name in (
         "unique_blocks",
@@ -372,16 +372,16 @@ def test_a_missing_summary_json_is_located(tmp_path: Path) -> None:
     )
 
 
-def test_a_wrong_summary_is_a_warning_not_a_verdict(tmp_path: Path) -> None:
+def test_a_wrong_summary_is_trace_invalid_naming_the_field(tmp_path: Path) -> None:
     folder = write_trace(tmp_path / "t")
     data = json.loads((folder / "summary.json").read_text())
     data["offsets"]["p95"] = 12345
     (folder / "summary.json").write_text(json.dumps(data))
     code, result = analyze(tmp_path / "t", tmp_path)
-    assert code == 0
-    assert any(
-        w.startswith("offsets.p95: summary.json says 12345") for w in result["dirs"][0]["warnings"]
-    )
+    assert code == 1 and result["verdict"] == "TRACE_INVALID"
+    [p] = result["dirs"][0]["problems"]
+    assert p["field"] == "offsets.p95" and p["found"] == "12345"
+    assert float(p["expected"]) == result["dirs"][0]["recomputed"]["offsets"]["p95"]
 
 
 def test_a_record_over_one_mib_is_refused(tmp_path: Path) -> None:
@@ -445,7 +445,7 @@ def test_the_sample_workloads_run_trace_ok(preset: str, tmp_path: Path) -> None:
             "max",
         }
         code, result = analyze(trace, tmp_path)
-        assert code == 0 and result["dirs"][0]["warnings"] == []
+        assert code == 0 and result["dirs"][0]["problems"] == []
 
 
 def test_longbench_skips_long_samples_and_says_so(tmp_path: Path) -> None:

@@ -385,6 +385,7 @@ class DsaWatchScreen(Screen[None]):
                     max_bytes=self.max_bytes,
                     stop=self._stop.is_set,
                     say=lambda text: self.buffer.append(("note", text, 0)),
+                    note=lambda text: self.buffer.append(("note", text, 0)),
                 )
             )
         except (ValueError, FileNotFoundError) as exc:

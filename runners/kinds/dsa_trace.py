@@ -14,14 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from analysis.dsa_stats import compare_summary
-from analysis.dsa_stream import SHARD, TraceStream
+from analysis.dsa_stats import percentile
+from analysis.dsa_stream import BLOCK_DIR, SHARD, TraceStream
 from analysis.dsa_tree import (
     TRACE_INVALID,
     TRACE_OK,
@@ -30,9 +31,10 @@ from analysis.dsa_tree import (
     block_dirs,
     format_result,
     read_summary,
+    trace_verdict,
 )
 from analysis.run_compare import Item
-from runners.events import Event, RunFinished, TraceBatch
+from runners.events import CellFinished, Event, RunFinished, TraceBatch
 from runners.exits import EXIT_FAIL, EXIT_INFRA, EXIT_PASS, EXIT_USAGE
 from runners.kind import ENGINE_ERROR, Digest, Ending, Judge, JudgeContext, Kind, KindPrinter
 from runners.presets import PresetError
@@ -44,8 +46,11 @@ SERVING = "serving.jsonl"
 class TraceBook:
     """Every followed trace directory's judge state, folded from digests (judge, printer, panel)."""
 
-    def __init__(self, topk: int | None = None, layers: int | None = None) -> None:
+    def __init__(
+        self, topk: int | None = None, layers: int | None = None, topk_source: str = ""
+    ) -> None:
         self.topk = topk
+        self.topk_source = topk_source
         self.layers = layers
         self.streams: dict[str, TraceStream] = {}
         self.latency: dict[str, list[float]] = {}  # dir -> serving latency_ms (BurstGPT)
@@ -54,7 +59,9 @@ class TraceBook:
     def stream(self, file: str) -> TraceStream:
         folder = file.rsplit("/", 1)[0]
         if folder not in self.streams:
-            self.streams[folder] = TraceStream(topk=self.topk, layers=self.layers)
+            self.streams[folder] = TraceStream(
+                topk=self.topk, layers=self.layers, topk_source=self.topk_source
+            )
         return self.streams[folder]
 
     def feed(self, file: str, lines: list[bytes], first_line: int) -> dict[str, Any]:
@@ -74,6 +81,34 @@ class TraceBook:
         self.stream(event.file).apply(event.file, event.digest)
         self._note(event.file, event.digest)
         return True
+
+    def learn(self, folder: str, engine: dict[str, Any]) -> list[str]:
+        """summary.json appeared: the top-k it states judges the records that waited for it."""
+        config = engine.get("config") if isinstance(engine.get("config"), dict) else {}
+        topk = config.get("index_topk")
+        stream = self.streams.get(folder)
+        if stream is None:
+            stream = self.streams[folder] = TraceStream(
+                topk=self.topk, layers=self.layers, topk_source=self.topk_source
+            )
+        if stream.topk is not None or type(topk) is not int or topk < 1:
+            return []
+        found = stream.set_topk(topk, "summary.json config.index_topk")
+        lines = [f"dsa: {folder}: top-{topk} from summary.json config.index_topk"]
+        if found:
+            lines.append(f"dsa: FIRST INVALID RECORD {found[0]['message']}")
+        return lines
+
+    def serving_stats(self, folder: str) -> dict[str, Any] | None:
+        """serving.jsonl as followed: what summary.json serving must say (None: none followed)."""
+        lat = self.latency.get(folder)
+        if lat is None:
+            return None
+        items = sorted(Counter(lat).items())
+        if not items:
+            return {"requests": 0, "latency_ms": {}}
+        pcts = {k: percentile(items, q) for k, q in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))}
+        return {"requests": len(lat), "latency_ms": {**pcts, "max": items[-1][0]}}
 
     def _note(self, file: str, digest: dict[str, Any]) -> None:
         reqs = (digest.get("state") or {}).get("reqs") or {}
@@ -119,7 +154,8 @@ class DsaJudge(Judge):
     def __init__(self, kind: Kind, ctx: JudgeContext) -> None:
         super().__init__(kind, ctx)
         dsa = ctx.preset.section("dsa")
-        self.book = TraceBook(dsa["topk"], dsa["layers"] or None)
+        topk = dsa["topk"] or None
+        self.book = TraceBook(topk, dsa["layers"] or None, "preset dsa.topk" if topk else "")
 
     def digest(self, cell: int, file: str, lines: list[bytes], first_line: int) -> Digest:
         stream = self.book.stream(file) if not file.endswith("/" + SERVING) else None
@@ -157,47 +193,12 @@ class DsaJudge(Judge):
 
     def _judge_dir(self, folder: str, stream: TraceStream) -> dict[str, Any]:
         rel = folder.split("/artifacts/", 1)[-1]
-        engine, why = read_summary(self.ctx.local_dir / rel / "summary.json")
-        config = engine.get("config") if isinstance(engine.get("config"), dict) else {}
-        requests = config.get("requests") if isinstance(config.get("requests"), int) else None
-        problems = stream.finish(requests, None)
+        home = self.ctx.local_dir / rel
+        engine, why = read_summary(home / "summary.json")
         if why:
-            problems.append(
-                {
-                    "file": f"{folder}/summary.json",
-                    "line": None,
-                    "field": "summary.json",
-                    "message": f"{folder}/summary.json: {why} (the engine writes it at the end "
-                    f"of a run, seed 004 5.3; list it in [artifacts] fetch)",
-                }
-            )
-        shards = engine.get("shards") if isinstance(engine.get("shards"), list) else []
-        for entry in shards:
-            path = f"{folder}/{entry.get('file')}"
-            seen = stream.files.get(path, 0)
-            if entry.get("records") != seen and not (seen == 0 and entry.get("records") == 0):
-                problems.append(
-                    {
-                        "file": path,
-                        "line": None,
-                        "field": "records",
-                        "message": f"{path}: summary.json counts {entry.get('records')} records, "
-                        f"{seen} were followed (a lost, torn or extra line)",
-                    }
-                )
-        warnings = compare_summary(engine, stream.summary.summary()) if engine else []
-        ok = stream.invalid == 0 and not problems
-        return {
-            "dir": folder,
-            "verdict": TRACE_OK if ok else TRACE_INVALID,
-            "records": stream.records,
-            "invalid": stream.invalid,
-            "requests": len(stream.reqs),
-            "layers": stream.layers,
-            "first_fail": stream.first or (problems[0] if problems else None),
-            "problems": problems[:20],
-            "warnings": warnings,
-        }
+            why += " (the engine writes it at the end of a run, seed 004 5.3; list it in [artifacts] fetch)"  # fmt: skip
+        serving = self.book.serving_stats(folder)
+        return trace_verdict(folder, stream, engine, why, None, serving)
 
 
 def _missing_dir(folder: str) -> dict[str, Any]:
@@ -212,7 +213,6 @@ def _missing_dir(folder: str) -> dict[str, Any]:
         "layers": None,
         "first_fail": fail,
         "problems": [fail],
-        "warnings": [],
     }
 
 
@@ -255,17 +255,19 @@ class DsaPrinter(KindPrinter):
                 f"DSA trace {t['dir']}: {t['records']} records, {t['requests']} requests, "
                 f"{t['layers']} layers; {t['invalid']} invalid -> {t['verdict']}"
             )
+            if t.get("topk_from"):
+                lines.append(f"  {t['topk_from']}")
             if t.get("first_fail"):
                 lines.append(f"  first fail: {t['first_fail']['message']}")
-            for p in t.get("problems", [])[:5]:
+            for p in t.get("problems", [])[:8]:
                 if p.get("message") != (t.get("first_fail") or {}).get("message"):
                     lines.append(f"  problem: {p['message']}")
-            if t.get("warnings"):
-                lines.append(
-                    f"  summary.json differs from the live recomputation ({len(t['warnings'])} warnings):"
-                )
-                lines += [f"    - {w}" for w in t["warnings"]]
-            elif t["records"]:
+            for w in t.get("warnings", []):  # runs recorded before summary.json was a verdict
+                lines.append(f"  summary.json (recorded as a warning): {w}")
+            summary_bad = any(
+                str(p.get("file", "")).endswith("summary.json") for p in t.get("problems", [])
+            )
+            if t["records"] and not summary_bad and not t.get("warnings"):
                 lines.append("  summary.json: equal to the statistics recomputed live")
         return lines if len(lines) > 1 else []
 
@@ -286,7 +288,7 @@ class DsaTraceKind(Kind):
 
     sections = {
         "dsa": {
-            "topk": (int, False, 2048),  # the engine's index_topk (DSA top-2048 in production)
+            "topk": (int, False, 0),  # the engine's index_topk; 0: summary.json config.index_topk
             "layers": (int, False, 0),  # 0: learned from the trace's first whole step
         }
     }
@@ -308,8 +310,8 @@ class DsaTraceKind(Kind):
                 'bring summary.json home, e.g. ["dsa/block64/summary.json"]',
             )
         dsa = data["dsa"]
-        if dsa["topk"] < 1 or dsa["layers"] < 0:
-            raise PresetError(source, "dsa", "topk must be >= 1 and layers >= 0")
+        if dsa["topk"] < 0 or dsa["layers"] < 0:
+            raise PresetError(source, "dsa", "topk and layers must be >= 0 (0: learned)")
         for key in ("topk", "layers"):
             value = data["vars"].get(key)
             if value is not None and dsa[key] and value != dsa[key]:
@@ -321,7 +323,12 @@ class DsaTraceKind(Kind):
         return DsaPrinter()
 
     def add_watch_args(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--dsa-topk", type=int, default=2048, help="DSA: the index top-k")
+        parser.add_argument(
+            "--dsa-topk",
+            type=int,
+            help="DSA: the index top-k (default: summary.json config.index_topk, read as soon "
+            "as it appears; records wait for it)",
+        )
         parser.add_argument(
             "--dsa-layers", type=int, help="DSA: layers per step (default: learned)"
         )
@@ -350,6 +357,8 @@ class DsaTraceKind(Kind):
         )
 
     def analyze(self, path: Path, args: argparse.Namespace) -> int:
+        if (path / "run.json").is_file():
+            return rejudge_run(path, args)
         if getattr(args, "output", None) is not None:
             print(
                 f"tracedeck: {self.name} analyze writes no file; --output is not used",
@@ -368,6 +377,103 @@ class DsaTraceKind(Kind):
 
 
 KIND = DsaTraceKind()
+
+
+# -- tracedeck analyze RUN_DIR: a finished run re-judged from what it kept ---------------------
+
+
+def rejudge_run(run_dir: Path, args: argparse.Namespace) -> int:
+    """A DSA run's directory judged again. Its traces stay on the host (only summary.json comes
+    home), so each trace is re-judged from the run's record: the digests of every batch as the
+    console judged it (counts, first fails, the claims the cross-record checks tally, the exact
+    aggregates) folded again, then the end-of-trace checks and summary.json recomputed against
+    them. Shards copied into the run directory (<dir>/<trace-out>/block<N>/) are judged whole
+    from their records instead. Nothing in the run directory is written."""
+    from runners.record import EVENTS, RunRecord, iter_events
+
+    try:
+        record = RunRecord.load(run_dir)
+        events = list(iter_events(run_dir / EVENTS))
+    except (OSError, ValueError, TypeError) as exc:
+        print(f"tracedeck: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    dsa = record.preset_data.get("dsa") if isinstance(record.preset_data.get("dsa"), dict) else {}
+    topk, source = args.dsa_topk, "--dsa-topk"
+    if topk is None and isinstance(dsa.get("topk"), int) and dsa["topk"] > 0:
+        topk, source = dsa["topk"], "preset dsa.topk"
+    layers = args.dsa_layers or (dsa.get("layers") if isinstance(dsa.get("layers"), int) else 0)
+    book = TraceBook(topk, layers or None, source if topk else "")
+    recorded: RunFinished | None = None
+    failed_cells: list[str] = []
+    for event in events:
+        if isinstance(event, TraceBatch):
+            book.apply(event)
+        elif isinstance(event, RunFinished):
+            recorded = event
+        elif isinstance(event, CellFinished) and event.exit_code not in (0, None):
+            failed_cells.append(f"cell {event.cell} exited {event.exit_code}")
+    traces: list[dict[str, Any]] = []
+    seen: set[Path] = set()
+    for folder, stream in sorted(book.streams.items()):
+        home = run_dir / folder.split("/artifacts/", 1)[-1]
+        seen.add(home)
+        traces.append(_rejudge_dir(home, folder, stream, book, topk, layers))
+    for summary in sorted(run_dir.glob("**/block*/summary.json")):
+        if summary.parent not in seen and BLOCK_DIR.fullmatch(summary.parent.name):
+            traces.append(_rejudge_dir(summary.parent, str(summary.parent), None, book, topk, layers))  # fmt: skip
+    if not traces:
+        print(
+            f"tracedeck: {run_dir}: the run recorded no DSA trace batch and holds no trace "
+            "directory: nothing to re-judge",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    ok = all(t["verdict"] == TRACE_OK for t in traces) and not failed_cells
+    verdict, code = (TRACE_OK, EXIT_PASS) if ok else (TRACE_INVALID, EXIT_FAIL)
+    if recorded is not None and recorded.verdict == ENGINE_ERROR:
+        verdict, code = ENGINE_ERROR, EXIT_INFRA  # the engine did not finish: never a pass
+    result = {
+        "verdict": verdict,
+        "recorded_verdict": recorded.verdict if recorded is not None else None,
+        "failed_cells": failed_cells,
+        "traces": traces,
+        **book.totals(),
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return code
+    print(f"{run_dir}: re-judged from the run's record (its traces stay on the host)")
+    for line in DsaPrinter().final(RunFinished(verdict=verdict, exit_code=code, summary=result)):
+        print(line)
+    for cell in failed_cells:
+        print(f"  {cell}")
+    shown = recorded.verdict if recorded is not None else "none (the run did not end here)"
+    print(f"recorded verdict: {shown} (left as it was)")
+    print(f"RESULT: {verdict}")
+    return code
+
+
+def _rejudge_dir(
+    home: Path,
+    folder: str,
+    stream: TraceStream | None,
+    book: TraceBook,
+    topk: int | None,
+    layers: int | None,
+) -> dict[str, Any]:
+    """One trace: whole from its shards when they are here, else from the recorded digests."""
+    from analysis.dsa_tree import analyze_block, shard_files
+
+    if home.is_dir() and shard_files(home):
+        result = analyze_block(home, topk, layers or None)
+        result["from"] = "the shards in the run directory"
+        return result
+    if stream is None:
+        return _missing_dir(folder)
+    engine, why = read_summary(home / "summary.json")
+    result = trace_verdict(folder, stream, engine, why, None, book.serving_stats(folder))
+    result["from"] = "the run's recorded digests"
+    return result
 
 
 # -- tracedeck watch: follow a trace directory some other process writes ----------------------
@@ -394,6 +500,7 @@ async def watch_dir(
     max_bytes: int | None = None,
     stop: Callable[[], bool] | None = None,
     say: Callable[[str], None] | None = None,
+    note: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Follow every shard (and serving.jsonl) under a trace directory as it is written; each
     batch goes to `sink` as a TraceBatch. Returns the verdict once the writer's summary.json is
@@ -411,8 +518,10 @@ async def watch_dir(
     target_spec, root = split_watch_spec(spec)
     target = parse_target(target_spec)
     await target.connect()
-    book = TraceBook(topk, layers)
+    book = TraceBook(topk, layers, "--dsa-topk" if topk else "")
+    learned: set[str] = set()
     followers: dict[str, FileFollower] = {}
+    sink_note = note or (lambda line: None)
     loop = asyncio.get_running_loop()
     quiet = loop.time()
     checked: set[str] = set()
@@ -443,6 +552,11 @@ async def watch_dir(
                     if (_is_shard(path) or name == SERVING) and path not in followers:
                         new.append(path)
                     summaries += name == "summary.json"
+                    if name == "summary.json" and folder not in learned:
+                        learned.add(folder)  # the top-k from the trace's own summary, at once
+                        engine, _ = await _read_summary(target, folder)
+                        for line in book.learn(folder, engine):
+                            sink_note(line)
                 await _refuse_links(target, root, new, checked)
                 for path in new:
                     followers[path] = FileFollower(target, path)
@@ -475,26 +589,10 @@ async def watch_dir(
             await asyncio.sleep(0 if behind else poll_s)
         traces = []
         for folder, stream in sorted(book.streams.items()):
-            raw = await target.read_from(f"{folder}/summary.json", 0, 1 << 24)
-            engine = json.loads(raw) if raw else {}
-            config = engine.get("config") if isinstance(engine.get("config"), dict) else {}
-            requests = config.get("requests") if isinstance(config.get("requests"), int) else None
+            engine, why = await _read_summary(target, folder)
             shards = [f for f in followers if f.startswith(folder + "/") and _is_shard(f)]
-            problems = stream.finish(requests, shards)
-            warnings = compare_summary(engine, stream.summary.summary()) if engine else []
-            ok = stream.invalid == 0 and not problems
             traces.append(
-                {
-                    "dir": folder,
-                    "verdict": TRACE_OK if ok else TRACE_INVALID,
-                    "records": stream.records,
-                    "invalid": stream.invalid,
-                    "requests": len(stream.reqs),
-                    "layers": stream.layers,
-                    "first_fail": stream.first or (problems[0] if problems else None),
-                    "problems": problems[:20],
-                    "warnings": warnings,
-                }
+                trace_verdict(folder, stream, engine, why, shards, book.serving_stats(folder))
             )
         ok = bool(traces) and all(t["verdict"] == TRACE_OK for t in traces)
         verdict = TRACE_OK if ok else TRACE_INVALID
@@ -540,6 +638,7 @@ def watch_headless(args: argparse.Namespace) -> int:
                 topk=args.dsa_topk,
                 layers=args.dsa_layers,
                 say=lambda text: print(f"tracedeck: {text}", file=sys.stderr, flush=True),
+                note=lambda line: print(line, flush=True),
             )
         )
     except (ValueError, FileNotFoundError) as exc:
@@ -552,3 +651,15 @@ def watch_headless(args: argparse.Namespace) -> int:
         print(line)
     print(f"RESULT: {result['verdict']}")
     return EXIT_PASS if result["verdict"] == TRACE_OK else EXIT_FAIL
+
+
+async def _read_summary(target: Any, folder: str) -> tuple[dict[str, Any], str]:
+    """A followed trace directory's summary.json (the engine's, seed 5.3), or why there is none."""
+    raw = await target.read_from(f"{folder}/summary.json", 0, 1 << 24)
+    if not raw:
+        return {}, "missing"
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return {}, f"unreadable ({exc})"
+    return (data, "") if isinstance(data, dict) else ({}, "not a JSON object")
