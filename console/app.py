@@ -48,6 +48,8 @@ class TracedeckApp(App[int]):
         self.replay_dir = replay_dir
         self.speed = speed
         self.preset_paths = preset_paths
+        # Said on the terminal after the console closes: runs left going and how to reattach.
+        self.quit_notes: list[str] = []
 
     def get_default_screen(self) -> Screen:
         paths = self.preset_paths if self.preset_paths is not None else preset_files()
@@ -86,8 +88,21 @@ class TracedeckApp(App[int]):
         # Quitting never cancels a run: stop following, close sessions, leave runs going.
         for screen in self.screen_stack:
             if isinstance(screen, RunScreen):
+                if screen.run_goes_on():
+                    self.quit_notes.append(left_going(screen))
                 await screen.stop_following()
         self.exit(0)
+
+
+def left_going(screen: RunScreen) -> str:
+    """What quitting leaves behind: a run that goes on on its target, and how to get back to it."""
+    header = screen.model.header
+    where = header.local_dir or "its run directory"
+    return (
+        f"run {header.run_id or '?'} ({header.preset or '?'}) goes on on {header.target or '?'}; "
+        f"follow it: tracedeck attach {where} (or reopen it from History, F2); "
+        f"stop it: tracedeck cancel {where}"
+    )
 
 
 def create_app(
@@ -120,4 +135,6 @@ def run_app(out_dir: Path | None = None, replay_dir: Path | None = None, speed: 
         return 2
     app = create_app(out_dir=out_dir, replay_dir=replay_dir, speed=speed)
     app.run()
+    for note in app.quit_notes:
+        print(f"tracedeck: {note}", file=sys.stderr)
     return app.return_code or 0

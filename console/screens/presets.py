@@ -121,6 +121,9 @@ class PresetsScreen(Screen[None]):
         self.out_dir = out_dir
         self.entries = load_entries(preset_paths)
         self.launching = False
+        # Overrides belong to the preset they were typed for: each preset keeps its own text.
+        self.overrides_by_preset: dict[Path, str] = {}
+        self._overrides_for: Path | None = None
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="presets-body"):
@@ -202,7 +205,21 @@ class PresetsScreen(Screen[None]):
                     key=str(entry.path),
                 )
         table.focus()
+        entry = self.selected()
+        self._overrides_for = entry.path if entry is not None else None
         self._show_detail()
+
+    def _swap_overrides(self) -> None:
+        """Keep the overrides typed for the preset left; show those of the one selected."""
+        entry = self.selected()
+        path = entry.path if entry is not None else None
+        if path == self._overrides_for:
+            return
+        area = self.query_one("#overrides", TextArea)
+        if self._overrides_for is not None:
+            self.overrides_by_preset[self._overrides_for] = area.text
+        self._overrides_for = path
+        area.load_text(self.overrides_by_preset.get(path, "") if path is not None else "")
 
     # -- selection and detail -----------------------------------------------------------------
 
@@ -222,13 +239,21 @@ class PresetsScreen(Screen[None]):
             detail.update(Text(clean(entry.error or ""), style="red"))
             return
         p = entry.preset
+        overrides = parse_overrides(self.query_one("#overrides", TextArea).text)
+        matrix_title = "matrix\n"
+        if overrides:
+            try:
+                p = load_preset(entry.path, overrides)
+                matrix_title = "matrix (with the overrides)\n"
+            except PresetError:
+                matrix_title = "matrix (the preset's: the overrides do not load, see Start/Plan)\n"
         matrix = "\n".join(f"  {k} = {clean(v)}" for k, v in p.matrix.items())
         text = Text.assemble(
             (clean(p.name), "bold"),
             f" ({clean(p.kind)}, {p.cell_count()} cells)\n",
             clean(p.description),
             "\n",
-            ("matrix\n", "dim"),
+            (matrix_title, "dim"),
             matrix,
             "\n",
             ("determinism ", "dim"),
@@ -241,11 +266,16 @@ class PresetsScreen(Screen[None]):
         detail.update(text)
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        self._swap_overrides()
         self._show_detail()
         self.query_one("#preset-error", Static).update("")
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         self.action_plan()
+
+    def on_text_area_changed(self, event: TextArea.Changed) -> None:
+        if event.text_area.id == "overrides":
+            self._show_detail()
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         if event.button.id == "start":

@@ -56,6 +56,7 @@ class RunScreen(Screen[None]):
 
     BINDINGS = [
         Binding("escape", "leave", "Back (run goes on)"),
+        Binding("escape", "back", "Back"),
         Binding("c", "cancel_run", "Cancel run"),
         Binding("d", "details", "Details"),
         Binding("f", "filter_log", "Filter log"),
@@ -304,7 +305,15 @@ class RunScreen(Screen[None]):
 
     # -- actions ----------------------------------------------------------------------------
 
+    def run_goes_on(self) -> bool:
+        """Whether leaving this screen leaves a run going that this console follows."""
+        return not isinstance(self.source, ReplaySource) and self.model.finished is None
+
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "leave":
+            return self.run_goes_on()
+        if action == "back":
+            return not self.run_goes_on()
         if action == "cancel_run":
             return self.session is not None and self.model.finished is None
         if action == "details":
@@ -320,6 +329,9 @@ class RunScreen(Screen[None]):
             feed.cancel()
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await feed.wait()
+
+    async def action_back(self) -> None:
+        await self.action_leave()
 
     async def action_leave(self) -> None:
         await self.stop_following()

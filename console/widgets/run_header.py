@@ -43,6 +43,12 @@ class RunHeader(Static):
         super().__init__("", id=id, markup=False)
         self.mode = mode
 
+    def shown_mode(self, model: RunModel) -> str:
+        """LIVE/ATTACHED while the run goes on; ENDED once it finished (REPLAY stays REPLAY)."""
+        if model.finished is None or self.mode.startswith("REPLAY"):
+            return self.mode
+        return f"ENDED ({self.mode.lower()})"
+
     def show(self, model: RunModel, now: float | None) -> None:
         h = model.header
         line1 = Text.assemble(
@@ -54,9 +60,18 @@ class RunHeader(Static):
             ("  run ", "dim"),
             clean(h.run_id or "?"),
             ("  ", ""),
-            (self.mode, "reverse"),
+            (self.shown_mode(model), "reverse"),
         )
-        if h.lock_busy:
+        if model.finished is not None and (h.holder or h.lock) and not h.lock_busy:
+            # The engine's lock goes with its process group: once the run ended it is free.
+            lock = Text.assemble(
+                ("lock ", "dim"),
+                clean(h.lock or "?"),
+                " released at the run's end (was held by ",
+                holder_text(h.holder) if h.holder else "?",
+                ")",
+            )
+        elif h.lock_busy:
             lock = Text.assemble(
                 ("lock BUSY ", "bold red"), clean(h.lock), " held by ", holder_text(h.holder)
             )

@@ -1,0 +1,145 @@
+"""Screens that never mislead (issue 24): each case was reproduced on the old code first."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from runhelp import cli_env, tracedeck
+from test_console import (
+    DATA,
+    SIZE,
+    home,  # noqa: F401  (a fixture)
+    out_dir,
+    run_overrides,
+    select_preset,
+    start_preset,
+    wait_for,
+    wait_for_banner,
+    wait_for_run_screen,
+)
+from textual.widgets import TextArea
+
+from console.app import create_app
+from console.screens.presets import PresetsScreen
+from console.screens.run import RunScreen
+from console.widgets.run_header import RunHeader
+from runners.presets import PresetError, load_preset
+
+ROOT = Path(__file__).resolve().parent.parent
+PRESETS = sorted((DATA / "presets").glob("*.toml"))
+
+
+def header_text(screen: RunScreen) -> str:
+    return str(screen.query_one("#run-header", RunHeader).content)
+
+
+def footer_keys(screen: RunScreen) -> dict[str, str]:
+    """What the key bar offers: key -> description (only the bindings it shows)."""
+    return {key: b.binding.description for key, b in screen.active_bindings.items()}
+
+
+# -- a finished run says it ended, and that its lock is free ---------------------------------------
+
+
+async def test_finished_live_run_header_says_ended_and_the_lock_released(home: Path) -> None:  # noqa: F811
+    app = create_app(out_dir=out_dir(home))
+    async with app.run_test(size=SIZE) as pilot:
+        await start_preset(pilot, "hello_command", run_overrides(home))
+        screen = await wait_for_run_screen(pilot)
+        await wait_for(pilot, lambda: "held by" in header_text(screen), 15, "the lock holder")
+        assert "LIVE" in header_text(screen)
+        assert footer_keys(screen)["escape"] == "Back (run goes on)"
+        await wait_for_banner(pilot)
+        await wait_for(pilot, lambda: "ENDED" in header_text(screen), 5, "the header to redraw")
+        text = header_text(screen)
+        assert "LIVE" not in text.split("\n")[0]
+        lock_line = text.split("\n")[1]
+        assert "released at the run's end (was held by" in lock_line, lock_line
+        assert footer_keys(screen)["escape"] == "Back"
+
+
+async def test_recorded_run_header_and_back_key_do_not_claim_a_live_run(home: Path) -> None:  # noqa: F811
+    app = create_app(out_dir=out_dir(home), replay_dir=DATA / "hello_command_run", speed=0)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await wait_for_banner(pilot)
+        lock_line = header_text(screen).split("\n")[1]
+        assert "released at the run's end" in lock_line, lock_line
+        assert footer_keys(screen)["escape"] == "Back"
+        assert "run goes on" not in " ".join(footer_keys(screen).values())
+
+
+# -- overrides belong to the preset they were typed for --------------------------------------------
+
+
+async def test_overrides_do_not_carry_over_to_the_next_preset(home: Path) -> None:  # noqa: F811
+    app = create_app(out_dir=out_dir(home), preset_paths=PRESETS)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await select_preset(pilot, "hello_command")
+        await pilot.press("ctrl+o", *"matrix.n=[7]")
+        detail = str(screen.query_one("#preset-detail").content)
+        assert "matrix (with the overrides)" in detail and "n = [7]" in detail, detail
+        await select_preset(pilot, "demo_equivalence")
+        assert screen.query_one("#overrides", TextArea).text == ""
+        detail = str(screen.query_one("#preset-detail").content)
+        assert "[7]" not in detail and "with the overrides" not in detail
+        await select_preset(pilot, "hello_command")
+        assert screen.query_one("#overrides", TextArea).text == "matrix.n=[7]"
+        assert isinstance(app.screen, PresetsScreen)
+
+
+# -- a mistyped matrix key is an error naming the nearest key -------------------------------------
+
+
+def test_a_new_matrix_key_nothing_uses_is_refused_naming_the_nearest() -> None:
+    smoke = ROOT / "presets" / "b3_67_smoke.toml"
+    for typo, nearest in (("seeds", "seed"), ("genn", "gen_len")):
+        try:
+            load_preset(smoke, [f"matrix.{typo}=[0]"])
+        except PresetError as exc:
+            assert f"matrix.{typo}:" in str(exc) and f"did you mean matrix.{nearest}?" in str(exc)
+        else:
+            raise AssertionError(f"matrix.{typo} was accepted")
+    # A key the file has, or one an override puts to use in a template, stays fine.
+    assert load_preset(smoke, ["matrix.seed=[0]"]).cell_count() == 4
+    hello = DATA / "presets" / "hello_command.toml"
+    preset = load_preset(hello, ["matrix.rc=[3]", "engine.command='exit {rc}'"])
+    assert preset.cell_count() == 3
+
+
+def test_plan_with_a_mistyped_matrix_key_exits_2(home: Path) -> None:  # noqa: F811
+    done = tracedeck("plan", "b3_67_smoke", "--set", "matrix.seeds=[0]", env=cli_env(home))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "matrix.seeds" in done.stderr and "did you mean matrix.seed?" in done.stderr
+    assert done.stdout == ""
+
+
+# -- quitting during a live run says the run goes on and how to get back to it ----------------------
+
+
+async def test_quit_during_a_live_run_says_it_goes_on_and_how_to_attach(home: Path) -> None:  # noqa: F811
+    app = create_app(out_dir=out_dir(home))
+    overrides = [*run_overrides(home), 'engine.command="sleep 30"']
+    async with app.run_test(size=SIZE) as pilot:
+        await start_preset(pilot, "hello_command", overrides)
+        screen = await wait_for_run_screen(pilot)
+        await wait_for(pilot, lambda: screen.model.header.local_dir != "", 15, "the run's start")
+        local_dir = screen.model.header.local_dir
+        await pilot.press("ctrl+q")
+    assert app.return_code == 0
+    assert len(app.quit_notes) == 1
+    note = app.quit_notes[0]
+    assert "goes on" in note and f"tracedeck attach {local_dir}" in note, note
+    assert f"tracedeck cancel {local_dir}" in note
+    done = tracedeck("cancel", local_dir, env=cli_env(home))
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+async def test_quit_after_the_run_ended_says_nothing(home: Path, tmp_path: Path) -> None:  # noqa: F811
+    run = tmp_path / "rec"
+    shutil.copytree(DATA / "hello_command_run", run)
+    app = create_app(out_dir=out_dir(home), replay_dir=run, speed=0)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for_banner(pilot)
+        await pilot.press("ctrl+q")
+    assert app.quit_notes == []
