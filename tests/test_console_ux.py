@@ -2,28 +2,38 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
+from rich.text import Text
 from runhelp import cli_env, tracedeck
 from test_console import (
     DATA,
     SIZE,
+    banner_text,
+    cells,
     home,  # noqa: F401  (a fixture)
     out_dir,
     run_overrides,
+    screen_text,
     select_preset,
     start_preset,
     wait_for,
     wait_for_banner,
     wait_for_run_screen,
 )
+from textual.app import App, ComposeResult
 from textual.widgets import TextArea
 
 from console.app import create_app
+from console.run_model import RunModel
 from console.screens.presets import PresetsScreen
 from console.screens.run import RunScreen
+from console.widgets.cells_table import CellsTable
+from console.widgets.live_table import LiveTable
 from console.widgets.run_header import RunHeader
+from runners.events import CellFinished, CellStarted, RunStarted
 from runners.presets import PresetError, load_preset
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -143,3 +153,88 @@ async def test_quit_after_the_run_ended_says_nothing(home: Path, tmp_path: Path)
         await wait_for_banner(pilot)
         await pilot.press("ctrl+q")
     assert app.quit_notes == []
+
+
+# -- text is never cut without a sign; the time column has one format; cells say what they did ----
+
+
+class _TableApp(App[None]):
+    def compose(self) -> ComposeResult:
+        yield CellsTable(id="cells")
+
+
+async def test_a_cell_column_widens_for_a_longer_value_instead_of_cutting_it() -> None:
+    model = RunModel()
+    cells_ = [{"index": i, "params": {"n": i}} for i in range(3)]
+    model.apply(
+        RunStarted(
+            run_id="r",
+            preset="p",
+            kind="command",
+            target="local",
+            local_dir="",
+            remote_dir="",
+            cells=cells_,
+            profile="none",
+            env={},
+        )
+    )
+    app = _TableApp()
+    async with app.run_test(size=SIZE) as pilot:
+        table = app.query_one(CellsTable)
+        table.show(model, model.take_changes().cells)
+        for cell, seconds in ((0, 9.7), (1, 13.6), (2, 123.4)):
+            model.apply(CellStarted(cell=cell, params={"n": cell}, command="x"))
+            model.apply(CellFinished(cell=cell, state="passed", exit_code=0, duration_s=seconds))
+            table.show(model, model.take_changes().cells)
+            await pilot.pause()
+        shown = screen_text(app)
+        for text in ("9.7s", "13.6s", "123.4s"):
+            assert re.search(rf"(?<![\d.]){re.escape(text)}", shown), shown
+
+
+async def test_cells_of_a_judged_kind_say_exited_0_not_passed(home: Path) -> None:  # noqa: F811
+    app = create_app(out_dir=out_dir(home), replay_dir=DATA / "equivalence_fail", speed=0)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await wait_for_banner(pilot)
+        states = {row[2] for row in cells(screen)}
+        assert states == {"exited 0"}, states
+        assert "FAIL" in banner_text(screen)
+
+
+class _Verdicts(LiveTable):
+    COLUMNS = (("pair", "pair"), ("verdict", "verdict"))
+
+
+class _VerdictApp(App[None]):
+    def compose(self) -> ComposeResult:
+        yield _Verdicts()
+
+
+async def test_a_verdict_that_grows_longer_is_shown_whole() -> None:
+    """A pair first shown PASS_EQUIV, later EXPECTED_DRIFT (as a live run goes): not EXPECTED_DR."""
+    app = _VerdictApp()
+    async with app.run_test(size=SIZE) as pilot:
+        table = app.query_one(_Verdicts)
+        table.upsert("a", (Text("seed 0"), Text("PASS")))
+        await pilot.pause()
+        table.upsert("a", (Text("seed 0"), Text("EXPECTED_DRIFT")))
+        await pilot.pause()
+        assert "EXPECTED_DRIFT" in screen_text(app), screen_text(app)
+
+
+async def test_a_long_preset_description_ends_in_an_ellipsis(home: Path, tmp_path: Path) -> None:  # noqa: F811
+    text = (DATA / "presets" / "hello_command.toml").read_text()
+    long = "a description long enough to reach past the table's edge " * 2 + "keeps top-32"
+    preset = tmp_path / "long.toml"
+    preset.write_text(
+        text.replace('name = "hello_command"', 'name = "long"').replace(
+            'description = "Generic command runner demo: prints a few lines per cell, judged by exit code"',
+            f'description = "{long}"',
+        )
+    )
+    app = create_app(out_dir=out_dir(home), preset_paths=[preset])
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        line = next(li for li in screen_text(app).splitlines() if "a description long" in li)
+        assert "…" in line and "top-3" not in line, line

@@ -179,35 +179,77 @@ class PresetsScreen(Screen[None]):
 
     def on_mount(self) -> None:
         table = self.query_one("#presets", DataTable)
-        for label, key in (
-            ("name", "name"),
-            ("kind", "kind"),
-            ("cells", "cells"),
-            ("description", "description"),
-        ):
-            table.add_column(label, key=key)
-        for entry in self.entries:
-            if entry.preset is not None:
-                p = entry.preset
-                table.add_row(
-                    plain(p.name, "bold"),
-                    plain(p.kind),
-                    Text(str(p.cell_count()), justify="right"),
-                    plain(p.description),
-                    key=str(entry.path),
-                )
-            else:
-                table.add_row(
-                    plain(entry.name, "bold red"),
-                    Text("error", style="red"),
-                    Text(""),
-                    plain(entry.error or ""),
-                    key=str(entry.path),
-                )
+        self._fill_table(None)
         table.focus()
         entry = self.selected()
         self._overrides_for = entry.path if entry is not None else None
         self._show_detail()
+
+    def _rows(self) -> list[tuple[Text, Text, Text, Text]]:
+        rows = []
+        for entry in self.entries:
+            if entry.preset is not None:
+                p = entry.preset
+                rows.append(
+                    (
+                        plain(p.name, "bold"),
+                        plain(p.kind),
+                        Text(str(p.cell_count()), justify="right"),
+                        plain(p.description),
+                    )
+                )
+            else:
+                rows.append(
+                    (
+                        plain(entry.name, "bold red"),
+                        Text("error", style="red"),
+                        Text(""),
+                        plain(entry.error or ""),
+                    )
+                )
+        return rows
+
+    def _fixed_widths(self, rows: list[tuple[Text, Text, Text, Text]]) -> list[int]:
+        """The name, kind and cells columns: as wide as their widest value or label."""
+        labels = ("name", "kind", "cells")
+        return [max([len(label)] + [r[i].cell_len for r in rows]) for i, label in enumerate(labels)]
+
+    def _fill_table(self, description_width: int | None) -> None:
+        """The presets' rows; a description wider than `description_width` ends in an ellipsis
+        (None: as wide as the longest, before the table's width is known)."""
+        table = self.query_one("#presets", DataTable)
+        row = table.cursor_row
+        rows = self._rows()
+        table.clear(columns=True)
+        for (label, key), width in zip(
+            (("name", "name"), ("kind", "kind"), ("cells", "cells")),
+            self._fixed_widths(rows),
+            strict=True,
+        ):
+            table.add_column(label, key=key, width=width)
+        table.add_column("description", key="description", width=description_width)
+        for entry, values in zip(self.entries, rows, strict=True):
+            table.add_row(*values, key=str(entry.path))
+        if 0 < row < len(self.entries):
+            table.move_cursor(row=row, animate=False)
+
+    def on_resize(self) -> None:
+        self.call_after_refresh(self._fit_description)
+
+    def _fit_description(self) -> None:
+        """Size the description column to the room left, so a long one is cut with an
+        ellipsis (the table's right edge cut "top-32" to "top-3" with no sign of it)."""
+        table = self.query_one("#presets", DataTable)
+        room = table.scrollable_content_region.width
+        if room <= 0:
+            return
+        pad = 2 * table.cell_padding
+        others = sum(w + pad for w in self._fixed_widths(self._rows()))
+        width = max(12, room - others - pad)
+        column = table.columns.get("description")  # type: ignore[call-overload]
+        if column is not None and not column.auto_width and column.width == width:
+            return
+        self._fill_table(width)
 
     def _swap_overrides(self) -> None:
         """Keep the overrides typed for the preset left; show those of the one selected."""
