@@ -13,6 +13,8 @@ from pathlib import Path
 
 from runners.exits import EXIT_INFRA, EXIT_INTERRUPT, EXIT_USAGE
 
+OUT_HELP = "local run records root (default: ~/.local/share/tracedeck/runs)"
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -78,22 +80,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     attach = sub.add_parser("attach", help="reconnect to a run and follow it to the end")
     attach.add_argument("run", help="local run directory or run id")
-    attach.add_argument("--out", type=Path)
-    attach.add_argument("--json", action="store_true")
+    attach.add_argument("--out", type=Path, help=OUT_HELP)
+    attach.add_argument("--json", action="store_true", help="print events as JSONL")
 
     cancel = sub.add_parser("cancel", help="stop a run: TERM its process group, KILL after a grace")
     cancel.add_argument("run", help="local run directory or run id")
-    cancel.add_argument("--out", type=Path)
+    cancel.add_argument("--out", type=Path, help=OUT_HELP)
     cancel.add_argument("--grace", type=float, default=5.0, help="seconds between TERM and KILL")
 
     fetch = sub.add_parser(
         "fetch", help="bring home what a run judged on its host and left there (e.g. logits)"
     )
     fetch.add_argument("run", help="local run directory or run id")
-    fetch.add_argument("--out", type=Path)
+    fetch.add_argument("--out", type=Path, help=OUT_HELP)
 
     replay = sub.add_parser("replay", help="replay a recorded run from its events.jsonl")
-    replay.add_argument("dir", type=Path)
+    replay.add_argument("dir", type=Path, help="a run directory (holds run.json and events.jsonl)")
     replay.add_argument(
         "--headless", action="store_true", help="print instead of opening the console"
     )
@@ -103,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="1 = real time, 10 = ten times faster, 0 = at once (headless default)",
     )
-    replay.add_argument("--json", action="store_true")
+    replay.add_argument("--json", action="store_true", help="with --headless: events as JSONL")
 
     analyze = sub.add_parser(
         "analyze", help="judge what a run kind writes (a B3.67 tree, a readout trace, ...)"
@@ -173,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     trust.add_argument("--yes", action="store_true", help="trust without asking")
 
     ui = sub.add_parser("ui", help="open the console (the default)")
-    ui.add_argument("--out", type=Path)
+    ui.add_argument("--out", type=Path, help=OUT_HELP)
     return parser
 
 

@@ -519,6 +519,20 @@ async def _check_slurm(target: Target, out: Checked, settings: SlurmSettings) ->
         out.add(PROBLEM, "slurm", f"the login node lacks {', '.join(missing)}: is Slurm there?")
         return
     out.add(OK, "slurm", f"{', '.join(SLURM_TOOLS)} are there")
+    # Asked first: with no controller every other question (the partition) fails too, and
+    # blaming the partition would send the operator to the wrong fix.
+    code, stdout, err = await _sh(target, "scontrol ping")
+    if "is UP" not in stdout:
+        lines = [line.strip() for line in f"{stdout}\n{err}".splitlines()]
+        said = next((line for line in lines if line and "*" not in line), "")
+        out.add(
+            PROBLEM,
+            "controller",
+            f"no Slurm controller answers (`scontrol ping`: {said or f'exit {code}'}): start "
+            "slurmctld, or point SLURM_CONF at the cluster's slurm.conf",
+        )
+        return
+    out.add(OK, "controller", " ".join(stdout.split()))
     if not settings.partition:
         out.add(OK, "partition", "none named: Slurm's default partition")
         return
