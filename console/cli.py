@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from console.version import VersionAction
 from runners.exits import EXIT_INFRA, EXIT_INTERRUPT, EXIT_USAGE
 
 OUT_HELP = "local run records root (default: ~/.local/share/tracedeck/runs)"
@@ -21,6 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tracedeck",
         description="Operator console for GPU inference verification runs. "
         "With no command, opens the console.",
+    )
+    parser.add_argument(
+        "--version", action=VersionAction, nargs=0, help="print the version and exit"
     )
     sub = parser.add_subparsers(dest="command")
 

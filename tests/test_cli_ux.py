@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
-from runhelp import cli_env, tracedeck
+from runhelp import ROOT, cli_env, tracedeck
 from slurm import slurm_conf
 from sshd import free_port
 
@@ -60,3 +61,56 @@ def test_slurm_check_with_no_controller_blames_the_controller_not_the_partition(
     assert "controller: no Slurm controller answers" in done.stderr, done.stderr
     assert "is DOWN" in done.stderr and "slurmctld" in done.stderr
     assert "partition" not in done.stderr, done.stderr
+
+
+def test_version_says_the_version_and_where_it_runs_from(tmp_path: Path) -> None:
+    done = tracedeck("--version", env=cli_env(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("tracedeck 0.1.0 (from ") and "Python 3." in done.stdout
+    assert done.stdout.count("\n") == 1
+
+
+SHIM = """#!/bin/sh
+# python3 as install.sh uses it: `-m venv DIR` makes DIR/bin with this shim as its python and a
+# tracedeck that says it ran; `-m pip ...` does nothing (the real install is test_install's).
+if [ "$1" = "-m" ] && [ "$2" = "venv" ]; then
+  mkdir -p "$3/bin"; cp "$0" "$3/bin/python"
+  printf '#!/bin/sh\\necho "tracedeck ran $*"\\n' > "$3/bin/tracedeck"; chmod +x "$3/bin/tracedeck"
+fi
+exit 0
+"""
+
+
+def test_first_start_says_what_it_installs_and_how_to_put_tracedeck_on_path(
+    tmp_path: Path,
+) -> None:
+    """scripts/run.sh's install step with python3 stood in for (pip would fetch for minutes):
+    what the script says, not what pip does, is under test."""
+    checkout = tmp_path / "checkout"
+    (checkout / "scripts").mkdir(parents=True)
+    for name in ("scripts/run.sh", "scripts/install.sh", "pyproject.toml"):
+        shutil.copy2(ROOT / name, checkout / name)
+    shims = tmp_path / "shims"
+    shims.mkdir()
+    (shims / "python3").write_text(SHIM)
+    (shims / "python3").chmod(0o755)
+    env = {**cli_env(tmp_path), "PATH": f"{shims}:/usr/bin:/bin"}
+    run = [
+        "bash",
+        str(checkout / "scripts" / "run.sh"),
+        "presets",
+    ]
+    first = subprocess.run(run, env=env, capture_output=True, text=True, timeout=60)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == "tracedeck ran presets\n"
+    said = first.stderr
+    assert "first start: creating" in said and "torch 2.13.0" in said and "a few minutes" in said
+    assert f'export PATH="{checkout}/.venv/bin:$PATH"' in said, said
+    again = subprocess.run(run, env=env, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and again.stderr == "" and again.stdout == first.stdout
+
+
+def test_readme_says_how_to_get_tracedeck_on_path() -> None:
+    readme = (ROOT / "README.md").read_text()
+    setup = readme[readme.index("## Set-up on a fresh machine") :]
+    assert 'export PATH="$PWD/.venv/bin:$PATH"' in setup[: setup.index("\n## ", 5)]
