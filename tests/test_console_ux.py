@@ -6,6 +6,8 @@ import re
 import shutil
 from pathlib import Path
 
+import numpy as np
+import pytest
 from rich.text import Text
 from runhelp import cli_env, tracedeck
 from test_console import (
@@ -26,7 +28,9 @@ from test_console import (
 from textual.app import App, ComposeResult
 from textual.widgets import TextArea
 
+from analysis.dsa_live import HIST, LiveAgg, log2_bin
 from console.app import create_app
+from console.panels.dsa_trace import DsaDetail, DsaPanel, bin_edges, counters
 from console.run_model import RunModel
 from console.screens.presets import PresetsScreen
 from console.screens.run import RunScreen
@@ -238,3 +242,86 @@ async def test_a_long_preset_description_ends_in_an_ellipsis(home: Path, tmp_pat
         await pilot.pause()
         line = next(li for li in screen_text(app).splitlines() if "a description long" in li)
         assert "…" in line and "top-3" not in line, line
+
+
+# -- the DSA panel: counts that add up, a rate that is one, axes scaled to the data ---------------
+
+
+async def dsa_replayed(pilot) -> DsaPanel:  # noqa: ANN001
+    screen = await wait_for_banner(pilot)
+    panel = screen.panel
+    assert isinstance(panel, DsaPanel)
+    await pilot.pause(0.3)  # the charts redraw at most every CHARTS_EVERY_S
+    return panel
+
+
+async def test_dsa_counters_after_the_run_say_every_request_done(home: Path) -> None:  # noqa: F811
+    app = create_app(out_dir=out_dir(home), replay_dir=DATA / "dsa_run", speed=0)
+    async with app.run_test(size=SIZE) as pilot:
+        panel = await dsa_replayed(pilot)
+        requests = panel.book.totals()["requests"]
+        assert requests > 1
+        text = str(panel.query_one("#dsa-counters").content)
+        assert f"requests {requests}  done {requests}  " in text, text
+        assert "rec/s" not in text  # nothing streams once the run ended
+
+
+def test_a_new_shards_backlog_is_no_rate() -> None:
+    panel = DsaPanel()
+    panel._seen.extend([(100.0, 0), (100.001, 3192)])
+    assert panel.rate() is None
+    assert "rate —" in str(counters(panel.book, panel.rate()))
+    panel._seen.append((102.0, 3292))
+    assert panel.rate() == pytest.approx(3292 / 2.0)
+
+
+async def test_dsa_histograms_scale_their_axis_to_the_data_and_say_so(home: Path) -> None:  # noqa: F811
+    app = create_app(out_dir=out_dir(home), replay_dir=DATA / "dsa_run", speed=0)
+    async with app.run_test(size=SIZE) as pilot:
+        panel = await dsa_replayed(pilot)
+        values = LiveAgg.hist(panel.view.vector(), "unique_blocks").tolist()
+        held = [i for i, v in enumerate(values) if v]
+        chart = str(panel.query_one("#dsa-h-unique_blocks").content).splitlines()
+        assert chart[1].startswith(f"tallest {int(max(values))}") and "log2 blocks" in chart[1]
+        low, high = bin_edges("unique_blocks", held[0])[0], bin_edges("unique_blocks", held[-1])[1]
+        axis = chart[-1].split()
+        assert axis == [low, high], chart
+        assert "8K+" not in "\n".join(chart)  # the top bin holds 4096 and more
+
+
+def test_log2_bin_edges_match_the_bins_analysis_fills() -> None:
+    for value in (0, 1, 2, 3, 64, 100, 4095, 4096, 10**6):
+        index = int(log2_bin(np.array([value]), HIST["unique_blocks"])[0])
+        low, high = bin_edges("unique_blocks", index)
+        number = {"K": 1024, "M": 1 << 20}
+        low_n = int(low[:-1]) * number[low[-1]] if low[-1] in number else int(low)
+        assert low_n <= value, (value, low, high)
+        if high.startswith("<"):
+            top = high[1:]
+            assert value < (int(top[:-1]) * number[top[-1]] if top[-1] in number else int(top))
+
+
+async def test_dsa_detail_heat_map_follows_the_layer_and_request_filter(home: Path) -> None:  # noqa: F811
+    app = create_app(out_dir=out_dir(home), replay_dir=DATA / "dsa_run", speed=0)
+    async with app.run_test(size=SIZE) as pilot:
+        panel = await dsa_replayed(pilot)
+        await pilot.press("d")
+        detail = app.screen
+        assert isinstance(detail, DsaDetail)
+        live = panel.view.live()
+
+        def heat() -> str:
+            return str(detail.query_one("#dd-heat").content)
+
+        assert heat().startswith(f"request {live.heat_request}: ")
+        await pilot.press("l")
+        layer = panel.view.filter[1]
+        shown = heat()
+        rows = [line for line in shown.splitlines() if line.startswith("L")]
+        assert shown.startswith(f"request {live.heat_request}, layer {layer}:"), shown
+        assert rows and all(line.startswith(f"L{layer:>3}") for line in rows), rows
+        await pilot.press("a", "r")
+        while panel.view.filter[1] == live.heat_request:
+            await pilot.press("r")
+        other = panel.view.filter[1]
+        assert heat().startswith(f"request {other}: no heat map kept"), heat()
