@@ -31,6 +31,7 @@ from textual.widgets import TextArea
 from analysis.dsa_live import HIST, LiveAgg, log2_bin
 from console.app import create_app
 from console.panels.dsa_trace import DsaDetail, DsaPanel, bin_edges, counters
+from console.panels.readout import TracesScreen, gap_label
 from console.run_model import RunModel
 from console.screens.presets import PresetsScreen
 from console.screens.run import RunScreen
@@ -203,6 +204,7 @@ async def test_cells_of_a_judged_kind_say_exited_0_not_passed(home: Path) -> Non
         screen = await wait_for_banner(pilot)
         states = {row[2] for row in cells(screen)}
         assert states == {"exited 0"}, states
+        assert "cells 12 exited 0" in header_text(screen)
         assert "FAIL" in banner_text(screen)
 
 
@@ -325,3 +327,36 @@ async def test_dsa_detail_heat_map_follows_the_layer_and_request_filter(home: Pa
             await pilot.press("r")
         other = panel.view.filter[1]
         assert heat().startswith(f"request {other}: no heat map kept"), heat()
+
+
+# -- the KV grid says what its marks mean; the gap sparkline says its scale ------------------------
+
+
+async def test_kv_grid_has_a_legend_in_the_console(home: Path) -> None:  # noqa: F811
+    app = create_app(out_dir=out_dir(home), replay_dir=DATA / "kv_invariance_run", speed=0)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for_banner(pilot)
+        shown = screen_text(app)
+        assert (
+            "= equal" in shown and "X differs" in shown and "columns g=GQA group b=batch" in (shown)
+        ), shown
+        await pilot.press("d")
+        await pilot.pause(0.1)
+        assert "m a s = mask ALiBi sinks on (- off)" in screen_text(app)
+
+
+async def test_readout_gap_sparkline_says_its_scale(home: Path) -> None:  # noqa: F811
+    app = create_app(out_dir=out_dir(home), replay_dir=DATA / "readout_run", speed=0)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await wait_for_banner(pilot)
+        await pilot.press("d")
+        traces = app.screen
+        assert isinstance(traces, TracesScreen)
+        gaps = [float(v) for v in screen.panel.rows[traces.selected]["gap_seq"]]
+        label = str(traces.query_one("#spark-gap-label").content)
+        assert f"bars span {min(gaps):.4g} (lowest) to {max(gaps):.4g} (highest)" in label, label
+        assert "% apart" in label
+
+
+def test_a_one_percent_change_reads_as_one_percent() -> None:
+    assert gap_label([3.0, 2.97]).endswith("1% apart")

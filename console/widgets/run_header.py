@@ -7,7 +7,8 @@ from textual.widgets import Static
 
 from console.run_model import RunModel
 from console.widgets.text import clean, clock
-from runners.cells import params_label
+from runners.cells import CellState, params_label
+from runners.kinds import all_kinds
 
 CONNECTION_STYLES = {"lost": "bold red", "retrying": "bold yellow", "restored": "green"}
 
@@ -88,7 +89,16 @@ class RunHeader(Static):
         env = params_label(h.env) or "(no variables)"
         line3 = Text.assemble(("determinism ", "dim"), clean(h.profile or "?"), ": ", clean(env))
         counts = model.cell_counts()
-        states = ", ".join(f"{n} {state}" for state, n in sorted(counts.items())) or "no cells"
+        kind = all_kinds().get(h.kind)
+        judged_apart = kind is not None and not kind.cell_exit_is_verdict
+        # where the kind judges outputs, a cell that exited 0 has not "passed" anything
+        states = (
+            ", ".join(
+                f"{n} {'exited 0' if judged_apart and state == CellState.PASSED else state}"
+                for state, n in sorted(counts.items())
+            )
+            or "no cells"
+        )
         conn = model.connection
         if conn is None and self.mode.startswith("REPLAY"):
             connection = Text("recorded run, no connection", style="dim")
