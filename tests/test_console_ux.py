@@ -338,7 +338,9 @@ async def test_kv_grid_has_a_legend_in_the_console(home: Path) -> None:  # noqa:
         await wait_for_banner(pilot)
         shown = screen_text(app)
         assert (
-            "= equal" in shown and "X differs" in shown and "columns g=GQA group b=batch" in (shown)
+            "=  equal" in shown
+            and "X  differs" in shown
+            and "columns g=GQA group b=batch" in (shown)
         ), shown
         await pilot.press("d")
         await pilot.pause(0.1)
