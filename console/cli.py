@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from console import logs_cmd
 from console.version import VersionAction
 from runners.exits import EXIT_INFRA, EXIT_INTERRUPT, EXIT_USAGE
 
@@ -178,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     trust.add_argument("host", help="HOST or HOST:PORT")
     trust.add_argument("--yes", action="store_true", help="trust without asking")
 
+    logs_cmd.add_parser(sub)
+
     ui = sub.add_parser("ui", help="open the console (the default)")
     ui.add_argument("--out", type=Path, help=OUT_HELP)
     return parser
@@ -199,6 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "watch": cmd_watch,
         "trust": cmd_trust,
         "ui": cmd_ui,
+        "logs": logs_cmd.cmd_logs,
     }[command]
     try:
         return handler(args)

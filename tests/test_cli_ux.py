@@ -8,7 +8,17 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from runhelp import ROOT, cli_env, tracedeck
+from runhelp import (
+    ROOT,
+    cli_env,
+    events,
+    output_lines,
+    run_dirs,
+    spawn,
+    tracedeck,
+    wait_for,
+    write_lines_preset,
+)
 from slurm import slurm_conf
 from sshd import free_port
 
@@ -114,3 +124,41 @@ def test_readme_says_how_to_get_tracedeck_on_path() -> None:
     readme = (ROOT / "README.md").read_text()
     setup = readme[readme.index("## Set-up on a fresh machine") :]
     assert 'export PATH="$PWD/.venv/bin:$PATH"' in setup[: setup.index("\n## ", 5)]
+
+
+# -- tracedeck logs ----------------------------------------------------------------------------------
+
+
+def test_logs_follows_a_live_run_to_its_end_and_exits_with_its_code(tmp_path: Path) -> None:
+    preset = write_lines_preset(tmp_path, lines=4, pause=0.3)
+    env = cli_env(tmp_path)
+    out = tmp_path / "out"
+    running = spawn(
+        "run", str(preset), "--out", str(out), "--set", "matrix.rc=[2]", env=env
+    )  # every cell exits 2: the run's verdict is FAIL, exit 1
+    try:
+        local = wait_for(lambda: run_dirs(out), what="the run's directory")[0]
+        wait_for(lambda: output_lines(events(local)), what="the first output line")
+        assert running.poll() is None, "the run ended before logs -f started"
+        followed = tracedeck("logs", "-f", str(local), env=env, timeout=120)
+        run_code = running.wait(timeout=60)
+    finally:
+        if running.poll() is None:
+            running.kill()
+            running.wait()
+    assert run_code == 1
+    assert followed.returncode == run_code, followed.stdout + followed.stderr
+    expected = [f"[{n}/3] cell {n} line {i}" for n in (1, 2, 3) for i in range(1, 5)]
+    assert followed.stdout.splitlines() == expected
+    assert "the run ended: FAIL (exit 1)" in followed.stderr
+    one = tracedeck("logs", str(local), "--cell", "2", env=env)
+    assert one.returncode == 0 and one.stdout.splitlines() == [
+        f"cell 2 line {i}" for i in (1, 2, 3, 4)
+    ]
+    wrong = tracedeck("logs", str(local), "--cell", "7", env=env)
+    assert wrong.returncode == 2 and "run has cells 1..3" in wrong.stderr
+
+
+def test_logs_of_no_such_run_names_it(tmp_path: Path) -> None:
+    done = tracedeck("logs", "nosuch-run", "--out", str(tmp_path), env=cli_env(tmp_path))
+    assert done.returncode == 2 and "no run 'nosuch-run'" in done.stderr
