@@ -17,6 +17,7 @@ from console.screens.history import HistoryScreen
 from console.screens.plan import PlanScreen
 from console.screens.presets import PresetsScreen
 from console.screens.run import RunScreen
+from console.screens.runs import RunsScreen
 from console.screens.sources import ReplaySource
 from runners.presets import preset_files
 from runners.record import EVENTS
@@ -34,6 +35,7 @@ class TracedeckApp(App[int]):
         Binding("f1", "help", "Help"),
         Binding("question_mark", "help", "Help", show=False),
         Binding("f2", "history", "History"),
+        Binding("f3", "runs", "Runs"),
     ]
 
     def __init__(
@@ -50,6 +52,8 @@ class TracedeckApp(App[int]):
         self.preset_paths = preset_paths
         # Said on the terminal after the console closes: runs left going and how to reattach.
         self.quit_notes: list[str] = []
+        # The hosts whose locks the Runs screen shows (None: the configured ones); tests set it.
+        self.runs_hosts: list[str] | None = None
 
     def get_default_screen(self) -> Screen:
         paths = self.preset_paths if self.preset_paths is not None else preset_files()
@@ -67,6 +71,7 @@ class TracedeckApp(App[int]):
             ("run", RunScreen),
             *((f"{kind} details", screen) for kind, screen in detail_screens()),
             ("history", HistoryScreen),
+            ("runs", RunsScreen),
             ("help", HelpScreen),
             ("confirm dialog", ConfirmDialog),
             ("host key dialog", HostKeyDialog),
@@ -83,6 +88,10 @@ class TracedeckApp(App[int]):
             if isinstance(screen, HistoryScreen):
                 return  # already open below: escape goes back to it
         self.push_screen(HistoryScreen(self.out_dir))
+
+    def action_runs(self) -> None:
+        if not any(isinstance(screen, RunsScreen) for screen in self.screen_stack):
+            self.push_screen(RunsScreen(self.out_dir, self.runs_hosts))
 
     async def action_quit(self) -> None:
         # Quitting never cancels a run: stop following, close sessions, leave runs going.

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from console import logs_cmd
+from console import logs_cmd, status_cmd
 from console.version import VersionAction
 from runners.exits import EXIT_INFRA, EXIT_INTERRUPT, EXIT_USAGE
 
@@ -180,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     trust.add_argument("--yes", action="store_true", help="trust without asking")
 
     logs_cmd.add_parser(sub)
+    status_cmd.add_parser(sub)
 
     ui = sub.add_parser("ui", help="open the console (the default)")
     ui.add_argument("--out", type=Path, help=OUT_HELP)
@@ -203,6 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "trust": cmd_trust,
         "ui": cmd_ui,
         "logs": logs_cmd.cmd_logs,
+        "status": status_cmd.cmd_status,
     }[command]
     try:
         return handler(args)

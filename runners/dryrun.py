@@ -605,9 +605,10 @@ async def _check_space(target: Target, out: Checked, runs: str, anchor: str) -> 
         out.add(OK, "free space", text)
 
 
-async def _check_lock(target: Target, out: Checked, lock: str) -> None:
+async def lock_state(target: Target, lock: str) -> tuple[str, dict[str, Any], str]:
     """Who holds the lock, found without taking it: a shared flock on a read-only descriptor
-    fails while a run holds it, and is let go at once."""
+    fails while a run holds it, and is let go at once. (state: held, free, absent, unwritable
+    or '' when the answer could not be read; the last holder's record; what the shell said.)"""
     script = f"""l={_q(lock)}
 if [ ! -e "$l" ]; then
   if [ -w "$(dirname -- "$l")" ]; then echo absent; else echo unwritable; fi
@@ -620,6 +621,11 @@ if flock -n -s "$l" true 2>/dev/null; then echo free; else echo held; fi
     state = stdout.splitlines()[-1] if stdout else ""
     raw = await target.read_from(holder_path(lock), 0, 1 << 16)
     holder = parse_holder(raw.decode("utf-8", "replace")) if raw else {}
+    return state, holder, err or stdout
+
+
+async def _check_lock(target: Target, out: Checked, lock: str) -> None:
+    state, holder, said = await lock_state(target, lock)
     who = ", ".join(
         f"{k}={holder[k]}" for k in ("run_id", "user", "console_host", "pgid") if k in holder
     )
@@ -636,7 +642,7 @@ if flock -n -s "$l" true 2>/dev/null; then echo free; else echo held; fi
         last = f"; last held by {who}" if who else ""
         out.add(OK, "lock", f"{lock} is free{last}")
     else:
-        out.add(WARN, "lock", f"{lock}: could not tell ({err or stdout or 'no answer'})")
+        out.add(WARN, "lock", f"{lock}: could not tell ({said or 'no answer'})")
 
 
 async def _check_python(target: Target, out: Checked, p: Preview) -> None:
