@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from console import logs_cmd, status_cmd
+from console import doctor_cmd, logs_cmd, status_cmd
 from console.version import VersionAction
 from runners.exits import EXIT_INFRA, EXIT_INTERRUPT, EXIT_USAGE
 
@@ -181,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     logs_cmd.add_parser(sub)
     status_cmd.add_parser(sub)
+    doctor_cmd.add_parser(sub)
 
     ui = sub.add_parser("ui", help="open the console (the default)")
     ui.add_argument("--out", type=Path, help=OUT_HELP)
@@ -205,6 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "ui": cmd_ui,
         "logs": logs_cmd.cmd_logs,
         "status": status_cmd.cmd_status,
+        "doctor": doctor_cmd.cmd_doctor,
     }[command]
     try:
         return handler(args)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -162,3 +163,42 @@ def test_logs_follows_a_live_run_to_its_end_and_exits_with_its_code(tmp_path: Pa
 def test_logs_of_no_such_run_names_it(tmp_path: Path) -> None:
     done = tracedeck("logs", "nosuch-run", "--out", str(tmp_path), env=cli_env(tmp_path))
     assert done.returncode == 2 and "no run 'nosuch-run'" in done.stderr
+
+
+# -- tracedeck doctor ----------------------------------------------------------------------------------
+
+
+def test_doctor_checks_this_machine_and_the_local_target(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    done = tracedeck("doctor", "--out", str(tmp_path / "runs"), env=cli_env(home))
+    assert done.returncode == 0, done.stdout + done.stderr
+    for what in ("python", "packages", "config", "ssh config", "records"):
+        assert f"  ok      {what}: " in done.stdout.split("\ntarget local")[0], done.stdout
+    for what in ("reachable", "launcher", "free space", "lock"):
+        assert f"  ok      {what}: " in done.stdout.split("\ntarget local")[1], done.stdout
+    assert done.stdout.rstrip().endswith("doctor: all good")
+
+
+def test_doctor_names_a_held_lock_and_an_unreachable_host(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    env = cli_env(home)
+    lock = "/tmp/tracedeck.lock"  # the default lock (tests run with a private /tmp)
+    holder = subprocess.Popen(["flock", lock, "sleep", "60"])
+    try:
+        wait_for(lambda: subprocess.run(["flock", "-n", "-s", lock, "true"]).returncode != 0)
+        held = tracedeck("doctor", "--out", str(tmp_path / "runs"), env=env)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert held.returncode == 3, held.stdout + held.stderr
+    assert f"PROBLEM lock: {lock} is held" in held.stdout
+    assert "doctor: 1 thing to fix" in held.stdout
+    unreachable = tracedeck(
+        "doctor", "--target", f"ssh://127.0.0.1:{free_port()}", "--json", env=env
+    )
+    assert unreachable.returncode == 3, unreachable.stdout + unreachable.stderr
+    doc = json.loads(unreachable.stdout)
+    assert doc["problems"] == 1
+    assert [c["what"] for c in doc["target_checks"] if c["level"] == "problem"] == ["reachable"]
