@@ -362,3 +362,28 @@ async def test_readout_gap_sparkline_says_its_scale(home: Path) -> None:  # noqa
 
 def test_a_one_percent_change_reads_as_one_percent() -> None:
     assert gap_label([3.0, 2.97]).endswith("1% apart")
+
+
+# -- focus you can see: the focused panel is marked, Tab moves between panels -----------------------
+
+
+async def test_tab_moves_between_panels_and_the_focused_one_is_marked(home: Path) -> None:  # noqa: F811
+    app = create_app(out_dir=out_dir(home), replay_dir=DATA / "hello_command_run", speed=0)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await wait_for_banner(pilot)
+        cells_table = screen.query_one("#cells")
+        log = screen.query_one("#log").query_one("Log")
+        assert app.focused is cells_table
+        assert cells_table.styles.outline_left[0] == "outer"
+        assert log.styles.outline_left[0] == ""
+        seen = []
+        for _ in range(4):
+            await pilot.press("tab")
+            seen.append(app.focused)
+            if app.focused is log:
+                break
+        assert log in seen, seen
+        assert log.styles.outline_left[0] == "outer"
+        assert cells_table.styles.outline_left[0] == ""
+        await pilot.press("shift+tab")
+        assert app.focused is not log
