@@ -48,7 +48,7 @@ class RunHeader(Static):
         """LIVE/ATTACHED while the run goes on; ENDED once it finished (REPLAY stays REPLAY)."""
         if model.finished is None or self.mode.startswith("REPLAY"):
             return self.mode
-        return f"ENDED ({self.mode.lower()})"
+        return "ENDED"
 
     def show(self, model: RunModel, now: float | None) -> None:
         h = model.header
