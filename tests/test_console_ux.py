@@ -38,6 +38,7 @@ from console.screens.run import RunScreen
 from console.widgets.cells_table import CellsTable
 from console.widgets.live_table import LiveTable
 from console.widgets.run_header import RunHeader
+from console.widgets.run_log import RunLog
 from runners.events import CellFinished, CellStarted, RunStarted
 from runners.presets import PresetError, load_preset
 
@@ -387,3 +388,24 @@ async def test_tab_moves_between_panels_and_the_focused_one_is_marked(home: Path
         assert cells_table.styles.outline_left[0] == ""
         await pilot.press("shift+tab")
         assert app.focused is not log
+
+
+async def test_slash_searches_the_log_and_n_jumps_between_matches(home: Path) -> None:  # noqa: F811
+    app = create_app(out_dir=out_dir(home), replay_dir=DATA / "hello_command_run", speed=0)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await wait_for_banner(pilot)
+        log = screen.query_one("#log", RunLog)
+        await pilot.press("slash")
+        await pilot.pause()  # the search box takes the focus
+        await pilot.press(*"line 2", "enter")
+        rows = log.rows()
+        hits = [i for i, row in enumerate(rows) if "line 2" in row]
+        assert len(hits) == 3 and log.match_row == hits[0], rows
+        assert "line 2" in rows[log.match_row]
+        await pilot.press("n")
+        assert log.match_row == hits[1]
+        await pilot.press("n", "n")
+        assert log.match_row == hits[0]  # past the last: from the top again
+        await pilot.press("N")
+        assert log.match_row == hits[2]
+        assert log.search() == f"'line 2': match 1 of 3 (row {hits[0] + 1})"

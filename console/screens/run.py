@@ -60,6 +60,9 @@ class RunScreen(Screen[None]):
         Binding("c", "cancel_run", "Cancel run"),
         Binding("d", "details", "Details"),
         Binding("f", "filter_log", "Filter log"),
+        Binding("slash", "search_log", "Search log"),
+        Binding("n", "next_match", "Next match", show=False),
+        Binding("N", "next_match(False)", "Previous match", show=False),
         Binding("w", "wrap_log", "Wrap log"),
         Binding("g", "fetch_held", "Fetch held files"),
     ]
@@ -386,6 +389,13 @@ class RunScreen(Screen[None]):
 
     def action_filter_log(self) -> None:
         self.query_one("#log-filter").focus()
+
+    def action_search_log(self) -> None:
+        self.query_one("#log", RunLog).open_search()
+
+    def action_next_match(self, forward: bool = True) -> None:
+        log = self.query_one("#log", RunLog)
+        self.notify(log.search(forward), timeout=3, markup=False)
 
     def action_wrap_log(self) -> None:
         log = self.query_one("#log", RunLog)
