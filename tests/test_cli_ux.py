@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import shutil
 import subprocess
@@ -185,13 +186,9 @@ def test_doctor_names_a_held_lock_and_an_unreachable_host(tmp_path: Path) -> Non
     home.mkdir()
     env = cli_env(home)
     lock = "/tmp/tracedeck.lock"  # the default lock (tests run with a private /tmp)
-    holder = subprocess.Popen(["flock", lock, "sleep", "60"])
-    try:
-        wait_for(lambda: subprocess.run(["flock", "-n", "-s", lock, "true"]).returncode != 0)
+    with open(lock, "a") as held_open:  # held by this process, let go when the file closes
+        fcntl.flock(held_open, fcntl.LOCK_EX)
         held = tracedeck("doctor", "--out", str(tmp_path / "runs"), env=env)
-    finally:
-        holder.kill()
-        holder.wait()
     assert held.returncode == 3, held.stdout + held.stderr
     assert f"PROBLEM lock: {lock} is held" in held.stdout
     assert "doctor: 1 thing to fix" in held.stdout
