@@ -18,6 +18,7 @@ from console.screens.history import HistoryScreen
 from console.screens.plan import PlanScreen
 from console.screens.presets import PresetsScreen
 from console.screens.run import RunScreen
+from console.screens.runs import RunsScreen
 from console.screens.sources import ReplaySource
 from runners.presets import preset_files
 from runners.record import EVENTS
@@ -35,6 +36,7 @@ class TracedeckApp(App[int]):
         Binding("f1", "help", "Help"),
         Binding("question_mark", "help", "Help", show=False),
         Binding("f2", "history", "History"),
+        Binding("f3", "runs", "Runs"),
     ]
 
     def __init__(
@@ -49,6 +51,10 @@ class TracedeckApp(App[int]):
         self.replay_dir = replay_dir
         self.speed = speed
         self.preset_paths = preset_paths
+        # Said on the terminal after the console closes: runs left going and how to reattach.
+        self.quit_notes: list[str] = []
+        # The hosts whose locks the Runs screen shows (None: the configured ones); tests set it.
+        self.runs_hosts: list[str] | None = None
 
     def get_default_screen(self) -> Screen:
         paths = self.preset_paths if self.preset_paths is not None else preset_files()
@@ -67,6 +73,7 @@ class TracedeckApp(App[int]):
             *((f"{kind} details", screen) for kind, screen in detail_screens()),
             ("history", HistoryScreen),
             ("compare", CompareScreen),
+            ("runs", RunsScreen),
             ("help", HelpScreen),
             ("confirm dialog", ConfirmDialog),
             ("host key dialog", HostKeyDialog),
@@ -84,12 +91,29 @@ class TracedeckApp(App[int]):
                 return  # already open below: escape goes back to it
         self.push_screen(HistoryScreen(self.out_dir))
 
+    def action_runs(self) -> None:
+        if not any(isinstance(screen, RunsScreen) for screen in self.screen_stack):
+            self.push_screen(RunsScreen(self.out_dir, self.runs_hosts))
+
     async def action_quit(self) -> None:
         # Quitting never cancels a run: stop following, close sessions, leave runs going.
         for screen in self.screen_stack:
             if isinstance(screen, RunScreen):
+                if screen.run_goes_on():
+                    self.quit_notes.append(left_going(screen))
                 await screen.stop_following()
         self.exit(0)
+
+
+def left_going(screen: RunScreen) -> str:
+    """What quitting leaves behind: a run that goes on on its target, and how to get back to it."""
+    header = screen.model.header
+    where = header.local_dir or "its run directory"
+    return (
+        f"run {header.run_id or '?'} ({header.preset or '?'}) goes on on {header.target or '?'}; "
+        f"follow it: tracedeck attach {where} (or reopen it from History, F2); "
+        f"stop it: tracedeck cancel {where}"
+    )
 
 
 def create_app(
@@ -122,4 +146,6 @@ def run_app(out_dir: Path | None = None, replay_dir: Path | None = None, speed: 
         return 2
     app = create_app(out_dir=out_dir, replay_dir=replay_dir, speed=speed)
     app.run()
+    for note in app.quit_notes:
+        print(f"tracedeck: {note}", file=sys.stderr)
     return app.return_code or 0

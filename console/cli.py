@@ -16,7 +16,11 @@ import time  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from console import doctor_cmd, logs_cmd, status_cmd  # noqa: E402
+from console.version import VersionAction  # noqa: E402
 from runners.exits import EXIT_INFRA, EXIT_INTERRUPT, EXIT_USAGE  # noqa: E402
+
+OUT_HELP = "local run records root (default: ~/.local/share/tracedeck/runs)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tracedeck",
         description="Operator console for GPU inference verification runs. "
         "With no command, opens the console.",
+    )
+    parser.add_argument(
+        "--version", action=VersionAction, nargs=0, help="print the version and exit"
     )
     sub = parser.add_subparsers(dest="command")
     from console import ci_cmd, diff_cmd, history_cmd
@@ -85,22 +92,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     attach = sub.add_parser("attach", help="reconnect to a run and follow it to the end")
     attach.add_argument("run", help="local run directory or run id")
-    attach.add_argument("--out", type=Path)
-    attach.add_argument("--json", action="store_true")
+    attach.add_argument("--out", type=Path, help=OUT_HELP)
+    attach.add_argument("--json", action="store_true", help="print events as JSONL")
 
     cancel = sub.add_parser("cancel", help="stop a run: TERM its process group, KILL after a grace")
     cancel.add_argument("run", help="local run directory or run id")
-    cancel.add_argument("--out", type=Path)
+    cancel.add_argument("--out", type=Path, help=OUT_HELP)
     cancel.add_argument("--grace", type=float, default=5.0, help="seconds between TERM and KILL")
 
     fetch = sub.add_parser(
         "fetch", help="bring home what a run judged on its host and left there (e.g. logits)"
     )
     fetch.add_argument("run", help="local run directory or run id")
-    fetch.add_argument("--out", type=Path)
+    fetch.add_argument("--out", type=Path, help=OUT_HELP)
 
     replay = sub.add_parser("replay", help="replay a recorded run from its events.jsonl")
-    replay.add_argument("dir", type=Path)
+    replay.add_argument("dir", type=Path, help="a run directory (holds run.json and events.jsonl)")
     replay.add_argument(
         "--headless", action="store_true", help="print instead of opening the console"
     )
@@ -110,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="1 = real time, 10 = ten times faster, 0 = at once (headless default)",
     )
-    replay.add_argument("--json", action="store_true")
+    replay.add_argument("--json", action="store_true", help="with --headless: events as JSONL")
     ci_cmd.add_report_args(replay)
 
     analyze = sub.add_parser(
@@ -186,9 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
     from console.dsa_data_cli import add_parsers as add_dsa_data_parsers
 
     add_dsa_data_parsers(sub)
+    logs_cmd.add_parser(sub)
+    status_cmd.add_parser(sub)
+    doctor_cmd.add_parser(sub)
 
     ui = sub.add_parser("ui", help="open the console (the default)")
-    ui.add_argument("--out", type=Path)
+    ui.add_argument("--out", type=Path, help=OUT_HELP)
     return parser
 
 
@@ -217,6 +227,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "history": _history,
         "export": _dsa_data("cmd_export"),
         "dsa": _dsa_data("cmd_dsa"),
+        "logs": logs_cmd.cmd_logs,
+        "status": status_cmd.cmd_status,
+        "doctor": doctor_cmd.cmd_doctor,
     }[command]
     try:
         return handler(args)

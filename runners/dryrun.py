@@ -539,6 +539,20 @@ async def _check_slurm(target: Target, out: Checked, settings: SlurmSettings) ->
         out.add(PROBLEM, "slurm", f"the login node lacks {', '.join(missing)}: is Slurm there?")
         return
     out.add(OK, "slurm", f"{', '.join(SLURM_TOOLS)} are there")
+    # Asked first: with no controller every other question (the partition) fails too, and
+    # blaming the partition would send the operator to the wrong fix.
+    code, stdout, err = await _sh(target, "scontrol ping")
+    if "is UP" not in stdout:
+        lines = [line.strip() for line in f"{stdout}\n{err}".splitlines()]
+        said = next((line for line in lines if line and "*" not in line), "")
+        out.add(
+            PROBLEM,
+            "controller",
+            f"no Slurm controller answers (`scontrol ping`: {said or f'exit {code}'}): start "
+            "slurmctld, or point SLURM_CONF at the cluster's slurm.conf",
+        )
+        return
+    out.add(OK, "controller", " ".join(stdout.split()))
     if not settings.partition:
         out.add(OK, "partition", "none named: Slurm's default partition")
         return
@@ -611,9 +625,10 @@ async def _check_space(target: Target, out: Checked, runs: str, anchor: str) -> 
         out.add(OK, "free space", text)
 
 
-async def _check_lock(target: Target, out: Checked, lock: str) -> None:
+async def lock_state(target: Target, lock: str) -> tuple[str, dict[str, Any], str]:
     """Who holds the lock, found without taking it: a shared flock on a read-only descriptor
-    fails while a run holds it, and is let go at once."""
+    fails while a run holds it, and is let go at once. (state: held, free, absent, unwritable
+    or '' when the answer could not be read; the last holder's record; what the shell said.)"""
     script = f"""l={_q(lock)}
 if [ ! -e "$l" ]; then
   if [ -w "$(dirname -- "$l")" ]; then echo absent; else echo unwritable; fi
@@ -626,6 +641,11 @@ if flock -n -s "$l" true 2>/dev/null; then echo free; else echo held; fi
     state = stdout.splitlines()[-1] if stdout else ""
     raw = await target.read_from(holder_path(lock), 0, 1 << 16)
     holder = parse_holder(raw.decode("utf-8", "replace")) if raw else {}
+    return state, holder, err or stdout
+
+
+async def _check_lock(target: Target, out: Checked, lock: str) -> None:
+    state, holder, said = await lock_state(target, lock)
     who = ", ".join(
         f"{k}={holder[k]}" for k in ("run_id", "user", "console_host", "pgid") if k in holder
     )
@@ -642,7 +662,7 @@ if flock -n -s "$l" true 2>/dev/null; then echo free; else echo held; fi
         last = f"; last held by {who}" if who else ""
         out.add(OK, "lock", f"{lock} is free{last}")
     else:
-        out.add(WARN, "lock", f"{lock}: could not tell ({err or stdout or 'no answer'})")
+        out.add(WARN, "lock", f"{lock}: could not tell ({said or 'no answer'})")
 
 
 async def _check_python(target: Target, out: Checked, p: Preview) -> None:

@@ -290,6 +290,10 @@ class Kind:
 
     # -- presets ---------------------------------------------------------------------------------
 
+    def matrix_keys_read(self, data: dict[str, Any]) -> set[str]:
+        """Matrix keys this kind reads from the cells' parameters itself (not via a template)."""
+        return set()
+
     def check(self, data: dict[str, Any], source: str, options: frozenset[str]) -> None:
         """Checks on a validated preset of this kind; raise runners.presets.PresetError.
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import itertools
 import math
 import os
@@ -291,6 +292,43 @@ def validate(
     return out
 
 
+def _placeholders_in(value: Any) -> set[str]:
+    """Every {name} any string inside `value` (tables and lists walked) uses as a template."""
+    if isinstance(value, str):
+        try:
+            return set(_fields(value))
+        except TemplateError:
+            return set()  # not a template (or a bad one, reported where it is checked)
+    if isinstance(value, dict):
+        return set().union(*(_placeholders_in(v) for v in value.values()))
+    if isinstance(value, list):
+        return set().union(*(_placeholders_in(v) for v in value))
+    return set()
+
+
+def check_new_matrix_keys(out: dict[str, Any], source: str, keys: set[str]) -> None:
+    """A matrix key an override adds that no template, artifact path or the kind reads is a
+    typo (`matrix.seeds` for `matrix.seed`): it would change nothing and leave the whole matrix
+    to run. (The preset file's own keys may be labels; an override's new key is never one.)"""
+    kind = _kind_of(out, source)
+    used = kind.matrix_keys_read(out) | _placeholders_in(
+        {section: value for section, value in out.items() if section != "matrix"}
+    )
+    for key in sorted(keys):
+        if key in used:
+            continue
+        known = sorted(k for k in used | set(out["matrix"]) - keys if k not in BUILTIN_PLACEHOLDERS)
+        near = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+        hint = f"did you mean matrix.{near[0]}? " if near else ""
+        raise PresetError(
+            source,
+            f"matrix.{key}",
+            f"not a key of this preset's matrix, and no template, artifact path or the "
+            f"{kind.name} kind uses it, so it would change nothing; {hint}known keys: "
+            f"{', '.join(known) or '(none)'}",
+        )
+
+
 def _check_rendered_paths(out: dict[str, Any], source: str) -> None:
     """Every cell's fetch and trace paths, rendered with its values, stay inside the run."""
     from runners.templates import render_plain
@@ -568,10 +606,13 @@ def load_preset(
         raise PresetError(source, "", f"not valid TOML: {exc}") from None
     except OSError as exc:
         raise PresetError(source, "", f"cannot read it ({exc.strerror})") from None
+    given = data.get("matrix")
+    file_keys = set(given) if isinstance(given, dict) else set()
     for assignment in overrides or []:
         apply_override(data, assignment, f"{source} (--set {assignment})")
     try:
         validated = validate(data, source, options)
+        check_new_matrix_keys(validated, source, set(validated["matrix"]) - file_keys)
     except PresetError as exc:
         culprit = _override_for(exc.key, overrides or [])
         if culprit is None:

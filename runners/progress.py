@@ -14,6 +14,8 @@ from collections.abc import Callable
 from runners.events import Progress
 
 EVERY_S = 0.25  # at most this often per piece of work
+# A rate needs this long measured: what the first read found (a shard's backlog) is not a rate.
+MIN_RATE_S = 0.5
 PLAIN_EVERY_S = 5.0  # a line in a plain log (not a TTY) at most this often per piece of work
 
 Sink = Callable[[Progress], None]
@@ -40,12 +42,15 @@ class Meter:
         self.start = clock()
         self.last = -1e18
         self.done = 0.0
+        self.first: tuple[float, float] | None = None  # (time, done) at the first update
 
     def update(self, done: float, total: float | None = None) -> None:
         self.done = done
         if total:  # 0: not known
             self.total = total
         now = self.clock()
+        if self.first is None:
+            self.first = (now, done)
         if self.sink is not None and now - self.last >= self.every_s:
             self.last = now
             self.sink(self._event(now, finished=False))
@@ -55,8 +60,11 @@ class Meter:
             self.sink(self._event(self.clock(), finished=True))
 
     def _event(self, now: float, finished: bool) -> Progress:
-        took = now - self.start
-        rate = self.done / took if took > 0 and self.done > 0 else None
+        # Measured from the first update: a follow's first read brings a whole shard's backlog
+        # in a millisecond (3,192,168 records/s), and that is no rate of the run.
+        since, base = self.first if self.first is not None else (self.start, 0.0)
+        took = now - since
+        rate = (self.done - base) / took if took >= MIN_RATE_S and self.done > base else None
         eta = None
         if rate and self.total and not finished:
             eta = max(0.0, (self.total - self.done) / rate)

@@ -1,13 +1,25 @@
 #!/usr/bin/env bash
 # Creates .venv with tracedeck, the CPU torch build for the reference engine, and the test tools.
 # An operator with a ROCm or CUDA torch can install with: pip install -e '.[engine]' instead.
+# It says what it does on stderr: the first install takes minutes and must not look hung.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 stamp=.venv/.installed
+say() { echo "tracedeck install: $*" >&2; }
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  if [ -f "$stamp" ]; then
+    say "pyproject.toml changed since the last install: updating $PWD/.venv"
+  else
+    say "first start: creating $PWD/.venv (a Python virtual environment for tracedeck)"
+  fi
   python3 -m venv .venv
+  say "upgrading pip in .venv"
   .venv/bin/python -m pip install -q --upgrade pip
+  say "installing tracedeck and its dependencies (textual, asyncssh, numpy, torch 2.13.0" \
+    "CPU build, the test tools): several hundred MB, a few minutes, only this once"
   # torch pinned: 2.13.0 is a CPU build; an unpinned torch pulls a multi-GB CUDA build.
   .venv/bin/python -m pip install -q -e '.[engine,test]' 'torch==2.13.0'
   touch "$stamp"
+  say "done. The command is $PWD/.venv/bin/tracedeck; to type just \`tracedeck\`, put it on" \
+    "PATH: export PATH=\"$PWD/.venv/bin:\$PATH\" (add that line to ~/.bashrc to keep it)"
 fi

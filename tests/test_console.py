@@ -408,7 +408,7 @@ async def test_recorded_equivalence_run_from_history(home: Path) -> None:
         assert table[1][2:6] == ["0.0123", "0.0021", "0.9921", "0.99871"]
         assert banner_text(screen).split("\n")[0] == "FAIL_GUARDRAIL  (exit 1)"
         assert screen.query_one("#banner").has_class("-fail")
-        assert len(cells(screen)) == 12 and {row[2] for row in cells(screen)} == {"passed"}
+        assert len(cells(screen)) == 12 and {row[2] for row in cells(screen)} == {"exited 0"}
         # engine output is shown literally, never as markup
         assert "[1] | [bold]engine text, not markup[/bold]" in screen.query_one(RunLog).lines()
 
@@ -647,7 +647,7 @@ async def test_b3_67_smoke_from_presets_to_banner(home: Path) -> None:
             *(("1", str(seed), "PASS_EQUIV") for seed in range(3)),
             *(("0", str(seed), "EXPECTED_DRIFT") for seed in range(3)),
         ]
-        assert [row[2:4] for row in cells(screen)] == [["passed", "0"]] * 12
+        assert [row[2:4] for row in cells(screen)] == [["exited 0", "0"]] * 12
         assert banner_text(screen) == "PASS_GUARDRAIL  (exit 0)"
         assert not screen.query_one("#first-fail").has_class("-shown")
 

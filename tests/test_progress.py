@@ -167,3 +167,15 @@ def test_judging_reports_tokens_live_and_pairs_in_analyze(tmp_path: Path) -> Non
         local, output=tmp_path / "report", progress=lambda done, total: pairs.append((done, total))
     )
     assert pairs == [(1, 2), (2, 2)]
+
+
+def test_a_backlog_read_at_once_is_no_rate() -> None:
+    """A new shard's first read brings its backlog in a millisecond: no 3,192,168 records/s."""
+    clock, seen = Clock(), []
+    meter = Meter("follow", "shard-1.jsonl", "records", seen.append, clock=clock)
+    clock.now += 0.001
+    meter.update(3192)
+    assert seen[-1].rate is None and "/s" not in progress_text(seen[-1])
+    clock.now += 2
+    meter.update(3292)
+    assert seen[-1].rate == 50.0

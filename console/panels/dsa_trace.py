@@ -21,7 +21,7 @@ from textual.containers import Horizontal, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Log, Static
 
-from analysis.dsa_live import LiveAgg
+from analysis.dsa_live import HIST, LiveAgg
 from console.heap import freeze_startup
 from console.panel import KindPanel
 from console.widgets.dsa_charts import ColumnHistogram, HeatMap, LayerBars
@@ -31,15 +31,63 @@ from runners.events import Event, RunFinished, RunStarted, TraceBatch
 from runners.kinds.dsa_trace import DsaPrinter, TraceBook
 
 RATE_S = 2.0
+MIN_RATE_S = 0.5
 CHARTS_EVERY_S = 0.25
 # (bins, title, axis labels, cells per bin); a title and its n= fit the panel's fifth of 120
 CHARTS = (
     ("touched", "touched ratio", ("0", "1"), 1),
-    ("unique_blocks", "unique blocks", ("1", "8K+"), 1),
-    ("offsets", "offsets log2", ("0", "2^18"), 1),
+    ("unique_blocks", "unique blocks", ("0", "4K+"), 1),
+    ("offsets", "offsets", ("0", "128K+"), 1),
     ("tokens_per_block", "tokens/block", ("1", "bs"), 1),
     ("prefix", "prefix ∩ ratio", ("0", "1"), 1),
 )
+# What a chart's x axis is: its unit and how its bins are laid out (analysis.dsa_live's HIST).
+SCALES = {
+    "touched": "ratio",
+    "unique_blocks": "log2 blocks",
+    "offsets": "log2 pos",
+    "tokens_per_block": "tokens",
+    "prefix": "ratio",
+}
+
+
+def _short(n: float) -> str:
+    for unit, size in (("M", 1 << 20), ("K", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{int(n // size)}{unit}"
+    return f"{n:g}"
+
+
+def bin_edges(key: str, index: int) -> tuple[str, str]:
+    """The low and high edge of one histogram bin, as the x axis labels them."""
+    last = HIST[key] - 1
+    if key in ("touched", "prefix"):
+        return f"{index * 0.05:.2g}", f"{(index + 1) * 0.05:.2g}"
+    if key in ("unique_blocks", "offsets"):  # bin 0 is 0; bin k holds [2^(k-1), 2^k)
+        low = "0" if index == 0 else _short(1 << (index - 1))
+        high = (
+            "1"
+            if index == 0
+            else f"{_short(1 << (index - 1))}+"
+            if index == last
+            else (f"<{_short(1 << index)}")
+        )
+        return low, high
+    # tokens_per_block: 16 bins over 1..bs
+    return ("1" if index == 0 else f"{index}/16bs"), (
+        "bs" if index == last else f"{index + 1}/16bs"
+    )
+
+
+def trimmed(key: str, values: list[float]) -> tuple[list[float], tuple[str, str] | None]:
+    """The bins from the first to the last that hold a record (the axis scaled to the data: a
+    small run's 64 blocks are not one column at the left of 1..4K+), with their edges; all
+    bins and the chart's own labels while nothing is there."""
+    held = [i for i, v in enumerate(values) if v]
+    if not held:
+        return values, None
+    lo, hi = held[0], held[-1]
+    return values[lo : hi + 1], (bin_edges(key, lo)[0], bin_edges(key, hi)[1])
 
 
 class DsaView:
@@ -84,18 +132,22 @@ def _merged(lives: list[LiveAgg]) -> LiveAgg:
     return out
 
 
-def counters(book: TraceBook, rate: float) -> Text:
+def counters(book: TraceBook, rate: float | None, finished: bool = False) -> Text:
+    """Records, requests and how many of them are done (all once the run ended: the last
+    request is only "going on" while the run is), the newest record, the rate."""
     t = book.totals()
     last = book.last
     text = Text()
+    done = t["requests"] if finished else max(0, t["requests"] - 1)
+    shown_rate = "—" if rate is None else f"{rate:,.0f} rec/s"
     for label, value, style in (
         ("records ", t["records"], "bold"),
         ("  requests ", t["requests"], ""),
-        ("  done ", max(0, t["requests"] - 1), ""),
+        ("  done ", done, ""),
         ("  now ", f"r{last.get('request', '-')} step {last.get('step', '-')}", "cyan"),
         ("  shards ", t["shards"], ""),
         ("  invalid ", t["invalid"], "bold red" if t["invalid"] else "green"),
-        ("  rate ", f"{rate:,.0f} rec/s", ""),
+        ("  rate ", shown_rate, ""),
     ):
         text.append(label, style="dim")
         text.append(str(value), style=style)
@@ -170,12 +222,15 @@ class DsaPanel(KindPanel):
             seen.popleft()
         return True
 
-    def rate(self) -> float:
+    def rate(self) -> float | None:
         """Records per second of the trace, over the last RATE_S seconds of its events' own
-        times (so a replay shows the rate the run had)."""
+        times (so a replay shows the rate the run had); None while less than MIN_RATE_S is
+        measured (a new shard's backlog arrives within a millisecond: that is no rate)."""
         seen = self._seen
-        if len(seen) < 2 or seen[-1][0] <= seen[0][0]:
-            return 0.0
+        if self.finished is not None:
+            return None
+        if len(seen) < 2 or seen[-1][0] - seen[0][0] < MIN_RATE_S:
+            return None
         return (seen[-1][1] - seen[0][1]) / (seen[-1][0] - seen[0][0])
 
     def redraw(self) -> None:
@@ -185,7 +240,9 @@ class DsaPanel(KindPanel):
         (through the garbage collector). The last state is always drawn."""
         if self.book.streams:
             self.add_class("-live")
-        self.query_one("#dsa-counters", Static).update(counters(self.book, self.rate()))
+        self.query_one("#dsa-counters", Static).update(
+            counters(self.book, self.rate(), self.finished is not None)
+        )
         self.query_one("#dsa-first", Static).update(first_fail_text(self.book, short=True))
         now = time.monotonic()
         if now - self._charts_at < CHARTS_EVERY_S and self.finished is None:
@@ -215,9 +272,10 @@ class DsaPanel(KindPanel):
 def draw_charts(host: Any, view: DsaView, prefix: str) -> None:
     vec = view.vector()
     for key, _, _, width in CHARTS:
-        host.query_one(f"#{prefix}{key}", ColumnHistogram).show(
-            LiveAgg.hist(vec, key).tolist(), width
-        )
+        values, labels = trimmed(key, LiveAgg.hist(vec, key).tolist())
+        # fewer bins are drawn wider, so a few bins still read as a chart
+        wide = max(width, 20 // max(1, len(values)))
+        host.query_one(f"#{prefix}{key}", ColumnHistogram).show(values, wide, labels, SCALES[key])
 
 
 class DsaDetail(Screen[None]):
@@ -269,14 +327,17 @@ class DsaDetail(Screen[None]):
         if panel.finished is not None:
             title.append(f"  verdict {clean(panel.finished.verdict)}", style="bold")
         self.query_one("#dd-title", Static).update(title)
-        self.query_one("#dd-counters", Static).update(counters(panel.book, panel.rate()))
+        self.query_one("#dd-counters", Static).update(
+            counters(panel.book, panel.rate(), panel.finished is not None)
+        )
         draw_charts(self, view, "dd-h-")
         live = view.live()
         layer = view.filter[1] if view.filter[0] == "layer" else None
         self.query_one("#dd-layers", LayerBars).show(live.layer_means(), layer)
-        heat = live.heat.tolist()
-        name = f"request {live.heat_request}: records touching each (layer, block)"
-        self.query_one("#dd-heat", HeatMap).show(heat, live.heat_width, live.heat_prefix, name)
+        heat, name, first = heat_for(view.filter, live)
+        self.query_one("#dd-heat", HeatMap).show(
+            heat, live.heat_width, live.heat_prefix, name, first
+        )
         self.query_one("#dd-side", Static).update(side_text(panel.book, live))
         self.query_one("#dd-first", Static).update(first_fail_text(panel.book))
 
@@ -288,6 +349,21 @@ class DsaDetail(Screen[None]):
     def action_close(self) -> None:
         self.panel.detail_screen = None
         self.dismiss(None)
+
+
+def heat_for(chosen: tuple[str, int | None], live: LiveAgg) -> tuple[list[list[int]], str, int]:
+    """The heat map's rows, title and first layer under the filter: a layer filter keeps that
+    layer's row; a request filter names a request whose map is not kept rather than showing
+    another one's (only the newest request's map is kept)."""
+    heat = live.heat.tolist()
+    request = live.heat_request
+    kind, value = chosen
+    if kind == "request" and value != request:
+        return [], f"request {value}: no heat map kept (only the newest, request {request})", 0
+    if kind == "layer" and value is not None:
+        rows = heat[value : value + 1]
+        return rows, f"request {request}, layer {value}: records touching each block", value
+    return heat, f"request {request}: records touching each (layer, block)", 0
 
 
 def side_text(book: TraceBook, live: LiveAgg) -> Text:

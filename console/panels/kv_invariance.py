@@ -336,6 +336,7 @@ class KvGridScreen(Screen[None]):
 
     DEFAULT_CSS = """
     KvGridScreen > #kv-title { height: 1; padding: 0 1; background: $panel; }
+    KvGridScreen > #kv-legend { height: 2; padding: 0 1; }
     KvGridScreen GridTable { max-height: 30; }
     KvGridScreen CellDetail { max-height: 14; }
     """
@@ -348,6 +349,7 @@ class KvGridScreen(Screen[None]):
 
     def compose(self) -> ComposeResult:
         yield Static("", id="kv-title", markup=False)
+        yield Static(legend_text(), id="kv-legend", markup=False)
         yield GridBox(self.panel.view, id="kv-screen-box")
         yield Footer()
 
@@ -365,6 +367,29 @@ class KvGridScreen(Screen[None]):
     def action_close(self) -> None:
         self.panel.detail_screen = None
         self.dismiss(None)
+
+
+def legend_text() -> Text:
+    """What the marks and the column headers mean (the headless grid says it too)."""
+    text = Text()
+    for word, what in (
+        (BITWISE_EQUAL, "equal"),
+        (DIFFERS, "differs"),
+        (PRECONDITION, "precondition"),
+        (UNJUDGED, "unjudged"),
+        (RUNNING, "running"),
+    ):
+        text.append(f" {MARKS[word]} ", style=STYLES[word])
+        text.append(f" {what}  ", style="dim")
+    text.append("· not judged yet\n", style="dim")
+    text.append(
+        "rows D=head dim KV=cache length; columns g=GQA group b=batch, m a s = mask ALiBi "
+        "sinks on (- off)",
+        style="dim",
+    )
+    text.no_wrap = True
+    text.overflow = "ellipsis"
+    return text
 
 
 def title_text(view: GridView) -> Text:
@@ -391,6 +416,7 @@ class KvInvariancePanel(KindPanel):
     KvInvariancePanel { height: auto; max-height: 24; display: none; }
     KvInvariancePanel.-grid { display: block; }
     KvInvariancePanel > #kv-panel-title { height: 1; padding: 0 1; }
+    KvInvariancePanel > #kv-panel-legend { height: 2; padding: 0 1; }
     """
 
     kind = "kv_invariance"
@@ -402,6 +428,7 @@ class KvInvariancePanel(KindPanel):
 
     def compose(self) -> ComposeResult:
         yield Static("", id="kv-panel-title", markup=False)
+        yield Static(legend_text(), id="kv-panel-legend", markup=False)
         yield GridBox(self.view, id="kv-panel-box")
 
     def take(self, event: Event) -> bool:

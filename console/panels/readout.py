@@ -77,6 +77,17 @@ class ReadoutTable(LiveTable):
             self.post_message(self.PromptChosen(event.row_key.value))
 
 
+def gap_label(gaps: list[float]) -> str:
+    """The gap sparkline's scale: its bars run from the lowest gap to the highest, so a 1%
+    change fills the height; the label says how far apart they are."""
+    head = "gap (top1 - top2 logit) per decode step"
+    if not gaps:
+        return head
+    low, high = min(gaps), max(gaps)
+    spread = (high - low) / abs(high) * 100 if high else 0.0
+    return f"{head}: bars span {low:.4g} (lowest) to {high:.4g} (highest), {spread:.2g}% apart"
+
+
 class StepSparklines(Vertical):
     """Top-1 token id and top-1/top-2 gap per decode step of one prompt."""
 
@@ -103,6 +114,7 @@ class StepSparklines(Vertical):
             more = " ..." if len(top1) > 12 else ""
             summary = plain(f"{row.get('prompt')}: {len(top1)} decode steps; top-1 ids {ids}{more}")
             title.update(Text("\n").join([summary, plain(row.get("note", ""), "italic")]))
+        self.query_one("#spark-gap-label", Static).update(gap_label(gaps))
         self.query_one("#spark-top1", Sparkline).data = top1
         self.query_one("#spark-gap", Sparkline).data = gaps
 

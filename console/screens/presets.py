@@ -121,6 +121,9 @@ class PresetsScreen(Screen[None]):
         self.out_dir = out_dir
         self.entries = load_entries(preset_paths)
         self.launching = False
+        # Overrides belong to the preset they were typed for: each preset keeps its own text.
+        self.overrides_by_preset: dict[Path, str] = {}
+        self._overrides_for: Path | None = None
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="presets-body"):
@@ -176,33 +179,89 @@ class PresetsScreen(Screen[None]):
 
     def on_mount(self) -> None:
         table = self.query_one("#presets", DataTable)
-        for label, key in (
-            ("name", "name"),
-            ("kind", "kind"),
-            ("cells", "cells"),
-            ("description", "description"),
-        ):
-            table.add_column(label, key=key)
+        self._fill_table(None)
+        table.focus()
+        entry = self.selected()
+        self._overrides_for = entry.path if entry is not None else None
+        self._show_detail()
+
+    def _rows(self) -> list[tuple[Text, Text, Text, Text]]:
+        rows = []
         for entry in self.entries:
             if entry.preset is not None:
                 p = entry.preset
-                table.add_row(
-                    plain(p.name, "bold"),
-                    plain(p.kind),
-                    Text(str(p.cell_count()), justify="right"),
-                    plain(p.description),
-                    key=str(entry.path),
+                rows.append(
+                    (
+                        plain(p.name, "bold"),
+                        plain(p.kind),
+                        Text(str(p.cell_count()), justify="right"),
+                        plain(p.description),
+                    )
                 )
             else:
-                table.add_row(
-                    plain(entry.name, "bold red"),
-                    Text("error", style="red"),
-                    Text(""),
-                    plain(entry.error or ""),
-                    key=str(entry.path),
+                rows.append(
+                    (
+                        plain(entry.name, "bold red"),
+                        Text("error", style="red"),
+                        Text(""),
+                        plain(entry.error or ""),
+                    )
                 )
-        table.focus()
-        self._show_detail()
+        return rows
+
+    def _fixed_widths(self, rows: list[tuple[Text, Text, Text, Text]]) -> list[int]:
+        """The name, kind and cells columns: as wide as their widest value or label."""
+        labels = ("name", "kind", "cells")
+        return [max([len(label)] + [r[i].cell_len for r in rows]) for i, label in enumerate(labels)]
+
+    def _fill_table(self, description_width: int | None) -> None:
+        """The presets' rows; a description wider than `description_width` ends in an ellipsis
+        (None: as wide as the longest, before the table's width is known)."""
+        table = self.query_one("#presets", DataTable)
+        row = table.cursor_row
+        rows = self._rows()
+        table.clear(columns=True)
+        for (label, key), width in zip(
+            (("name", "name"), ("kind", "kind"), ("cells", "cells")),
+            self._fixed_widths(rows),
+            strict=True,
+        ):
+            table.add_column(label, key=key, width=width)
+        table.add_column("description", key="description", width=description_width)
+        for entry, values in zip(self.entries, rows, strict=True):
+            table.add_row(*values, key=str(entry.path))
+        if 0 < row < len(self.entries):
+            table.move_cursor(row=row, animate=False)
+
+    def on_resize(self) -> None:
+        self.call_after_refresh(self._fit_description)
+
+    def _fit_description(self) -> None:
+        """Size the description column to the room left, so a long one is cut with an
+        ellipsis (the table's right edge cut "top-32" to "top-3" with no sign of it)."""
+        table = self.query_one("#presets", DataTable)
+        room = table.scrollable_content_region.width
+        if room <= 0:
+            return
+        pad = 2 * table.cell_padding
+        others = sum(w + pad for w in self._fixed_widths(self._rows()))
+        width = max(12, room - others - pad)
+        column = table.columns.get("description")  # type: ignore[call-overload]
+        if column is not None and not column.auto_width and column.width == width:
+            return
+        self._fill_table(width)
+
+    def _swap_overrides(self) -> None:
+        """Keep the overrides typed for the preset left; show those of the one selected."""
+        entry = self.selected()
+        path = entry.path if entry is not None else None
+        if path == self._overrides_for:
+            return
+        area = self.query_one("#overrides", TextArea)
+        if self._overrides_for is not None:
+            self.overrides_by_preset[self._overrides_for] = area.text
+        self._overrides_for = path
+        area.load_text(self.overrides_by_preset.get(path, "") if path is not None else "")
 
     # -- selection and detail -----------------------------------------------------------------
 
@@ -222,13 +281,21 @@ class PresetsScreen(Screen[None]):
             detail.update(Text(clean(entry.error or ""), style="red"))
             return
         p = entry.preset
+        overrides = parse_overrides(self.query_one("#overrides", TextArea).text)
+        matrix_title = "matrix\n"
+        if overrides:
+            try:
+                p = load_preset(entry.path, overrides)
+                matrix_title = "matrix (with the overrides)\n"
+            except PresetError:
+                matrix_title = "matrix (the preset's: the overrides do not load, see Start/Plan)\n"
         matrix = "\n".join(f"  {k} = {clean(v)}" for k, v in p.matrix.items())
         text = Text.assemble(
             (clean(p.name), "bold"),
             f" ({clean(p.kind)}, {p.cell_count()} cells)\n",
             clean(p.description),
             "\n",
-            ("matrix\n", "dim"),
+            (matrix_title, "dim"),
             matrix,
             "\n",
             ("determinism ", "dim"),
@@ -241,11 +308,16 @@ class PresetsScreen(Screen[None]):
         detail.update(text)
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        self._swap_overrides()
         self._show_detail()
         self.query_one("#preset-error", Static).update("")
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         self.action_plan()
+
+    def on_text_area_changed(self, event: TextArea.Changed) -> None:
+        if event.text_area.id == "overrides":
+            self._show_detail()
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         if event.button.id == "start":

@@ -56,9 +56,13 @@ class RunScreen(Screen[None]):
 
     BINDINGS = [
         Binding("escape", "leave", "Back (run goes on)"),
+        Binding("escape", "back", "Back"),
         Binding("c", "cancel_run", "Cancel run"),
         Binding("d", "details", "Details"),
         Binding("f", "filter_log", "Filter log"),
+        Binding("slash", "search_log", "Search log"),
+        Binding("n", "next_match", "Next match", show=False),
+        Binding("N", "next_match(False)", "Previous match", show=False),
         Binding("w", "wrap_log", "Wrap log"),
         Binding("g", "fetch_held", "Fetch held files"),
     ]
@@ -304,7 +308,15 @@ class RunScreen(Screen[None]):
 
     # -- actions ----------------------------------------------------------------------------
 
+    def run_goes_on(self) -> bool:
+        """Whether leaving this screen leaves a run going that this console follows."""
+        return not isinstance(self.source, ReplaySource) and self.model.finished is None
+
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "leave":
+            return self.run_goes_on()
+        if action == "back":
+            return not self.run_goes_on()
         if action == "cancel_run":
             return self.session is not None and self.model.finished is None
         if action == "details":
@@ -320,6 +332,9 @@ class RunScreen(Screen[None]):
             feed.cancel()
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await feed.wait()
+
+    async def action_back(self) -> None:
+        await self.action_leave()
 
     async def action_leave(self) -> None:
         await self.stop_following()
@@ -374,6 +389,13 @@ class RunScreen(Screen[None]):
 
     def action_filter_log(self) -> None:
         self.query_one("#log-filter").focus()
+
+    def action_search_log(self) -> None:
+        self.query_one("#log", RunLog).open_search()
+
+    def action_next_match(self, forward: bool = True) -> None:
+        log = self.query_one("#log", RunLog)
+        self.notify(log.search(forward), timeout=3, markup=False)
 
     def action_wrap_log(self) -> None:
         log = self.query_one("#log", RunLog)

@@ -10,6 +10,8 @@ from rich.text import Text
 from console.run_model import SETUP_CELL, CellRow, RunModel, params_label, varying_keys
 from console.widgets.live_table import LiveTable
 from console.widgets.text import STATE_STYLES, clean, duration, plain
+from runners.cells import CellState
+from runners.kinds import all_kinds
 
 COLUMNS = (("#", "n"), ("params", "params"), ("state", "state"), ("exit", "exit"), ("time", "time"))
 # Shown once a cell has one: the fleet host (or Slurm node) that runs it, the scheduler's state.
@@ -37,13 +39,16 @@ class CellsTable(LiveTable):
         self._cell_count = 0
         self._varying: set[str] = set()
         self.shown: list[tuple[str, str]] = list(COLUMNS)
+        self._exit_is_verdict = True
 
     def upsert(self, key: str, values: Sequence[Any]) -> None:
         if key in self.rows:
             for (_, column), value in zip(self.shown, values, strict=True):
                 # the host and scheduler words change length as the cell goes on
-                wide = column in (HOST_COLUMN[1], SCHED_COLUMN[1])
-                self.update_cell(key, column, value, update_width=wide)
+                if column in (HOST_COLUMN[1], SCHED_COLUMN[1]):
+                    self.update_cell(key, column, value, update_width=True)
+                else:
+                    self.set_cell(key, column, value)
         else:
             self.add_row(*values, key=key)
 
@@ -59,6 +64,14 @@ class CellsTable(LiveTable):
                 self.add_column(column[0], key=column[1], default=Text(""))
                 self.shown.append(column)
 
+    def state_word(self, row: CellRow) -> str:
+        """The cell's state as what it is: where a cell's exit code is not the kind's verdict
+        (the pairs or traces are judged), a cell that exited 0 "exited 0", never "passed"
+        beside a failed verdict."""
+        if row.state == CellState.PASSED and not self._exit_is_verdict:
+            return "exited 0"
+        return row.state
+
     def cells(self, row: CellRow) -> tuple[Text, ...]:
         label = "setup" if row.index == SETUP_CELL else str(row.index + 1)
         if row.index == SETUP_CELL:
@@ -71,7 +84,7 @@ class CellsTable(LiveTable):
         values = [
             Text(label, justify="right"),
             plain(params),
-            Text(row.state, style=STATE_STYLES.get(row.state, "")),
+            Text(self.state_word(row), style=STATE_STYLES.get(row.state, "")),
             Text(code, style=code_style, justify="right"),
             Text(duration(row.duration_s), justify="right"),
         ]
@@ -84,6 +97,11 @@ class CellsTable(LiveTable):
 
     def show(self, model: RunModel, changed: Iterable[int]) -> None:
         changed = set(changed)
+        kind = all_kinds().get(model.header.kind)
+        exit_is_verdict = kind is None or kind.cell_exit_is_verdict
+        if exit_is_verdict != self._exit_is_verdict:
+            self._exit_is_verdict = exit_is_verdict
+            changed |= {index for index in model.cells if str(index) in self.rows}
         before = len(self.shown)
         self._columns_for(model)
         if len(self.shown) != before:

@@ -31,7 +31,9 @@ class ColumnHistogram(Static):
     """A titled histogram: bins as columns (each bin `width` cells wide), axis labels below."""
 
     DEFAULT_CSS = """
-    ColumnHistogram { width: 1fr; height: auto; padding: 0 1 0 0; }
+    ColumnHistogram {
+        width: 1fr; height: auto; padding: 0 1 0 0; text-wrap: nowrap; text-overflow: ellipsis;
+    }
     """
 
     def __init__(
@@ -42,15 +44,32 @@ class ColumnHistogram(Static):
         self.labels = labels
         self.rows = height
 
-    def show(self, values: Sequence[float], width: int = 1) -> None:
+    def show(
+        self,
+        values: Sequence[float],
+        width: int = 1,
+        labels: tuple[str, str] | None = None,
+        scale: str = "",
+    ) -> None:
+        """`labels` (the first bin's low edge, the last's high edge) and `scale` (e.g. "log2")
+        say what the x axis shows when the caller cut it to the bins that hold data."""
+        room = self.content_region.width
+        if labels is not None and room > 0:
+            # fewer bins than the room (an axis cut to the data) are drawn wider
+            width = max(width, room // max(1, len(values)))
         wide = [v for v in values for _ in range(width)]
         total = int(sum(values))
+        top = int(max(values, default=0))
         text = Text(f"{self.title}", style="bold")
         text.append(f"  n={total}\n", style="dim")
+        # the y scale: the tallest bar's count (bars are scaled to it)
+        text.append(f"tallest {top}" + (f", {scale}" if scale else "") + "\n", style="dim")
         text.append_text(columns(wide, self.rows))
-        left, right = self.labels
+        left, right = labels if labels is not None else self.labels
         pad = max(1, len(wide) - len(left) - len(right))
         text.append(f"{left}{' ' * pad}{right}", style="dim")
+        text.no_wrap = True
+        text.overflow = "ellipsis"
         self.update(text)
 
 
@@ -84,8 +103,14 @@ class HeatMap(Static):
     """
 
     def show(
-        self, heat: Sequence[Sequence[int]], width: int, prefix_blocks: int, title: str
+        self,
+        heat: Sequence[Sequence[int]],
+        width: int,
+        prefix_blocks: int,
+        title: str,
+        first_layer: int = 0,
     ) -> None:
+        """`heat` rows are layers from `first_layer` on (one row: a layer filter)."""
         text = Text(title + "\n", style="bold")
         top = max((max(row, default=0) for row in heat), default=0) or 1
         prefix_cols = -(-prefix_blocks // max(width, 1))
@@ -96,13 +121,15 @@ class HeatMap(Static):
                 max(r[c] for r in group) if c < min(len(r) for r in group) else 0
                 for c in range(max(len(r) for r in group))
             ]
-            text.append(f"L{start:>3} ", style="dim")
+            text.append(f"L{first_layer + start:>3} ", style="dim")
             for c, v in enumerate(cells):
                 ch = SHADES[min(4, -(-v * 4 // top))] if v else "·"
                 text.append(ch, style="magenta underline" if c < prefix_cols else "magenta")
             text.append("\n")
+        top_text = f"\n     darkest shade: {top} records" if heat else ""
         text.append(
-            f"     block columns of {width} block(s); underlined: prefix ({prefix_blocks} blocks)",
+            f"     block columns of {width} block(s); underlined: prefix ({prefix_blocks} "
+            f"blocks){top_text}",
             style="dim",
         )
         self.update(text)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+from rich.text import Text
 from textual.widgets import DataTable
 
 
@@ -24,9 +25,22 @@ class LiveTable(DataTable):
         """Rewrite an existing row cell by cell (no full redraw), or add it."""
         if key in self.rows:
             for (_, column), value in zip(self.COLUMNS, values, strict=True):
-                self.update_cell(key, column, value)
+                self.set_cell(key, column, value)
         else:
             self.add_row(*values, key=key)
+
+    def set_cell(self, row: str, column: str, value: Any) -> None:
+        """Update one cell; its column widens when the value would not fit (a column sized by
+        its first values would otherwise cut '13.6s' to '13.6' or EXPECTED_DRIFT to
+        EXPECTED_DR without a sign that anything is missing)."""
+        if isinstance(value, Text):
+            value.no_wrap, value.overflow = True, "ellipsis"
+            width = value.cell_len
+        else:
+            width = len(str(value))
+        current = self.columns.get(column)  # type: ignore[call-overload]
+        wider = current is not None and current.auto_width and width > current.content_width
+        self.update_cell(row, column, value, update_width=wider)
 
     def contents(self) -> list[list[str]]:
         """The table as plain strings, row by row (what an operator reads)."""

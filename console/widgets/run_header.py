@@ -7,7 +7,8 @@ from textual.widgets import Static
 
 from console.run_model import RunModel
 from console.widgets.text import clean, clock
-from runners.cells import params_label
+from runners.cells import CellState, params_label
+from runners.kinds import all_kinds
 
 CONNECTION_STYLES = {"lost": "bold red", "retrying": "bold yellow", "restored": "green"}
 
@@ -43,6 +44,12 @@ class RunHeader(Static):
         super().__init__("", id=id, markup=False)
         self.mode = mode
 
+    def shown_mode(self, model: RunModel) -> str:
+        """LIVE/ATTACHED while the run goes on; ENDED once it finished (REPLAY stays REPLAY)."""
+        if model.finished is None or self.mode.startswith("REPLAY"):
+            return self.mode
+        return "ENDED"
+
     def show(self, model: RunModel, now: float | None) -> None:
         h = model.header
         line1 = Text.assemble(
@@ -54,9 +61,18 @@ class RunHeader(Static):
             ("  run ", "dim"),
             clean(h.run_id or "?"),
             ("  ", ""),
-            (self.mode, "reverse"),
+            (self.shown_mode(model), "reverse"),
         )
-        if h.lock_busy:
+        if model.finished is not None and (h.holder or h.lock) and not h.lock_busy:
+            # The engine's lock goes with its process group: once the run ended it is free.
+            lock = Text.assemble(
+                ("lock ", "dim"),
+                clean(h.lock or "?"),
+                " released at the run's end (was held by ",
+                holder_text(h.holder) if h.holder else "?",
+                ")",
+            )
+        elif h.lock_busy:
             lock = Text.assemble(
                 ("lock BUSY ", "bold red"), clean(h.lock), " held by ", holder_text(h.holder)
             )
@@ -73,7 +89,16 @@ class RunHeader(Static):
         env = params_label(h.env) or "(no variables)"
         line3 = Text.assemble(("determinism ", "dim"), clean(h.profile or "?"), ": ", clean(env))
         counts = model.cell_counts()
-        states = ", ".join(f"{n} {state}" for state, n in sorted(counts.items())) or "no cells"
+        kind = all_kinds().get(h.kind)
+        judged_apart = kind is not None and not kind.cell_exit_is_verdict
+        # where the kind judges outputs, a cell that exited 0 has not "passed" anything
+        states = (
+            ", ".join(
+                f"{n} {'exited 0' if judged_apart and state == CellState.PASSED else state}"
+                for state, n in sorted(counts.items())
+            )
+            or "no cells"
+        )
         conn = model.connection
         if conn is None and self.mode.startswith("REPLAY"):
             connection = Text("recorded run, no connection", style="dim")

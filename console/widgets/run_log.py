@@ -12,7 +12,7 @@ from rich.cells import cell_len, chop_cells
 from textual import events
 from textual.app import ComposeResult
 from textual.containers import Vertical
-from textual.widgets import Log, Select
+from textual.widgets import Input, Log, Select
 
 from console.run_model import (
     LOG_LINES,
@@ -57,6 +57,8 @@ class RunLog(Vertical):
     DEFAULT_CSS = """
     RunLog { height: 1fr; }
     RunLog > Select { width: 48; }
+    RunLog > #log-search { display: none; height: 1; border: none; padding: 0 1; }
+    RunLog.-searching > #log-search { display: block; }
     RunLog > Log { height: 1fr; overflow-x: hidden; }
     /* Unwrapped: a scrollbar that is always there keeps the last line visible. */
     RunLog.-nowrap > Log { overflow-x: scroll; }
@@ -72,9 +74,12 @@ class RunLog(Vertical):
         self._end_y = 0
         self._width = 0  # the width the rows shown were wrapped at
         self._logical: deque[str] = deque(maxlen=max_lines)  # the lines, unwrapped
+        self.needle = ""  # what / searches for
+        self.match_row: int | None = None  # the row of the match shown
 
     def compose(self) -> ComposeResult:
         yield Select([], prompt="log: all cells", allow_blank=True, id="log-filter", compact=True)
+        yield Input(placeholder="search the log (Enter; then n / N)", id="log-search")
         yield Log(max_lines=self.max_lines, id="log-lines")
 
     @property
@@ -164,6 +169,44 @@ class RunLog(Vertical):
         entries = model.log_tail(self.max_lines, self.cell_filter)
         self._write([format_line(*e) for e in entries])
         self.follow_end()
+
+    # -- search ------------------------------------------------------------------------------
+
+    def open_search(self) -> None:
+        self.add_class("-searching")
+        self.query_one("#log-search", Input).focus()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        if event.input.id != "log-search":
+            return
+        event.stop()
+        self.needle = event.value
+        self.match_row = None
+        self.app.notify(self.search(forward=True), timeout=3, markup=False)
+        self.log_widget.focus()
+
+    def search(self, forward: bool = True) -> str:
+        """Scroll to the next (or previous) row holding the search text; says which match of
+        how many it is (or that there is none)."""
+        needle = self.needle.lower()
+        if not needle:
+            return "no search: press / and type what to find"
+        rows = self.rows()
+        hits = [i for i, row in enumerate(rows) if needle in row.lower()]
+        if not hits:
+            self.match_row = None
+            return f"{self.needle!r}: not in the log"
+        here = self.match_row
+        if here is None:
+            row = hits[0] if forward else hits[-1]
+        elif forward:
+            row = next((i for i in hits if i > here), hits[0])
+        else:
+            row = next((i for i in reversed(hits) if i < here), hits[-1])
+        self.match_row = row
+        log = self.log_widget
+        log.scroll_to(y=max(0, row - 2), animate=False, immediate=True)
+        return f"{self.needle!r}: match {hits.index(row) + 1} of {len(hits)} (row {row + 1})"
 
     def on_select_changed(self, event: Select.Changed) -> None:
         event.stop()

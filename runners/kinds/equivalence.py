@@ -626,6 +626,9 @@ class EquivalenceKind(Kind):
             groups.setdefault(key, []).append(c.index)
         return list(groups.values())
 
+    def matrix_keys_read(self, data: dict[str, Any]) -> set[str]:
+        return set(PAIR_KEYS)  # a pair is the same (kv_aligned, seed) in both modes
+
     def check(self, data: dict[str, Any], source: str, options: frozenset[str]) -> None:
         matrix = data["matrix"]
         for key in PAIR_KEYS:

@@ -391,6 +391,9 @@ class KvInvarianceKind(Kind):
     def exit_code(self, word: str) -> int:
         return VERDICT_EXIT.get(word, super().exit_code(word))
 
+    def matrix_keys_read(self, data: dict[str, Any]) -> set[str]:
+        return set(POINT_KEYS)  # a reference cell's grid point
+
     def check(
         self, data: dict[str, Any], source: str, options: frozenset[str] = frozenset()
     ) -> None:

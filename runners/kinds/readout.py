@@ -238,6 +238,9 @@ class ReadoutKind(Kind):
         "readout": {"prompt_key": (str, False, "prompt"), "prompts": (list, False, [])},
     }
 
+    def matrix_keys_read(self, data: dict[str, Any]) -> set[str]:
+        return {data["readout"]["prompt_key"]}  # names each cell's prompts
+
     def check(self, data: dict[str, Any], source: str, options: frozenset[str]) -> None:
         if not data["traces"]["follow"]:
             raise PresetError(source, "traces.follow", "a readout preset must name its trace file")
