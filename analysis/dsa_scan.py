@@ -20,9 +20,8 @@ import numpy as np
 from analysis.dsa_checks import Context, Derived, check_batch, explain
 from analysis.dsa_record import MAX_SEQ, Batch, Fail, read_batch
 from analysis.dsa_stream import DEFAULT_TOPK, dir_block_size
-from analysis.dsa_tree import block_dirs, read_summary, shard_files
+from analysis.dsa_tree import READ_CHUNK, block_dirs, complete_lines, read_summary, shard_files
 
-READ_CHUNK = 4 << 20  # bytes of a shard read at once
 CHUNK_BINS = 1 << 22  # occupancy bins per check_batch call (as the validator)
 
 
@@ -106,31 +105,19 @@ def scan_block(info: TraceInfo, chunk: int = READ_CHUNK) -> Iterator[Scanned]:
 
 
 def scan_file(info: TraceInfo, path: Path, chunk: int = READ_CHUNK) -> Iterator[Scanned]:
-    line_no = 1
-    rest = b""
-    with open(path, "rb") as fh:
-        while True:
-            data = fh.read(chunk)
-            if not data:
-                break
-            data = rest + data
-            cut = data.rfind(b"\n")
-            if cut < 0:
-                rest = data
-                continue
-            lines = data[:cut].split(b"\n")
-            rest = data[cut + 1 :]
+    for line_no, lines, torn in complete_lines(path, chunk):
+        if not torn:
             yield from _judge(info, path, lines, line_no)
-            line_no += len(lines)
-    if rest:  # a torn last line: a record that is none, named like the validator does
+            continue
+        # a torn last line: a record that is none, named like the validator does
         fail = Fail(
             "record",
             "a complete line ending in a newline",
-            f"{len(rest)} bytes with no newline (the writer stopped mid-line)",
+            f"{len(lines[0])} bytes with no newline (the writer stopped mid-line)",
         )
         empty = read_batch([], line_no)
         d = check_batch(empty, Context(info.topk, info.block_size or 1, info.bytes_per_token))
-        yield Scanned(path, [rest], line_no, empty, d, np.ones(0, bool), [(line_no, fail, None)])
+        yield Scanned(path, lines, line_no, empty, d, np.ones(0, bool), [(line_no, fail, None)])
 
 
 def _judge(info: TraceInfo, path: Path, lines: list[bytes], first: int) -> Iterator[Scanned]:

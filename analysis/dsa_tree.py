@@ -10,6 +10,7 @@ TRACE_OK, or TRACE_INVALID with the first invalid record.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -205,15 +206,13 @@ def shard_name_problems(
     return out
 
 
-def feed_file(stream: TraceStream, path: Path, chunk: int = READ_CHUNK) -> dict[str, Any] | None:
-    """Stream one shard through the judge in bounded chunks; a torn last line is a problem."""
+def complete_lines(path: Path, chunk: int = READ_CHUNK) -> Iterator[tuple[int, list[bytes], bool]]:
+    """A file's lines in bounded chunks: (first line's number, lines, torn); a last line with no
+    newline comes alone at the end with torn=True."""
     line_no = 1
     rest = b""
     with open(path, "rb") as fh:
-        while True:
-            data = fh.read(chunk)
-            if not data:
-                break
+        while data := fh.read(chunk):
             data = rest + data
             cut = data.rfind(b"\n")
             if cut < 0:
@@ -221,13 +220,22 @@ def feed_file(stream: TraceStream, path: Path, chunk: int = READ_CHUNK) -> dict[
                 continue
             lines = data[:cut].split(b"\n")
             rest = data[cut + 1 :]
-            stream.feed(str(path), lines, line_no)
+            yield line_no, lines, False
             line_no += len(lines)
     if rest:
+        yield line_no, [rest], True
+
+
+def feed_file(stream: TraceStream, path: Path, chunk: int = READ_CHUNK) -> dict[str, Any] | None:
+    """Stream one shard through the judge in bounded chunks; a torn last line is a problem."""
+    for line_no, lines, torn in complete_lines(path, chunk):
+        if not torn:
+            stream.feed(str(path), lines, line_no)
+            continue
         fail = Fail(
             "record",
             "a complete line ending in a newline",
-            f"{len(rest)} bytes with no newline (the writer stopped mid-line)",
+            f"{len(lines[0])} bytes with no newline (the writer stopped mid-line)",
         )
         stream.records += 1
         stream.invalid += 1

@@ -25,6 +25,7 @@ import numpy as np
 
 from analysis.dsa_record import Batch, Ragged
 from analysis.dsa_scan import Scanned, TraceInfo
+from analysis.dsa_stats import percentile
 
 Q50, Q95 = 0.5, 0.95
 RATIO_DIGITS = 4  # ratios are kept to 4 decimals in the distributions
@@ -327,27 +328,11 @@ def stats(counter: Counter[Any], total: float | None = None) -> dict[str, Any]:
     return {
         "count": n,
         "min": items[0][0],
-        "p50": _pct(items, n, Q50),
-        "p95": _pct(items, n, Q95),
+        "p50": percentile(items, Q50),
+        "p95": percentile(items, Q95),
         "max": items[-1][0],
         "mean": s / n,
     }
-
-
-def _pct(items: list[tuple[Any, int]], n: int, q: float) -> float:
-    rank = (n - 1) * q
-    lo_r, hi_r = int(np.floor(rank)), int(np.ceil(rank))
-    lo = hi = None
-    seen = 0
-    for value, count in items:
-        if lo is None and lo_r < seen + count:
-            lo = value
-        if hi_r < seen + count:
-            hi = value
-            break
-        seen += count
-    assert lo is not None and hi is not None
-    return float(lo + (hi - lo) * (rank - lo_r))
 
 
 def histogram(
