@@ -206,6 +206,17 @@ class LlamaCppBook:
                     )
                     b.pending = None
                     return
+                if cell in b.states:
+                    # The test runs each cell once per backend: a second run must not turn the
+                    # first one's verdict (a [FAIL] above all) into another.
+                    b.odd.append(
+                        f"cell D={cell[0]} KV={cell[1]} gqa={cell[2]} is run twice (it was "
+                        f"{b.states[cell]}): the test runs each cell once per backend, so this "
+                        "log is not one run of it"
+                    )
+                    b.pending = None
+                    if b.states[cell] != "running":
+                        return
                 b.states[cell] = "running"
                 b.current, b.pending = cell, None
         elif word == "fail_cell":

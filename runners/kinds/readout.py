@@ -23,6 +23,7 @@ from analysis.readout import (
     compare_kept,
     format_table,
     kept_facts,
+    load_record,
     overall,
     to_json,
 )
@@ -116,7 +117,7 @@ class ReadoutJudge(Judge):
             if not raw.strip():
                 continue
             try:
-                record = orjson.loads(raw)
+                record = load_record(raw, n, file)
                 name = None
                 if isinstance(record, dict) and _is_prefill(record):
                     name = self.name_for(cell, file)
