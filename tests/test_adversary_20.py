@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from runhelp import ROOT, cli_env, tracedeck
 from test_kv_liars import DATA, judge_log
@@ -234,3 +235,87 @@ def test_boot_ignores_the_engines_directory_home_and_python_variables(tmp_path: 
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert not mark.exists(), mark.read_text()
+
+
+# ---------------------------------------------------------------- B3.67: an early stop claimed
+
+
+def cut_short(root: Path, keep: int, **meta: Any) -> Path:
+    """A failing kv_aligned=1 pair whose engine cut both files to `keep` lines and wrote
+    eos_at_token keep - 1 (and `meta`) into both metadata files."""
+    import gzip
+
+    from test_equivalence_tree import write_tree
+
+    root.mkdir(parents=True, exist_ok=True)
+    write_tree(root, {1: {0: 0.5}})
+    base = root / "runs" / "kv_aligned_1" / "seed_0"
+    for mode in ("prefill", "decode"):
+        logits = base / mode / "logits.jsonl.gz"
+        lines = gzip.decompress(logits.read_bytes()).splitlines(keepends=True)
+        logits.write_bytes(gzip.compress(b"".join(lines[:keep])))
+        doc = json.loads((base / mode / "metadata.json").read_text())
+        doc.update(eos_at_token=keep - 1, **meta)
+        (base / mode / "metadata.json").write_text(json.dumps(doc))
+    return base
+
+
+def last_ids(base: Path, keep: int) -> list[int]:
+    import gzip
+
+    lines = gzip.decompress((base / "prefill" / "logits.jsonl.gz").read_bytes()).splitlines()
+    return [json.loads(x)["token_id"] for x in lines[:keep]]
+
+
+def rewrite_sides(base: Path, meta: dict[str, Any], row: dict[str, Any] | None = None) -> None:
+    import gzip
+
+    for mode in ("prefill", "decode"):
+        path = base / mode / "metadata.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **meta}))
+        if row is not None:
+            logits = base / mode / "logits.jsonl.gz"
+            logits.write_bytes(gzip.compress((json.dumps(row) + "\n").encode()))
+
+
+@pytest.mark.parametrize("lie", ["no eos_token_id", "another id", "chosen before", "not max"])
+def test_an_early_stop_claimed_to_hide_a_failure_is_no_pass(tmp_path: Path, lie: str) -> None:
+    """Issue 9 let an engine stop early when both metadata files say eos_at_token: a broken
+    engine cuts both files short (where its sides still agree) and claims EOS there."""
+    import gzip
+
+    from test_equivalence_tree import expect
+
+    root = tmp_path / "tree"
+    keep = 2 if lie == "chosen before" else 1
+    base = cut_short(root, keep)
+    ids = last_ids(base, keep)
+    if lie == "another id":
+        rewrite_sides(base, {"eos_token_id": ids[-1] + 1})
+    elif lie == "chosen before":
+        rewrite_sides(base, {"eos_token_id": ids[0]})  # token 0 chose it: it stopped there
+    elif lie == "not max":
+        row = json.loads(gzip.decompress((base / "prefill" / "logits.jsonl.gz").read_bytes()))
+        row["token_id"] = int(np.argmin(row["logits"]))
+        rewrite_sides(base, {"eos_token_id": row["token_id"]}, row)
+    expect(root, base if lie == "no eos_token_id" else base / "prefill", "eos_token_id")
+
+
+def test_an_honest_early_stop_is_judged(tmp_path: Path) -> None:
+    from test_equivalence_tree import write_tree
+
+    from analysis.equivalence_tree import judge_pair
+
+    write_tree(tmp_path, {1: {0: 1e-4}})
+    base = tmp_path / "runs" / "kv_aligned_1" / "seed_0"
+    ids = last_ids(base, 3)
+    for mode in ("prefill", "decode"):
+        import gzip
+
+        logits = base / mode / "logits.jsonl.gz"
+        lines = gzip.decompress(logits.read_bytes()).splitlines(keepends=True)
+        logits.write_bytes(gzip.compress(b"".join(lines[:3])))
+    if ids[2] in ids[:2]:
+        pytest.skip("the data chose this id before")
+    rewrite_sides(base, {"eos_at_token": 2, "eos_token_id": ids[2]})
+    assert judge_pair(tmp_path, 1, 0).verdict == "PASS_EQUIV"
