@@ -319,3 +319,24 @@ def test_an_honest_early_stop_is_judged(tmp_path: Path) -> None:
         pytest.skip("the data chose this id before")
     rewrite_sides(base, {"eos_at_token": 2, "eos_token_id": ids[2]})
     assert judge_pair(tmp_path, 1, 0).verdict == "PASS_EQUIV"
+
+
+# ---------------------------------------------------------------- a readout run
+
+
+def test_a_readout_cell_that_wrote_no_prompt_is_no_ok(tmp_path: Path) -> None:
+    """Two cells (two prompts); the second cell's engine exits 0 and writes no line. One OK
+    row is not a run whose every prompt was judged."""
+    from test_readout_liars import engine_preset, run_preset
+
+    preset = engine_preset(tmp_path)
+    text = preset.read_text().replace("n = [1]", "n = [1, 2]")
+    text = text.replace("command = \"sh -c '", "command = \"sh -c 'test {n} = 2 || ")
+    preset.write_text(text)
+    done, run_dir = run_preset(tmp_path, preset)
+    assert done.returncode == 1 and "RESULT: NO OK (exit 1)" in done.stdout, done.stdout
+    assert "cell 2 (n=2) passed but wrote no prefill_last line" in done.stdout
+    # and judged again from the run's directory: the same
+    again = tracedeck("analyze", str(run_dir), env=cli_env(tmp_path / "home"))
+    assert again.returncode == 1, again.stdout + again.stderr
+    assert "re-judged from the kept trace: NO OK" in again.stdout
