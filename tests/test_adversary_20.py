@@ -340,3 +340,24 @@ def test_a_readout_cell_that_wrote_no_prompt_is_no_ok(tmp_path: Path) -> None:
     again = tracedeck("analyze", str(run_dir), env=cli_env(tmp_path / "home"))
     assert again.returncode == 1, again.stdout + again.stderr
     assert "re-judged from the kept trace: NO OK" in again.stdout
+
+
+# ---------------------------------------------------------------- a 03C result.json
+
+
+def test_a_result_json_giving_a_key_twice_is_not_believed(tmp_path: Path) -> None:
+    """deterministic false, then true: the first reading is a cell that must not pass, the
+    second (json's, the last wins) a pass. A result that says both is believed in neither."""
+    from test_kv_invariance_analysis import write_cell
+    from test_kv_liars import HONEST, PARAMS, POINT
+
+    from analysis.kv_invariance import BITWISE_EQUAL, UNJUDGED, judge_cell_dir
+
+    folder = write_cell(tmp_path / "c", None, **{**HONEST, "deterministic": True})
+    assert judge_cell_dir(folder, POINT, True, {**PARAMS, **POINT}, None).verdict == BITWISE_EQUAL
+    path = folder / "result.json"
+    text = path.read_text()
+    path.write_text('{"deterministic": false, ' + text.lstrip()[1:])
+    result = judge_cell_dir(folder, POINT, True, {**PARAMS, **POINT}, None)
+    assert result.verdict == UNJUDGED, result
+    assert "'deterministic' is given twice (False, then True)" in result.reason
