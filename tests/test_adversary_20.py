@@ -361,3 +361,30 @@ def test_a_result_json_giving_a_key_twice_is_not_believed(tmp_path: Path) -> Non
     result = judge_cell_dir(folder, POINT, True, {**PARAMS, **POINT}, None)
     assert result.verdict == UNJUDGED, result
     assert "'deterministic' is given twice (False, then True)" in result.reason
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="not closed: `-I` still runs the interpreter's own site-packages (sitecustomize, "
+    ".pth); a judging python in a venv the engine's user can write is trusted as installed",
+)
+def test_a_sitecustomize_planted_in_the_judging_pythons_venv_never_runs(tmp_path: Path) -> None:
+    venv = tmp_path / "hostpy"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    (site,) = venv.glob("lib/python3*/site-packages")
+    mark = tmp_path / "ran"
+    (site / "sitecustomize.py").write_text(f"open({str(mark)!r}, 'w').write('ran')\n")
+    spec = HostJudging(modules=(), requires=(), held=lambda _: False, entry="runners.hosted.check")
+    judge = tmp_path / "judge"
+    hashes = manifest(spec)
+    for rel in hashes:
+        (judge / rel).parent.mkdir(parents=True, exist_ok=True)
+        (judge / rel).write_bytes((ROOT / rel).read_bytes())
+    subprocess.run(
+        [str(venv / "bin" / "python"), "-I", "-c", BOOT, str(judge), json.dumps(hashes)]
+        + ["runners.hosted.check", "json"],
+        cwd=tmp_path,
+        capture_output=True,
+        timeout=60,
+    )
+    assert not mark.exists()
