@@ -388,3 +388,26 @@ def test_a_sitecustomize_planted_in_the_judging_pythons_venv_never_runs(tmp_path
         timeout=60,
     )
     assert not mark.exists()
+
+
+# ---------------------------------------------------------------- links in a tree handed to analyze
+
+
+@pytest.mark.parametrize("link", ["summary.json", "metrics"])
+def test_analyze_never_writes_through_a_link_into_another_run(tmp_path: Path, link: str) -> None:
+    """A B3.67 tree whose summary.json (or metrics/) is a link into another run's directory:
+    analyze writes the tree's documents, never through the link into that run's record."""
+    from test_equivalence_tree import write_tree
+
+    other = fake_run_dir(tmp_path / "other", "FAIL_GUARDRAIL")
+    (other / "metrics" / "kv_aligned_1").mkdir(parents=True)
+    (other / "metrics" / "kv_aligned_1" / "seed_0_metrics.json").write_text('{"recorded": 1}\n')
+    before = {p: p.read_bytes() for p in other.rglob("*") if p.is_file()}
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    write_tree(tree, {1: {0: 1e-4}, 0: {0: 0.5}})
+    (tree / link).symlink_to(other / link, target_is_directory=link == "metrics")
+    done = tracedeck("analyze", str(tree), env=cli_env(tmp_path))
+    assert {p: p.read_bytes() for p in other.rglob("*") if p.is_file()} == before, done.stdout
+    if link == "metrics":
+        assert done.returncode == 2 and "a link out of" in done.stderr, done.stderr
