@@ -411,3 +411,15 @@ def test_analyze_never_writes_through_a_link_into_another_run(tmp_path: Path, li
     assert {p: p.read_bytes() for p in other.rglob("*") if p.is_file()} == before, done.stdout
     if link == "metrics":
         assert done.returncode == 2 and "a link out of" in done.stderr, done.stderr
+
+
+def test_a_log_with_two_exit_lines_is_a_problem() -> None:
+    """A crash (exit 134) whose log then says 'exited 0' again: one run writes one exit line."""
+    text = (
+        (DATA / "cpu_ok.log")
+        .read_text()
+        .replace("exited 0", "exited 134\n" + "[tracedeck] test-kvcache-invariance exited 0")
+    )
+    cells, problems, _ = read_log(text).results(None)
+    assert global_verdict(cells, problems)[0] != PASS_INVARIANCE
+    assert any("2 exit lines" in why for _, why in problems)
