@@ -25,7 +25,7 @@ from analysis.equivalence import (
     loosened,
     resolve_thresholds,
 )
-from analysis.logits import InputError, read_metadata
+from analysis.logits import InputError, iter_logits, read_metadata
 
 MODES = ("prefill", "decode")
 LOGITS_NAME = "logits.jsonl.gz"
@@ -164,7 +164,8 @@ def _check_token_count(lines: int, meta: dict[str, dict[str, Any]], paths: dict[
         return
     stops = {mode: meta[mode].get("eos_at_token") for mode in MODES}
     if lines < gen_len and stops["prefill"] == stops["decode"] == lines - 1:
-        return  # both sides stopped at the same EOS token
+        _check_early_stop(lines - 1, meta, paths)  # both sides stopped at the same EOS token
+        return
     if lines > gen_len:
         why = f"{lines} token lines but gen_len is {gen_len}"
     else:
@@ -180,6 +181,55 @@ def _check_token_count(lines: int, meta: dict[str, dict[str, Any]], paths: dict[
         why,
         "re-run the pair; an engine that stops at EOS records eos_at_token in metadata.json",
     )
+
+
+def _check_early_stop(stop: int, meta: dict[str, dict[str, Any]], paths: dict[str, Path]) -> None:
+    """An early stop is recomputed, never believed: both sides name the same eos_token_id,
+    chose it (greedy: its logit is the row's largest) at token `stop`, and at no token before.
+    Otherwise a broken engine could cut both files short before they part and claim EOS."""
+    eos = {mode: meta[mode].get("eos_token_id") for mode in MODES}
+    hint = (
+        "an engine that stops early records eos_at_token and eos_token_id (the end-of-sequence "
+        "id it stopped on) in both metadata.json files"
+    )
+    if not all(isinstance(e, int) and not isinstance(e, bool) for e in eos.values()) or (
+        eos["prefill"] != eos["decode"]
+    ):
+        raise InputError(
+            paths["prefill"].parent.parent,
+            None,
+            f"both sides record eos_at_token {stop}, but eos_token_id is {eos['prefill']!r} "
+            f"(prefill) and {eos['decode']!r} (decode): an early stop must name the one "
+            "end-of-sequence id both chose",
+            hint,
+        )
+    want = eos["prefill"]
+    for mode in MODES:
+        logits = paths[mode].parent / LOGITS_NAME
+        for row in iter_logits(logits):
+            last = row.token_idx == stop
+            if (row.token_id == want) != last:
+                said = f"chose {row.token_id}" if last else f"already chose eos_token_id {want}"
+                raise InputError(
+                    logits,
+                    row.line,
+                    f"token {row.token_idx} {said}, but metadata.json says the side stopped on "
+                    f"eos_token_id {want} at token {stop}",
+                    hint,
+                )
+            if last and not 0 <= want < row.logits.shape[0]:
+                raise InputError(
+                    logits, row.line, f"eos_token_id {want} is outside the vocab", hint
+                )
+            if last and row.logits[want] < row.logits.max():
+                raise InputError(
+                    logits,
+                    row.line,
+                    f"token {stop} chose eos_token_id {want} (logit {row.logits[want]:.6g}), but "
+                    f"the row's largest logit is {row.logits.max():.6g}: greedy decoding did not "
+                    "pick it",
+                    hint,
+                )
 
 
 # ---------------------------------------------------------------- the whole run

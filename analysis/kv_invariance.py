@@ -198,6 +198,19 @@ def parse_precondition_line(line: str) -> dict[str, Any] | None:
 # ---------------------------------------------------------------- reading a cell's files
 
 
+class _Twice(Exception):
+    """A JSON object that gives a key twice: (key, first value, second value)."""
+
+
+def _once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _Twice(key, out[key], value)
+        out[key] = value
+    return out
+
+
 def read_meta(cell_dir: Path) -> dict[str, Any]:
     where = str(cell_dir / RESULT)
     try:
@@ -207,7 +220,13 @@ def read_meta(cell_dir: Path) -> dict[str, Any]:
             where, "no result.json: the engine wrote no result for this cell", "engine"
         ) from None
     try:
-        meta = json.loads(raw)
+        meta = json.loads(raw, object_pairs_hook=_once)
+    except _Twice as exc:
+        raise ResultError(
+            where,
+            f"key {exc.args[0]!r} is given twice ({exc.args[1]!r}, then {exc.args[2]!r}): a "
+            "result that says two things is believed in neither reading",
+        ) from None
     except ValueError as exc:
         raise ResultError(
             where, f"not valid JSON ({exc}); the engine wrote a broken result"

@@ -149,6 +149,7 @@ class LlamaCppBook:
         self.passed: int | None = None
         self.exit_code: int | None = None  # from the preset's exit line, when the log has it
         self.fatal: list[str] = []
+        self.exits_seen: list[int] = []  # exit lines after the first (a log is one run)
 
     def open(self) -> Backend:
         if self.backends and self.backends[-1].outcome == "running":
@@ -206,6 +207,17 @@ class LlamaCppBook:
                     )
                     b.pending = None
                     return
+                if cell in b.states:
+                    # The test runs each cell once per backend: a second run must not turn the
+                    # first one's verdict (a [FAIL] above all) into another.
+                    b.odd.append(
+                        f"cell D={cell[0]} KV={cell[1]} gqa={cell[2]} is run twice (it was "
+                        f"{b.states[cell]}): the test runs each cell once per backend, so this "
+                        "log is not one run of it"
+                    )
+                    b.pending = None
+                    if b.states[cell] != "running":
+                        return
                 b.states[cell] = "running"
                 b.current, b.pending = cell, None
         elif word == "fail_cell":
@@ -244,6 +256,10 @@ class LlamaCppBook:
         elif word == "passed":
             self.passed = int(fact[1])
         elif word == "exit":
+            if self.exit_code is not None:
+                # The shipped command appends one exit line after the test: a second one was
+                # written by something else (the test itself, or a process it left behind).
+                self.exits_seen.append(int(fact[1]))
             self.exit_code = int(fact[1])
         elif word == "fatal":
             self.fatal = [*self.fatal, str(fact[1])][-5:]
@@ -315,6 +331,15 @@ class LlamaCppBook:
                 notes.append(said)
             else:
                 problems.append(("output", f"{said}: its count contradicts its own lines"))
+        if self.exits_seen:
+            problems.append(
+                (
+                    "output",
+                    f"the log has {len(self.exits_seen) + 1} exit lines (the last says "
+                    f"{self.exit_code}): the shipped command writes one, after the test ended, "
+                    "so this log is not one run of it",
+                )
+            )
         for b in self.backends:
             problems += [("output", f"backend {b.label}: {text}") for text in b.odd[:3]]
         ran = [b for b in self.backends if b.outcome != "skipped"]

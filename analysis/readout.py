@@ -8,6 +8,7 @@ the ``decode`` lines after it are that prompt's decode steps. A prompt is "OK" w
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -310,6 +311,19 @@ def check_consistency(record: dict[str, Any], line_no: int, file: str) -> None:
             "hidden_offset_bytes",
         )
     seq_len = record.get("seq_len")
+    if record.get("readout_buffer_kind") == "single_token" and (
+        seq_len != 1
+        if seq_len is not None
+        else record["phase"] == PHASE_PREFILL_LAST and record["tokens_total"] > 1
+    ):
+        raise _refuse(
+            file,
+            line_no,
+            f"readout_buffer_kind single_token on a {record['phase']} line of seq_len "
+            f"{seq_len}: a single-token buffer holds one token's row (seed 003: decode, "
+            "seq_len 1), so its row 0 is not this pass's last token",
+            "readout_buffer_kind",
+        )
     if seq_len is not None and seq_len > record["tokens_total"]:
         raise _refuse(
             file,
@@ -373,13 +387,38 @@ def validate_record(record: Any, line_no: int, file: str = "") -> dict[str, Any]
     return record
 
 
+def load_record(raw: bytes | str, line_no: int, file: str = "") -> Any:
+    """One line's JSON (orjson.JSONDecodeError when it is none); a key given twice is refused.
+
+    orjson keeps the last of a repeated key, another reader the first: a line that says two
+    things (tokens_total 205, then 101) is believed in neither reading."""
+    record = orjson.loads(raw)
+    if isinstance(record, dict):
+        json.loads(raw, object_pairs_hook=lambda pairs: _once(pairs, line_no, file))
+    return record
+
+
+def _once(pairs: list[tuple[str, Any]], line_no: int, file: str) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _refuse(
+                file,
+                line_no,
+                f"key {key!r} is given twice ({seen[key]!r}, then {value!r})",
+                key,
+            )
+        seen[key] = value
+    return seen
+
+
 def parse_line(raw: bytes | str, line_no: int, file: str = "") -> dict[str, Any]:
     """Parse and validate one JSONL line (trailing newline allowed)."""
     text = raw.rstrip(b"\r\n") if isinstance(raw, bytes) else raw.rstrip("\r\n")
     if not text.strip():
         raise TraceError(file, line_no, "blank line where a trace record was expected")
     try:
-        record = orjson.loads(text)
+        record = load_record(text, line_no, file)
     except orjson.JSONDecodeError as exc:
         raise TraceError(file, line_no, f"not valid JSON ({exc})") from None
     return validate_record(record, line_no, file)
@@ -724,7 +763,7 @@ def kept_facts(lines: Iterable[bytes], file: str) -> list[Fact]:
         if not raw.strip():
             continue
         try:
-            agg.apply(agg.fact(orjson.loads(raw), line_no, file), file)
+            agg.apply(agg.fact(load_record(raw, line_no, file), line_no, file), file)
         except (orjson.JSONDecodeError, TraceError):
             continue
     return agg.facts

@@ -680,15 +680,16 @@ def _analyze(args: argparse.Namespace) -> int:
     if not path.exists():
         _err(f"{path}: no such file or directory; pass {_analyze_forms()}")
         return EXIT_USAGE
-    if args.output is not None:
-        problem = _output_problem(path, args.output)
-        if problem:
-            _err(f"--output {args.output}: {problem}")
-            return EXIT_USAGE
+    given = args.output
     said = guard_record(path, args)  # a run's recorded verdict is never rewritten
     if said:
         _err(said.removeprefix("note: "))
         if not said.startswith("note: "):
+            return EXIT_USAGE
+    if given is not None:
+        problem = _output_problem(path, given)
+        if problem:
+            _err(f"--output {given}: {problem}")
             return EXIT_USAGE
     args.progress = ProgressShow(sys.stderr).show  # long judging, drawn on stderr
     if args.kind is not None:

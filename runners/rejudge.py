@@ -33,19 +33,32 @@ def is_run_dir(path: Path) -> bool:
     return path.is_dir() and (path / RUN_JSON).is_file()
 
 
+def run_dir_holding(path: Path) -> Path | None:
+    """The run directory that is path or holds it (links and '..' resolved), or None."""
+    resolved = path.resolve()
+    return next((p for p in (resolved, *resolved.parents) if is_run_dir(p)), None)
+
+
 def guard_record(path: Path, args: argparse.Namespace) -> str:
     """Keep a run directory's recorded verdict: point --output elsewhere (said on stderr by the
     caller's message), or '' when path is no run directory. Returns a refusal, or a note
-    starting with 'note: ' for the caller to print."""
-    if not is_run_dir(path):
-        return ""
+    starting with 'note: ' for the caller to print. Whatever is analyzed, --output may name
+    no run's directory nor a place inside one (that run's record is not this analyze's)."""
     output = getattr(args, "output", None)
     if output is not None:
-        if Path(output).resolve() == path.resolve():
+        if is_run_dir(path) and Path(output).resolve() == path.resolve():
             return (
                 f"--output {output}: that is the run's own directory; analyze never rewrites a "
                 "run's recorded verdict: name another directory"
             )
+        held = run_dir_holding(Path(output))
+        if held is not None:
+            return (
+                f"--output {output}: that is inside the run's directory {held}; analyze never "
+                "rewrites a run's recorded verdict: name a directory outside every run's"
+            )
+        return ""
+    if not is_run_dir(path):
         return ""
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     args.output = path.parent / ANALYZE_DIR.format(name=path.name, stamp=stamp)

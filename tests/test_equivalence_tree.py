@@ -457,9 +457,10 @@ def test_missing_tokens_are_never_a_pass(root: Path) -> None:
 def test_an_early_stop_recorded_on_both_sides_is_judged(root: Path) -> None:
     write_tree(root, {1: {0: 1e-4}, 0: {0: 0.5}})
     base = root / "runs" / "kv_aligned_1" / "seed_0"
+    eos = int(side_data(100, 1e-4)[2][T - 1])  # the id both sides chose last
     for mode, stop in (("prefill", T - 1), ("decode", T - 1)):
         doc = load(base / mode / "metadata.json")
-        doc.update(gen_len=T + 10, eos_at_token=stop)
+        doc.update(gen_len=T + 10, eos_at_token=stop, eos_token_id=eos)
         (base / mode / "metadata.json").write_text(json.dumps(doc))
     summary, _ = analyze_tree(root, seeds=[0])
     assert summary["global_verdict"] == "PASS_GUARDRAIL"

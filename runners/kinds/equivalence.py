@@ -697,6 +697,15 @@ class EquivalenceKind(Kind):
             print(f"tracedeck: {exc}", file=sys.stderr)
             return EXIT_USAGE
         out = Path(getattr(args, "output", None) or path)
+        linked = _linked_out(out)
+        if linked is not None:
+            print(
+                f"tracedeck: {linked}: a link out of {out} (to {linked.resolve()}); analyze "
+                "writes its documents into the tree only, never through a link into another "
+                "place (nothing was written): remove the link or name another --output",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE
         held = _held_on_host(path)
         if held:
             print(
@@ -806,6 +815,16 @@ def _threshold_args(items: list[str]) -> dict[str, float] | None:
         except ValueError:
             raise ValueError(f"--threshold {item!r}: {value!r} is not a number") from None
     return out
+
+
+def _linked_out(out: Path) -> Path | None:
+    """A directory analyze writes into under `out` that is a link, or leads out of `out`."""
+    metrics = out / "metrics"
+    inside = out.resolve()
+    for p in [metrics, *(sorted(metrics.iterdir()) if metrics.is_dir() else [])]:
+        if p.is_symlink() or (p.exists() and not p.resolve().is_relative_to(inside)):
+            return p
+    return None
 
 
 def _held_on_host(root: Path) -> list[str]:

@@ -23,10 +23,12 @@ from analysis.readout import (
     compare_kept,
     format_table,
     kept_facts,
+    load_record,
     overall,
     to_json,
 )
 from analysis.run_compare import Item
+from runners.cells import CellState
 from runners.events import ArtifactFetched, Error, Event, RunFinished, TraceBatch, event
 from runners.exits import EXIT_FAIL, EXIT_INFRA, EXIT_PASS, EXIT_USAGE
 from runners.kind import ENGINE_ERROR, Digest, Ending, Judge, JudgeContext, Kind, KindPrinter
@@ -97,6 +99,7 @@ class ReadoutJudge(Judge):
         self.prompt_names: list[str] = list(section["prompts"])
         self.params = {c.index: c.params for c in ctx.cells}
         self.named: dict[str, int] = {}  # file -> prefill_last lines named so far
+        self.opened: dict[int, int] = {}  # cell -> prefill_last lines it wrote (judged)
 
     def name_for(self, cell: int, file: str) -> str | None:
         """The preset's name for the next prompt of a file: [readout] prompts in order, else
@@ -116,7 +119,7 @@ class ReadoutJudge(Judge):
             if not raw.strip():
                 continue
             try:
-                record = orjson.loads(raw)
+                record = load_record(raw, n, file)
                 name = None
                 if isinstance(record, dict) and _is_prefill(record):
                     name = self.name_for(cell, file)
@@ -130,12 +133,26 @@ class ReadoutJudge(Judge):
                 continue
             table.apply(fact, file)
             facts.append(fact)
+            self.opened[cell] = self.opened.get(cell, 0) + (fact[0] == "p")
         return Digest({"facts": facts} if facts else None, errors)
 
     def apply_digest(self, event: TraceBatch) -> None:
         self.book.fold(event)
         prefills = sum(1 for fact in (event.digest or {}).get("facts", []) if fact[0] == "p")
         self.named[event.file] = self.named.get(event.file, 0) + prefills
+        self.opened[event.cell] = self.opened.get(event.cell, 0) + prefills
+
+    def silent_cells(self) -> list[str]:
+        """Cells that passed without one prefill_last line judged: their prompts never were."""
+        return [
+            f"cell {c.index + 1} ({' '.join(f'{k}={v}' for k, v in c.params.items())}) passed "
+            "but wrote no prefill_last line that was judged: its prompt has no row, so the run "
+            "cannot be OK"
+            for c in self.ctx.cells
+            if (done := self.finished.get(c.index)) is not None
+            and done.state == CellState.PASSED
+            and not self.opened.get(c.index)
+        ]
 
     def kept_problems(self) -> list[str]:
         """Followed traces whose kept copy (the fetched artifact) says something else than the
@@ -166,7 +183,9 @@ class ReadoutJudge(Judge):
         verdict, reason = overall(rows)
         engine = self.engine_errors()
         # (a crashed cell's trace may never have been fetched again: its copy is not compared)
-        errors = [e.message for e in self.errors] + ([] if engine else self.kept_problems())
+        errors = [e.message for e in self.errors] + (
+            [] if engine else self.kept_problems() + self.silent_cells()
+        )
         ok = verdict == VERDICT_OK and self.cells_ok() and not errors
         if errors:
             reason = f"{len(errors)} problem(s) with the trace: {errors[0]}; rows: {reason}"
