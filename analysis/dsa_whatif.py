@@ -253,10 +253,11 @@ class SizeAgg:
 
     block_size: int
     records: int = 0
-    unique_blocks: Counter[int] = field(default_factory=Counter)
+    # integer histograms as arrays (hist[v]: how many), grown as needed: no Python loop a chunk
+    unique_blocks: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     ratio: Counter[float] = field(default_factory=Counter)
     ratio_sum: float = 0.0
-    tpb: Counter[int] = field(default_factory=Counter)  # pooled over touched blocks
+    tpb: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # over touched blocks
     tpb_p50: Counter[float] = field(default_factory=Counter)
     inter_ratio: Counter[float] = field(default_factory=Counter)
     inter_sum: float = 0.0
@@ -265,11 +266,11 @@ class SizeAgg:
 
     def add(self, rows: Rows) -> None:
         self.records += len(rows.unique_blocks)
-        _bump_ints(self.unique_blocks, rows.unique_blocks)
+        self.unique_blocks = _bump_ints(self.unique_blocks, rows.unique_blocks)
         r = np.round(rows.ratio, RATIO_DIGITS)
         _bump(self.ratio, r)
         self.ratio_sum += float(rows.ratio.sum())
-        _bump_ints(self.tpb, rows.counts.flat)
+        self.tpb = _bump_ints(self.tpb, rows.counts.flat)
         _bump(self.tpb_p50, rows.tpb_p50)
         known = np.isfinite(rows.inter_ratio)
         self.prefix_undetermined += int((~known).sum())
@@ -279,7 +280,8 @@ class SizeAgg:
         self.bytes_total += int(rows.bytes_read.sum())
 
     def result(self, bpt: int | None) -> dict[str, Any]:
-        ub = stats(self.unique_blocks)
+        unique_blocks = _counter(self.unique_blocks)
+        ub = stats(unique_blocks)
         nbytes = None
         if bpt is not None and ub["count"]:
             per = self.block_size * bpt
@@ -290,14 +292,14 @@ class SizeAgg:
             "records": self.records,
             "unique_blocks": ub,
             "touched_block_ratio": stats(self.ratio, self.ratio_sum),
-            "tokens_per_touched_block": stats(self.tpb),
+            "tokens_per_touched_block": stats(_counter(self.tpb)),
             "tokens_per_touched_block_p50": stats(self.tpb_p50),
             "bytes_read": nbytes,
             "prefix_intersection_ratio": stats(self.inter_ratio, self.inter_sum),
             "prefix_undetermined": self.prefix_undetermined,
             "hist": {
                 "touched_block_ratio": histogram(self.ratio, 0.0, 1.0),
-                "unique_blocks": histogram(self.unique_blocks),
+                "unique_blocks": histogram(unique_blocks),
             },
         }
 
@@ -310,12 +312,18 @@ def _bump(counter: Counter[Any], values: np.ndarray) -> None:
         counter[v] += c
 
 
-def _bump_ints(counter: Counter[int], values: np.ndarray) -> None:
+def _bump_ints(hist: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """hist with values (non-negative integers) counted in."""
     if len(values) == 0:
-        return
-    hist = np.bincount(values)
-    for v in np.flatnonzero(hist).tolist():
-        counter[v] += int(hist[v])
+        return hist
+    more = np.bincount(values, minlength=len(hist))
+    more[: len(hist)] += hist
+    return more
+
+
+def _counter(hist: np.ndarray) -> Counter[int]:
+    nz = np.flatnonzero(hist)
+    return Counter(dict(zip(nz.tolist(), hist[nz].tolist(), strict=True)))
 
 
 def stats(counter: Counter[Any], total: float | None = None) -> dict[str, Any]:
