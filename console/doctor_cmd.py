@@ -9,6 +9,9 @@ from pathlib import Path
 
 from runners.exits import EXIT_INFRA
 
+# What the console itself imports (runners names no UI package: the import contract).
+CONSOLE_PACKAGES = ("textual", "asyncssh", "orjson", "numpy")
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     doctor = sub.add_parser(
@@ -33,7 +36,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from runners.session import default_out_dir
 
     out_dir = args.out or default_out_dir()
-    here = check_here(out_dir)
+    here = check_here(out_dir, CONSOLE_PACKAGES)
     there = asyncio.run(check_target(args.target, out_dir))
     problems = here.problems + there.problems
     if args.json:

@@ -29,7 +29,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     export.add_argument("--topk", type=int, help="top-k when summary.json does not say")
 
     dsa = sub.add_parser("dsa", help="DSA trace data tools: block-size what-if, KV-tier simulator")
-    tools = dsa.add_subparsers(dest="dsa_command", required=True)
+    tools = dsa.add_subparsers(
+        dest="dsa_command", required=True, help="whatif (block sizes) or tiers (KV tiers)"
+    )
     whatif = tools.add_parser(
         "whatif", help="seed 004's block fields recomputed at other block sizes, from one trace"
     )

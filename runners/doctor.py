@@ -17,16 +17,16 @@ from runners.dryrun import OK, PROBLEM, WARN, Checked, check, preview
 from runners.presets import SHIPPED_DIR, PresetError, load_preset
 
 PROBE_PRESET = "b3_67_smoke"
-CONSOLE_PACKAGES = ("textual", "asyncssh", "orjson", "numpy")
 FREE_MIN = 1 << 30  # less than this free under the records is a warning
 
 
-def check_here(out_dir: Path) -> Checked:
-    """This machine as the console's: Python, packages, the config, ~/.ssh, the records."""
+def check_here(out_dir: Path, packages: tuple[str, ...]) -> Checked:
+    """This machine as the console's: Python, `packages` (the console's), the config, ~/.ssh, the
+    records."""
     out = Checked()
     version = ".".join(str(v) for v in sys.version_info[:3])
     out.add(OK, "python", f"{sys.executable} is Python {version}")
-    missing = [name for name in CONSOLE_PACKAGES if importlib.util.find_spec(name) is None]
+    missing = [name for name in packages if importlib.util.find_spec(name) is None]
     if missing:
         out.add(
             PROBLEM,
@@ -34,7 +34,7 @@ def check_here(out_dir: Path) -> Checked:
             f"missing {', '.join(missing)}: reinstall (bash scripts/install.sh, or pip install -e .)",
         )
     else:
-        out.add(OK, "packages", f"{', '.join(CONSOLE_PACKAGES)} are there")
+        out.add(OK, "packages", f"{', '.join(packages)} are there")
     try:
         from runners.config import config_path, load_config
 

@@ -47,7 +47,10 @@ JOB_SH = r"""#!/bin/bash
 # Written by tracedeck: one task of the run's job array runs one cell, under the node's lock.
 cd {run_dir} || exit 70
 export TRACEDECK_RUN_ID={run_id}
-run_lock={lock}
+# The tasks of one array share the node's lock (one holds it, the others wait with it open), so a
+# task's leftovers are found by their marker and by descent alone, never by holding the lock: that
+# would reap the next task waiting its turn. Slurm's process tracking ends what a task leaves.
+run_lock=
 cell=${{1:-$(printf '%03d' "${{SLURM_ARRAY_TASK_ID:?not an array task}}")}}
 now() {{ date +%s.%N; }}
 ev() {{ printf '%s\n' "$1" >> "cells/$cell/progress.jsonl"; }}
