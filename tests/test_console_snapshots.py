@@ -11,7 +11,9 @@ from pathlib import Path
 
 import orjson
 import pytest
+from rich.text import Text
 from textual.pilot import Pilot
+from textual.widgets import DataTable
 
 from console.app import create_app
 from console.panels.readout import TracesScreen
@@ -36,6 +38,15 @@ def out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 # What a loaded 2-core machine may need; only a failing test waits it out.
 LOADED_S = 60.0
+
+
+def columns_fit(table: DataTable) -> bool:
+    """Every column of `table` is measured as wide as its widest cell (nothing cut for now)."""
+    for key, column in table.columns.items():
+        cells = [v.cell_len if isinstance(v, Text) else len(str(v)) for v in table.get_column(key)]
+        if column.content_width < max(cells, default=0):
+            return False
+    return True
 
 
 async def until(pilot: Pilot, condition, timeout: float = LOADED_S) -> None:  # noqa: ANN001
