@@ -18,11 +18,9 @@ from typing import Any
 import numpy as np
 
 from analysis.dsa_checks import Context, Derived, check_batch, explain
-from analysis.dsa_record import MAX_SEQ, Batch, Fail, read_batch
-from analysis.dsa_stream import DEFAULT_TOPK, dir_block_size
+from analysis.dsa_record import Batch, Fail, read_batch
+from analysis.dsa_stream import DEFAULT_TOPK, dir_block_size, row_runs
 from analysis.dsa_tree import READ_CHUNK, block_dirs, complete_lines, read_summary, shard_files
-
-CHUNK_BINS = 1 << 22  # occupancy bins per check_batch call (as the validator)
 
 
 @dataclass
@@ -130,7 +128,7 @@ def _judge(info: TraceInfo, path: Path, lines: list[bytes], first: int) -> Itera
         info.bytes_per_token = learn_bytes(batch.col, bs)
     ctx = Context(info.topk, bs, info.bytes_per_token)
     bad = list(batch.bad)
-    for r0, r1 in _row_runs(batch, bs):
+    for r0, r1 in row_runs(batch, bs):
         sub = batch if (r0, r1) == (0, n) else batch.sub(r0, r1)
         d = check_batch(sub, ctx)
         # the unreadable lines go with the run whose lines surround them (all with the last)
@@ -151,25 +149,6 @@ def learn_bytes(c: dict[str, np.ndarray], bs: int) -> int | None:
             per = int(ub) * bs
             return int(nbytes // per) if nbytes % per == 0 else None
     return None
-
-
-def _row_runs(batch: Batch, bs: int) -> list[tuple[int, int]]:
-    """Rows in runs whose occupancy bins stay under CHUNK_BINS (bounded memory)."""
-    n = len(batch)
-    if not n:
-        return []
-    seq = np.clip(batch.col["seq"], 1, MAX_SEQ)
-    span = (-(-seq // bs)) * bs
-    if int(span.sum()) <= CHUNK_BINS:
-        return [(0, n)]
-    out, r0, acc = [], 0, 0
-    for r, s in enumerate(span.tolist()):
-        if acc and acc + s > CHUNK_BINS:
-            out.append((r0, r))
-            r0, acc = r, 0
-        acc += s
-    out.append((r0, n))
-    return out
 
 
 def trace_folders(root: Path) -> list[Path]:

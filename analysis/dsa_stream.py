@@ -705,23 +705,31 @@ def shard_problems(files: list[str], requests: int | None) -> list[dict[str, Any
 CHUNK_BINS = 1 << 22  # positions' occupancy bins per check_batch call (32 MB)
 
 
-def _chunks(batch: Batch, bs: int) -> list[tuple[int, Batch]]:
-    """Rows in runs whose occupancy (sum of their spans) stays under CHUNK_BINS."""
+def row_runs(batch: Batch, bs: int) -> list[tuple[int, int]]:
+    """Rows in runs [r0, r1) whose occupancy (sum of their spans) stays under CHUNK_BINS."""
     n = len(batch)
     if not n:
         return []
     seq = np.clip(batch.col["seq"], 1, MAX_SEQ)
     span = (-(-seq // bs)) * bs
     if int(span.sum()) <= CHUNK_BINS:
-        return [(0, batch)]
+        return [(0, n)]
     out, r0, acc = [], 0, 0
     for r, s in enumerate(span.tolist()):
         if acc and acc + s > CHUNK_BINS:
-            out.append((r0, batch.sub(r0, r)))
+            out.append((r0, r))
             r0, acc = r, 0
         acc += s
-    out.append((r0, batch.sub(r0, n)))
+    out.append((r0, n))
     return out
+
+
+def _chunks(batch: Batch, bs: int) -> list[tuple[int, Batch]]:
+    """The row runs of row_runs as sub-batches (the batch itself when it is one run)."""
+    runs = row_runs(batch, bs)
+    if runs == [(0, len(batch))]:
+        return [(0, batch)]
+    return [(r0, batch.sub(r0, r1)) for r0, r1 in runs]
 
 
 def _explain(derived: list[tuple[int, Batch, Any]], row: int) -> Fail:
