@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from runners.exits import EXIT_USAGE
 
@@ -225,22 +227,38 @@ def cmd_whatif(args: argparse.Namespace) -> int:
     except ValueError as exc:
         _err(str(exc))
         return EXIT_USAGE
+    return _each_folder(
+        args,
+        lambda folder: whatif_dir(str(folder), sizes, args.topk),
+        format_whatif,
+        "no valid dsa_topk record to recompute from",
+    )
+
+
+def _each_folder(
+    args: argparse.Namespace,
+    compute: Callable[[Path], dict[str, Any]],
+    fmt: Callable[[dict[str, Any]], str],
+    nothing: str,
+) -> int:
+    """compute() each block folder of args.dir, print the results (JSON or text); a folder that
+    cannot be read, or no valid record anywhere, is a usage error."""
     folders = _folders(args.dir)
     if folders is None:
         return EXIT_USAGE
     results = []
     for folder in folders:
         try:
-            results.append(whatif_dir(str(folder), sizes, args.topk))
+            results.append(compute(folder))
         except ValueError as exc:
             _err(str(exc))
             return EXIT_USAGE
     if args.json:
         print(json.dumps({"dirs": results}, indent=1))
     else:
-        print("\n\n".join(format_whatif(r) for r in results))
+        print("\n\n".join(fmt(r) for r in results))
     if not any(r["used"] for r in results):
-        _err("no valid dsa_topk record to recompute from (`tracedeck analyze DIR` says why)")
+        _err(f"{nothing} (`tracedeck analyze DIR` says why)")
         return EXIT_USAGE
     return 0
 
@@ -271,32 +289,17 @@ def cmd_tiers(args: argparse.Namespace) -> int:
     if args.remote_latency_us < 0 or args.bandwidth_gbs <= 0:
         _err("--remote-latency-us must be >= 0 and --bandwidth-gbs > 0")
         return EXIT_USAGE
-    folders = _folders(args.dir)
-    if folders is None:
-        return EXIT_USAGE
-    results = []
-    for folder in folders:
-        try:
-            info = trace_info(folder, args.topk)
-        except ValueError as exc:
-            _err(str(exc))
-            return EXIT_USAGE
-        results.append(
-            tiers_dir(
-                info,
-                caps,
-                args.policy,
-                block_size=args.block_size,
-                bytes_per_token=args.kv_bytes_per_token,
-                remote_latency_us=args.remote_latency_us,
-                bandwidth_gbs=args.bandwidth_gbs,
-            )
-        )
-    if args.json:
-        print(json.dumps({"dirs": results}, indent=1))
-    else:
-        print("\n\n".join(format_tiers(r) for r in results))
-    if not any(r["used"] for r in results):
-        _err("no valid dsa_topk record to replay (`tracedeck analyze DIR` says why)")
-        return EXIT_USAGE
-    return 0
+    return _each_folder(
+        args,
+        lambda folder: tiers_dir(
+            trace_info(folder, args.topk),
+            caps,
+            args.policy,
+            block_size=args.block_size,
+            bytes_per_token=args.kv_bytes_per_token,
+            remote_latency_us=args.remote_latency_us,
+            bandwidth_gbs=args.bandwidth_gbs,
+        ),
+        format_tiers,
+        "no valid dsa_topk record to replay",
+    )
