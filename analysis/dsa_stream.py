@@ -16,6 +16,7 @@ batch (counts, aggregates, the state it changed) and `apply` rebuilds the same s
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,6 +110,25 @@ def _before(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return a["file"] == b["file"] and (a["line"] or 0) < (b["line"] or 0)
 
 
+# The columns the cross-record checks read (a checked chunk carries only these).
+_CROSS_COLS = ("request", "layer", "step", "latency", "hit", "pcb", "world", "seq")
+
+
+@dataclass
+class Checked:
+    """One chunk after TraceStream.check(): what absorb() needs, a few columns per record (no
+    positions), small enough to come from another process."""
+
+    lines: int  # lines in the chunk
+    first_line: int
+    view: Batch  # lines, names, bad and the _CROSS_COLS columns
+    lens: np.ndarray  # positions selected per row (the top-k claims)
+    valid: np.ndarray  # per row: passes every per-record check
+    fps: np.ndarray  # per row: fingerprints (-1: invalid)
+    why: dict[int, Fail]  # row -> its per-record failure (every row not valid)
+    summary: list[dict[str, Any]]  # the valid rows' aggregate increments, per row run
+
+
 @dataclass
 class Request:
     """What the cross-record checks keep per request (never its records)."""
@@ -173,6 +193,8 @@ class TraceStream:
     first: dict[str, Any] | None = None
     late: list[dict[str, Any]] = field(default_factory=list)
     late_invalid: int = 0
+    live_view: bool = True  # False: no LiveAgg (the console's view; `analyze` shows none)
+    marks: list[tuple[str, int]] | None = None  # a list: each record found invalid, in order
 
     def __post_init__(self) -> None:
         # layers not given: each step's layer count is tallied and judged by the majority at
@@ -188,7 +210,6 @@ class TraceStream:
     def feed(self, file: str, lines: list[bytes], first_line: int) -> dict[str, Any]:
         """Judge and fold a batch of one file's lines; returns its digest (JSON-ready)."""
         batch = read_batch(lines, first_line)
-        self.files[file] = self.files.get(file, 0) + len(lines)
         n = len(batch)
         if self.block_size is None:
             self.block_size = dir_block_size(file) or (int(batch.col["bs"][0]) if n else None)
@@ -196,10 +217,94 @@ class TraceStream:
         if n and self.bytes_per_token is None:
             self._learn_bytes(batch.col, bs)
         ctx = Context(self.topk, bs, self.bytes_per_token)
-        chunks = _chunks(batch, bs)
-        derived = [(r0, sub, check_batch(sub, ctx)) for r0, sub in chunks]
+        derived = [(r0, sub, check_batch(sub, ctx)) for r0, sub in _chunks(batch, bs)]
         valid = np.concatenate([d.code == 0 for _, _, d in derived]) if n else np.ones(0, bool)
         fps = np.where(valid, fingerprints(batch.pos), -1) if n else np.zeros(0, np.int64)
+        digest, touched = self._fold(
+            file, len(lines), batch, batch.pos.lens, valid, fps, lambda r: _explain(derived, r)
+        )
+        incs, live = [], []
+        for r0, sub, d in derived:
+            keep = valid[r0 : r0 + len(sub)]
+            if keep.any():
+                incs.append(self._aggregate(sub, d, keep))
+                if self.live_view:
+                    live.append(self.live.increment(sub.col, d, np.flatnonzero(keep), bs))
+        if incs:
+            digest["summary"] = incs[0] if len(incs) == 1 else _merge(incs)
+            if self.live_view:
+                digest["live"] = live
+        digest["state"] = self._delta(touched)
+        return digest
+
+    def check(self, lines: list[bytes], first_line: int) -> Checked:
+        """feed()'s per-record half, for a trace whose block size and KV bytes per token are
+        known: parse, every per-record check, the fingerprints, the valid records' aggregate
+        increments. It needs nothing from the batches before, so another process can run it;
+        absorb() then does the rest, in the trace's order."""
+        assert self.block_size is not None and self.bytes_per_token is not None
+        batch = read_batch(lines, first_line)
+        n = len(batch)
+        bs = self.block_size or 1
+        ctx = Context(self.topk, bs, self.bytes_per_token)
+        derived = [(r0, sub, check_batch(sub, ctx)) for r0, sub in _chunks(batch, bs)]
+        valid = np.concatenate([d.code == 0 for _, _, d in derived]) if n else np.ones(0, bool)
+        fps = np.where(valid, fingerprints(batch.pos), -1) if n else np.zeros(0, np.int64)
+        why = {r: _explain(derived, r) for r in np.flatnonzero(~valid).tolist()}
+        incs = []
+        for r0, sub, d in derived:
+            keep = valid[r0 : r0 + len(sub)]
+            if keep.any():
+                incs.append(self._aggregate(sub, d, keep))
+        view = Batch(
+            lines=batch.lines,
+            names=batch.names,
+            bad=batch.bad,
+            col={k: batch.col[k] for k in _CROSS_COLS if k in batch.col},
+        )
+        return Checked(len(lines), first_line, view, batch.pos.lens, valid, fps, why, incs)
+
+    def absorb(self, file: str, got: Checked, reread: Callable[[], list[bytes]]) -> dict[str, Any]:
+        """feed()'s cross-record half of a chunk check() did (the same digest, less the live
+        view's increments). A record valid on its own that a cross-record check fails leaves
+        the aggregates: the chunk's increments are then made again without it, from its lines
+        (reread)."""
+        valid = got.valid.copy()
+        digest, touched = self._fold(
+            file, got.lines, got.view, got.lens, valid, got.fps, got.why.__getitem__
+        )
+        incs = got.summary
+        if (valid != got.valid).any():
+            batch = read_batch(reread(), got.first_line)
+            bs = self.block_size or 1
+            ctx = Context(self.topk, bs, self.bytes_per_token)
+            incs = []
+            for r0, sub in _chunks(batch, bs):
+                keep = valid[r0 : r0 + len(sub)]
+                if keep.any():
+                    incs.append(self._aggregate(sub, check_batch(sub, ctx), keep))
+        else:
+            for inc in incs:
+                self.summary.apply(inc)
+        if incs:
+            digest["summary"] = incs[0] if len(incs) == 1 else _merge(incs)
+        digest["state"] = self._delta(touched)
+        return digest
+
+    def _fold(
+        self,
+        file: str,
+        nlines: int,
+        batch: Batch,
+        lens: np.ndarray,
+        valid: np.ndarray,
+        fps: np.ndarray,
+        explain_row: Callable[[int], Fail],
+    ) -> tuple[dict[str, Any], dict[int, None]]:
+        """The cross-record checks of a checked batch, in line order (valid: per row, made
+        False where they fail); the digest so far and the requests touched."""
+        self.files[file] = self.files.get(file, 0) + nlines
+        n = len(batch)
         shard = shard_range(file)
         first: dict[str, Any] | None = None
         touched: dict[int, None] = {}
@@ -229,11 +334,11 @@ class TraceStream:
             if fail is not None:
                 valid[r] = False
             elif not valid[r] and (first is None or line < first["line"]):
-                fail = _explain(derived, r)
+                fail = explain_row(r)
             if fail is not None and (first is None or line < first["line"]):
                 first = problem(file, line, ident, fail)
         if self.topk is None and n:
-            self._witness(file, batch, valid, votes)
+            self._witness(file, batch, lens, valid, votes)
         for name, got in votes.items():
             mine = self.votes.setdefault(name, {})
             for key, (count, *where) in got.items():
@@ -243,33 +348,32 @@ class TraceStream:
         if late and (first is None or _before(late[0], first)):
             first = late[0]
         bad = len(batch.bad) + int((~valid).sum()) + late_bad
-        self.records += len(lines)
+        self.records += nlines
         self.invalid += bad
         if self.first is None and first is not None:
             self.first = first
-        digest: dict[str, Any] = {"records": len(lines), "invalid": bad}
+        if self.marks is not None:
+            rows = np.flatnonzero(~valid).tolist()
+            marked = sorted([b[0] for b in batch.bad] + [batch.lines[r] for r in rows])
+            self.marks += [(file, line) for line in marked]
+        digest: dict[str, Any] = {"records": nlines, "invalid": bad}
         if first is not None:
             digest["first"] = first
         if votes:
             digest["votes"] = votes
-        incs, live = [], []
-        for r0, sub, d in derived:
-            keep = valid[r0 : r0 + len(sub)]
-            if keep.any():
-                incs.append(self._aggregate(sub, d, keep))
-                live.append(self.live.increment(sub.col, d, np.flatnonzero(keep), bs))
-        if incs:
-            digest["summary"] = incs[0] if len(incs) == 1 else _merge(incs)
-            digest["live"] = live
-        digest["state"] = self._delta(touched)
-        return digest
+        return digest, touched
 
     def _witness(
-        self, file: str, batch: Batch, valid: np.ndarray, votes: dict[str, dict[str, list[Any]]]
+        self,
+        file: str,
+        batch: Batch,
+        lens: np.ndarray,
+        valid: np.ndarray,
+        votes: dict[str, dict[str, list[Any]]],
     ) -> None:
         """Tally what each valid record says of the top-k (the top-k is not known yet)."""
         c = batch.col
-        lens, seq = batch.pos.lens, c["seq"]
+        seq = c["seq"]
         for r in np.flatnonzero(valid).tolist():
             where = [file, batch.lines[r], int(c["request"][r]), int(c["layer"][r]), int(c["step"][r])]  # fmt: skip
             if lens[r] < seq[r]:

@@ -65,14 +65,23 @@ def stray_shards(folder: Path, shards: list[Path]) -> list[Path]:
     )
 
 
-def analyze_dir(root: Path, topk: int | None = None, layers: int | None = None) -> dict[str, Any]:
-    """Judge every block directory under root; the result is JSON-ready."""
-    results = [analyze_block(folder, topk, layers) for folder in block_dirs(Path(root))]
+def analyze_dir(
+    root: Path, topk: int | None = None, layers: int | None = None, workers: int = 1
+) -> dict[str, Any]:
+    """Judge every block directory under root; the result is JSON-ready. workers >= 2: each
+    directory's chunks are checked by that many processes (the same result)."""
+    results = [analyze_block(folder, topk, layers, workers) for folder in block_dirs(Path(root))]
     ok = all(r["verdict"] == TRACE_OK for r in results)
     return {"verdict": TRACE_OK if ok else TRACE_INVALID, "dirs": results}
 
 
-def analyze_block(folder: Path, topk: int | None, layers: int | None) -> dict[str, Any]:
+def analyze_block(
+    folder: Path,
+    topk: int | None,
+    layers: int | None,
+    workers: int = 1,
+    chunk: int = READ_CHUNK,
+) -> dict[str, Any]:
     engine, why = read_summary(folder / "summary.json")
     config = engine.get("config", {}) if isinstance(engine.get("config"), dict) else {}
     if topk is not None:
@@ -87,6 +96,7 @@ def analyze_block(folder: Path, topk: int | None, layers: int | None) -> dict[st
         block_size=dir_block_size(str(folder / "x")) or _int(config.get("kv_block_size_tokens")),
         bytes_per_token=_int0(config.get("kv_bytes_per_token")),
         topk_source=source,
+        live_view=False,
     )
     files = shard_files(folder)
     problems: list[dict[str, Any]] = []
@@ -104,10 +114,15 @@ def analyze_block(folder: Path, topk: int | None, layers: int | None) -> dict[st
                 ),
             )
         )
-    for path in files:
-        torn = feed_file(stream, path)
-        if torn is not None:
-            problems.append(torn)
+    if workers >= 2:
+        from analysis.dsa_parallel import feed_files
+
+        problems += feed_files(stream, files, workers, chunk)
+    else:
+        for path in files:
+            torn = feed_file(stream, path, chunk)
+            if torn is not None:
+                problems.append(torn)
     result = trace_verdict(
         str(folder), stream, engine, why, [str(p) for p in files], serving_stats(folder / SERVING)
     )
@@ -226,24 +241,55 @@ def complete_lines(path: Path, chunk: int = READ_CHUNK) -> Iterator[tuple[int, l
         yield line_no, [rest], True
 
 
+def chunk_spans(path: Path, chunk: int = READ_CHUNK) -> Iterator[tuple[int, int, int, bool]]:
+    """complete_lines' chunks, found but not split: (byte offset, size without the last
+    newline, first line's number, torn). read_span gives the same lines."""
+    line_no = 1
+    start = at = 0  # the next chunk's first byte; the bytes read so far
+    with open(path, "rb") as fh:
+        while data := fh.read(chunk):
+            at += len(data)
+            cut = data.rfind(b"\n")
+            if cut < 0:
+                continue  # no newline yet: the chunk goes on (as complete_lines' rest)
+            end = at - len(data) + cut
+            yield start, end - start, line_no, False
+            line_no += data.count(b"\n", 0, cut) + 1  # the carried bytes hold no newline
+            start = end + 1
+    if at > start:
+        yield start, at - start, line_no, True
+
+
+def read_span(path: Path, offset: int, size: int) -> list[bytes]:
+    """The lines of one chunk_spans chunk."""
+    with open(path, "rb") as fh:
+        fh.seek(offset)
+        return fh.read(size).split(b"\n")
+
+
 def feed_file(stream: TraceStream, path: Path, chunk: int = READ_CHUNK) -> dict[str, Any] | None:
     """Stream one shard through the judge in bounded chunks; a torn last line is a problem."""
     for line_no, lines, torn in complete_lines(path, chunk):
         if not torn:
             stream.feed(str(path), lines, line_no)
             continue
-        fail = Fail(
-            "record",
-            "a complete line ending in a newline",
-            f"{len(lines[0])} bytes with no newline (the writer stopped mid-line)",
-        )
-        stream.records += 1
-        stream.invalid += 1
-        found = problem(str(path), line_no, None, fail)
-        if stream.first is None:
-            stream.first = found
-        return found
+        return torn_line(stream, path, line_no, len(lines[0]))
     return None
+
+
+def torn_line(stream: TraceStream, path: Path, line_no: int, size: int) -> dict[str, Any]:
+    """A last line with no newline: one invalid record, and its problem."""
+    fail = Fail(
+        "record",
+        "a complete line ending in a newline",
+        f"{size} bytes with no newline (the writer stopped mid-line)",
+    )
+    stream.records += 1
+    stream.invalid += 1
+    found = problem(str(path), line_no, None, fail)
+    if stream.first is None:
+        stream.first = found
+    return found
 
 
 def read_summary(path: Path) -> tuple[dict[str, Any], str]:

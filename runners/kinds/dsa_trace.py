@@ -364,11 +364,18 @@ class DsaTraceKind(Kind):
                 f"tracedeck: {self.name} analyze writes no file; --output is not used",
                 file=sys.stderr,
             )
+        from analysis.dsa_parallel import WorkerError
+        from runners.resources import judge_workers
+
+        workers = judge_workers(getattr(args, "workers", None))
         try:
-            result = analyze_dir(path, args.dsa_topk, args.dsa_layers)
+            result = analyze_dir(path, args.dsa_topk, args.dsa_layers, workers)
         except (NotATrace, OSError) as exc:
             print(f"tracedeck: {exc}", file=sys.stderr)
             return EXIT_USAGE
+        except WorkerError as exc:
+            print(f"tracedeck: {path}: not judged: {exc}", file=sys.stderr)
+            return EXIT_INFRA
         if args.json:
             print(json.dumps(result, indent=2))
         else:

@@ -681,7 +681,8 @@ class EquivalenceKind(Kind):
         parser.add_argument(
             "--workers",
             type=_positive_int,
-            help="B3.67: processes judging at once (default: as many as cores and memory allow)",
+            help="B3.67 and DSA: processes judging at once (default: as many as cores and "
+            "memory allow)",
         )
 
     def analyze(self, path: Path, args: argparse.Namespace) -> int:

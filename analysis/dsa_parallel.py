@@ -1,0 +1,274 @@
+"""A DSA trace judged on several cores: the per-record half of each chunk (parse, every
+per-record check, fingerprints, aggregates: most of the work) runs in worker processes, while
+this process folds their results through the cross-record checks in the trace's order
+(TraceStream.check, TraceStream.absorb). The chunks are feed_file's own (chunk_spans), and a
+worker does for a chunk only what feed() does with it alone, so the counts, the first failure,
+every problem and every record's mark are the single-process path's.
+
+Parsing holds the GIL, so the workers are processes: plain `python -c` children, like the
+B3.67 side reader (analysis.parallel, whose HELPER_COMMAND a judge on a target sets), fed one
+chunk's place (file, offset, size) at a time over a pipe. At most two chunks wait per worker
+(memory stays a few chunks' columns, whatever the trace's size). A worker that dies, or says
+anything but a checked chunk, is a WorkerError (never a pass, never a chunk skipped).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import struct
+import subprocess
+import sys
+import threading
+from collections import deque
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from analysis import parallel
+from analysis.dsa_stream import Checked, TraceStream
+from analysis.dsa_tree import READ_CHUNK, chunk_spans, read_span, torn_line
+
+_FRAME = struct.Struct("<cQ")  # tag, payload length
+_CHUNK, _ERROR = b"C", b"E"
+_CHILD = "import sys; from analysis.dsa_parallel import main; sys.exit(main(sys.argv[1:]))"
+AHEAD = 2  # chunks handed to a worker before its oldest one is folded
+
+
+class WorkerError(RuntimeError):
+    """A worker process died or failed: the trace was not judged (an infrastructure error)."""
+
+
+def serve(stdin: BinaryIO, stdout: BinaryIO) -> None:
+    """In a worker: the stream's constants, then (path, offset, size, first line) per chunk;
+    each chunk's Checked back, or the error that stopped it."""
+    consts = _read_frame(stdin)
+    if consts is None:
+        return
+    stream = TraceStream(**pickle.loads(consts[1]), live_view=False)
+    while (frame := _read_frame(stdin)) is not None:
+        path, offset, size, first_line = pickle.loads(frame[1])
+        try:
+            got = stream.check(read_span(Path(path), offset, size), first_line)
+            tag, payload = _CHUNK, pickle.dumps(got, protocol=pickle.HIGHEST_PROTOCOL)
+        except BaseException as exc:  # the caller must hear of it, never wait on it
+            tag, payload = _ERROR, f"{path}:{first_line}: {exc!r}".encode()
+        stdout.write(_FRAME.pack(tag, len(payload)))
+        stdout.write(payload)
+        stdout.flush()
+        if tag == _ERROR:
+            return
+
+
+def main(argv: list[str]) -> int:
+    """A worker (python -c _CHILD, or runners/hosted/boot.py's entry)."""
+    with contextlib.suppress(BrokenPipeError):  # the caller stopped (an error elsewhere)
+        serve(sys.stdin.buffer, sys.stdout.buffer)
+    return 0
+
+
+def _read_frame(stream: BinaryIO) -> tuple[bytes, bytes] | None:
+    head = stream.read(_FRAME.size)
+    if len(head) != _FRAME.size:
+        return None
+    tag, size = _FRAME.unpack(head)
+    payload = stream.read(size)
+    return (tag, payload) if len(payload) == size else None
+
+
+class _Worker:
+    """One worker process and this side's ends of its two pipes."""
+
+    def __init__(
+        self, pid: int, stdin: BinaryIO, stdout: BinaryIO, stderr: BinaryIO | None
+    ) -> None:
+        self.pid = pid
+        self.stdin = stdin
+        self.stdout = stdout
+        self.stderr = stderr  # a spawned worker's; a forked one writes to this process's
+        self.status: int | None = None
+
+    def wait(self, kill: bool = False) -> int:
+        if self.status is None:
+            if kill:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.pid, signal.SIGKILL)
+            self.status = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.status
+
+
+class Workers:
+    """Worker processes that check chunks for one stream's constants, in the order given.
+
+    Forked from this process where it runs one thread (the modules are loaded already, and a
+    judge on a target keeps its checked modules); else spawned as `python -c` children (a
+    fork beside other threads could inherit a lock one of them holds)."""
+
+    def __init__(self, count: int, consts: dict[str, Any]) -> None:
+        self.procs: list[_Worker] = []
+        self.waiting: deque[tuple[int, str, int]] = deque()  # worker, path, first line
+        self.next = 0
+        payload = pickle.dumps(consts)
+        fork = hasattr(os, "fork") and threading.active_count() == 1
+        try:
+            for _ in range(count):
+                proc = self._fork() if fork else self._spawn()
+                self.procs.append(proc)
+                self._send(proc, payload)
+        except BaseException:
+            self.close()
+            raise
+
+    def _fork(self) -> _Worker:
+        down_r, down_w = os.pipe()  # chunks to the worker
+        up_r, up_w = os.pipe()  # its answers
+        pid = os.fork()
+        if pid == 0:  # the worker: never returns into the caller's code
+            code = 0
+            try:
+                os.close(down_w)
+                os.close(up_r)
+                for other in self.procs:  # their pipes' ends here would keep them open
+                    os.close(other.stdin.fileno())
+                    os.close(other.stdout.fileno())
+                with os.fdopen(down_r, "rb") as fin, os.fdopen(up_w, "wb") as fout:
+                    serve(fin, fout)
+            except BaseException:
+                code = 3
+            finally:
+                os._exit(code)
+        os.close(down_r)
+        os.close(up_w)
+        return _Worker(pid, os.fdopen(down_w, "wb"), os.fdopen(up_r, "rb"), None)
+
+    def _spawn(self) -> _Worker:
+        env = dict(os.environ)
+        if parallel.HELPER_COMMAND is not None:
+            argv = [*parallel.HELPER_COMMAND, "analysis.dsa_parallel"]
+        else:
+            root = parallel._PACKAGE_ROOT
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+            argv = [sys.executable, "-c", _CHILD]
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+        )
+        assert proc.stdin is not None and proc.stdout is not None
+        worker = _Worker(proc.pid, proc.stdin, proc.stdout, proc.stderr)
+        proc.returncode = 0  # waited for by _Worker (Popen must not reap it again)
+        return worker
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def submit(self, path: str, offset: int, size: int, first_line: int) -> None:
+        """Hand a chunk to the next worker (round robin)."""
+        k = self.next
+        self.next = (k + 1) % len(self.procs)
+        self._send(self.procs[k], pickle.dumps((path, offset, size, first_line)))
+        self.waiting.append((k, path, first_line))
+
+    def result(self) -> Checked:
+        """The oldest submitted chunk, checked."""
+        k, path, first_line = self.waiting.popleft()
+        proc = self.procs[k]
+        frame = _read_frame(proc.stdout)
+        if frame is None:
+            raise WorkerError(self._died(proc, f"{path}:{first_line}"))
+        tag, payload = frame
+        if tag != _CHUNK:
+            raise WorkerError(f"a worker judging the trace failed at {payload.decode('utf-8', 'replace')}")  # fmt: skip
+        got = pickle.loads(payload)
+        if not isinstance(got, Checked) or got.first_line != first_line:
+            raise WorkerError(f"a worker answered for another chunk than {path}:{first_line}")
+        return got
+
+    def _send(self, proc: _Worker, payload: bytes) -> None:
+        try:
+            proc.stdin.write(_FRAME.pack(b"T", len(payload)) + payload)
+            proc.stdin.flush()
+        except BrokenPipeError:
+            raise WorkerError(self._died(proc, "a chunk handed to it")) from None
+
+    def _died(self, proc: _Worker, where: str) -> str:
+        status = proc.wait(kill=True)
+        said = proc.stderr.read().decode("utf-8", "replace").strip()[-400:] if proc.stderr else ""
+        return (
+            f"a worker process judging the trace (pid {proc.pid}) ended without a word at "
+            f"{where} (exit {status})" + (f": {said}" if said else "; out of memory?")
+        )
+
+    def close(self) -> None:
+        for proc in self.procs:
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.close()  # end of the chunks: the worker returns
+        for proc in self.procs:
+            proc.wait(kill=bool(self.waiting))  # stopped early (an error): answers unwanted
+            for pipe in (proc.stdout, proc.stderr):
+                if pipe is not None:
+                    pipe.close()
+        self.procs = []
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def feed_files(
+    stream: TraceStream, files: list[Path], workers: int, chunk: int = READ_CHUNK
+) -> list[dict[str, Any]]:
+    """feed_file() of each file in order, the chunks checked by `workers` processes once the
+    stream's block size and KV bytes per token are known (until then, and with workers < 2,
+    here). Returns the torn last lines' problems."""
+    torn: list[dict[str, Any]] = []
+    pool: Workers | None = None
+    pending: deque[tuple[Path, int, int]] = deque()  # path, offset, size (for a reread)
+
+    def fold() -> None:
+        assert pool is not None
+        path, offset, size = pending.popleft()
+        got = pool.result()
+        stream.absorb(str(path), got, lambda: read_span(path, offset, size))
+
+    try:
+        for path in files:
+            for offset, size, line_no, cut in chunk_spans(path, chunk):
+                if pool is None and workers >= 2 and _known(stream):
+                    pool = Workers(workers, _consts(stream))
+                if pool is None or cut:
+                    while pending:
+                        fold()
+                    if cut:
+                        torn.append(torn_line(stream, path, line_no, size))
+                        break
+                    stream.feed(str(path), read_span(path, offset, size), line_no)
+                    continue
+                pool.submit(str(path), offset, size, line_no)
+                pending.append((path, offset, size))
+                if len(pending) > AHEAD * workers:
+                    fold()
+        while pending:
+            fold()
+    finally:
+        if pool is not None:
+            pool.close()
+    return torn
+
+
+def _known(stream: TraceStream) -> bool:
+    return stream.block_size is not None and stream.bytes_per_token is not None
+
+
+def _consts(stream: TraceStream) -> dict[str, Any]:
+    """What a worker's TraceStream needs to check chunks as this one would."""
+    return {
+        "topk": stream.topk,
+        "layers": stream.layers if stream.layers_given else None,
+        "block_size": stream.block_size,
+        "bytes_per_token": stream.bytes_per_token,
+        "exact": stream.exact,
+        "topk_source": stream.topk_source,
+    }

@@ -1,0 +1,131 @@
+"""DSA judging spread over worker processes: the single-process path's verdict, to the record."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from dsa_writer import write_trace
+
+from analysis.dsa_parallel import WorkerError, Workers, feed_files
+from analysis.dsa_stream import TraceStream
+from analysis.dsa_tree import (
+    analyze_block,
+    chunk_spans,
+    complete_lines,
+    feed_file,
+    read_span,
+    shard_files,
+)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7, 64, 1 << 20])
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"\n",
+        b"a\n",
+        b"a\nbb\n\nccc\n",
+        b"a\nbb\nccc",  # a torn last line
+        b"x" * 100 + b"\n" + b"y" * 3 + b"\n" + b"z" * 50,  # lines longer than a chunk
+        b"\n\n\n" + b"q" * 20 + b"\n\n",
+    ],
+)
+def test_chunk_spans_are_complete_lines_chunks(data: bytes, chunk: int, tmp_path: Path) -> None:
+    path = tmp_path / "f.jsonl"
+    path.write_bytes(data)
+    spans = [
+        (line_no, read_span(path, offset, size), torn)
+        for offset, size, line_no, torn in chunk_spans(path, chunk)
+    ]
+    assert spans == list(complete_lines(path, chunk))
+
+
+def _edit(path: Path, line: int, change) -> None:  # type: ignore[no-untyped-def]
+    lines = path.read_text().splitlines()
+    rec = json.loads(lines[line - 1])
+    change(rec)
+    lines[line - 1] = json.dumps(rec)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _planted(root: Path) -> Path:
+    """A trace of 4 shards with invalid records of every sort the stream finds: per record
+    (a value, unreadable JSON), across records (a repeated layer, a step's latency vote), a
+    request in the wrong shard, a torn last line."""
+    folder = write_trace(root, requests=8, per_file=2, layers=3, steps=5, topk=24)
+    shards = shard_files(folder)
+    _edit(shards[0], 7, lambda r: r.__setitem__("unique_token_pos_count", 1))
+    _edit(shards[1], 4, lambda r: r.__setitem__("layer_id", 0))  # valid alone; repeats layer 0
+    _edit(shards[1], 20, lambda r: r["kv_fetch"]["hbm"].__setitem__("latency_us", 1))
+    _edit(shards[2], 9, lambda r: r.__setitem__("request_id", 1))  # request 1 is shard 0's
+    lines = shards[2].read_text().splitlines()
+    lines[12] = lines[12][:-40] + "garbage"
+    shards[2].write_text("\n".join(lines) + "\n")
+    data = shards[3].read_bytes()
+    shards[3].write_bytes(data[: len(data) - 300])  # the writer stopped mid-line
+    return folder
+
+
+@pytest.mark.parametrize("known", [True, False])
+def test_workers_mark_every_record_as_one_process_does(known: bool, tmp_path: Path) -> None:
+    folder = _planted(tmp_path / "t")
+    files = shard_files(folder)
+    consts = {"topk": 24, "layers": 3} if known else {}
+
+    def stream() -> TraceStream:
+        return TraceStream(block_size=16, live_view=False, marks=[], **consts)  # type: ignore[arg-type]
+
+    one = stream()
+    torn = [t for f in files if (t := feed_file(one, f, chunk=4000)) is not None]
+    for workers in (2, 3):
+        many = stream()
+        assert feed_files(many, files, workers, chunk=4000) == torn
+        assert many.marks == one.marks and len(one.marks or []) >= 4
+        assert (many.records, many.invalid, many.first) == (one.records, one.invalid, one.first)
+        assert many.votes == one.votes and many.files == one.files
+        assert {k: v.state() for k, v in many.reqs.items()} == {
+            k: v.state() for k, v in one.reqs.items()
+        }
+        assert many.summary.increment() == one.summary.increment()
+        assert many.finish(8, None) == one.finish(8, None)
+        assert many.end_invalid == one.end_invalid and many.topk == one.topk
+
+
+def test_analyze_on_workers_is_the_single_process_verdict(tmp_path: Path) -> None:
+    folder = _planted(tmp_path / "t")
+    one = analyze_block(folder, None, None, 1, chunk=4000)
+    assert one["verdict"] == "TRACE_INVALID" and one["invalid"] >= 5
+    assert one["first_fail"]["line"] == 7 and one["first_fail"]["field"] == "unique_token_pos_count"
+    for workers in (2, 3):
+        assert analyze_block(folder, None, None, workers, chunk=4000) == one
+    clean = write_trace(tmp_path / "clean", requests=6, per_file=2)
+    ok = analyze_block(clean, None, None, 1, chunk=2000)
+    assert ok["verdict"] == "TRACE_OK"
+    assert analyze_block(clean, None, None, 2, chunk=2000) == ok
+
+
+def _zombie(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as fh:
+        return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_a_worker_that_dies_is_an_error_never_a_verdict(tmp_path: Path) -> None:
+    folder = write_trace(tmp_path / "t")
+    path = shard_files(folder)[0]
+    offset, size, line_no, _ = next(chunk_spans(path))
+    consts = {"topk": 32, "layers": 3, "block_size": 16, "bytes_per_token": 0}
+    with Workers(2, consts) as pool:
+        pool.submit(str(path), offset, size, line_no)
+        got = pool.result()  # a live worker answers
+        assert (got.first_line, got.lines) == (line_no, len(read_span(path, offset, size)))
+        os.kill(pool.pids[1], signal.SIGKILL)
+        while not _zombie(pool.pids[1]):  # dead, not yet waited for
+            os.sched_yield()
+        with pytest.raises(WorkerError, match="ended without a word"):
+            pool.submit(str(path), offset, size, line_no)  # worker 1's turn
+            pool.result()
