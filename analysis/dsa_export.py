@@ -11,14 +11,16 @@ names, arrays as JSON text). shard, line, request_id, layer_id and step_idx loca
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from analysis.dsa_record import Ragged, cut_positions
-from analysis.dsa_scan import Scanned
+from analysis.dsa_scan import Scanned, TraceInfo, scan_span
 
 I64, F64, STR, BOOL = pa.int64(), pa.float64(), pa.string(), pa.bool_()
 IDS = pa.list_(I64)
@@ -247,6 +249,25 @@ def _parsed(s: Scanned) -> pa.Table:
     return pa.Table.from_arrays([cols[f.name] for f in SCHEMA], schema=SCHEMA)
 
 
+class ExportChunk:
+    """The export's work on one chunk (any process): its lines as one table of SCHEMA (or,
+    for csv, flat_for_csv of it) and how many of them are invalid."""
+
+    def __init__(self, info: TraceInfo, csv: bool = False) -> None:
+        self.info = info
+        self.csv = csv
+
+    def __call__(
+        self, path: str, lines: list[bytes], first_line: int, torn: bool
+    ) -> tuple[pa.Table, int]:
+        tables, invalid = [], 0
+        for s in scan_span(self.info, Path(path), lines, first_line, torn):
+            tables.append(record_table(s))
+            invalid += int((~s.valid).sum()) + len(s.bad)
+        table = pa.concat_tables(tables) if len(tables) > 1 else tables[0] if tables else SCHEMA.empty_table()  # fmt: skip
+        return (flat_for_csv(table) if self.csv else table), invalid
+
+
 def _unparsed(s: Scanned) -> pa.Table:
     """Lines that are no record: their place, reason and text; the id where it was readable."""
     n = len(s.bad)
@@ -270,10 +291,23 @@ def flat_for_csv(table: pa.Table) -> pa.Table:
         flat = flat.flatten()
     cols = []
     for col in flat.columns:
-        if pa.types.is_list(col.type):
+        if pa.types.is_list(col.type) and pa.types.is_integer(col.type.value_type):
+            col = pa.chunked_array([_int_lists_json(a) for a in col.chunks], STR)
+        elif pa.types.is_list(col.type):
             values = col.to_pylist()
             col = pa.array(
                 [None if v is None else msgspec.json.encode(v).decode() for v in values], STR
             )
         cols.append(col)
     return pa.Table.from_arrays(cols, names=flat.column_names)
+
+
+def _int_lists_json(lists: pa.ListArray) -> pa.Array:
+    """Each list of integers as its JSON text ("[1,2,3]", msgspec's), null as null; in Arrow's
+    kernels (no Python int per value: a record holds thousands)."""
+    offsets = lists.offsets
+    start = offsets[0].as_py()  # a slice's offsets point into its parent's values
+    offsets = pc.subtract(offsets, pa.scalar(start, offsets.type))
+    values = lists.values.slice(start, offsets[-1].as_py())
+    text = pa.ListArray.from_arrays(offsets, pc.cast(values, STR), mask=lists.is_null())
+    return pc.binary_join_element_wise("[", pc.binary_join(text, ","), "]", "")

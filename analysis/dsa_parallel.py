@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 from collections import deque
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -41,17 +42,19 @@ class WorkerError(RuntimeError):
 
 
 def serve(stdin: BinaryIO, stdout: BinaryIO) -> None:
-    """In a worker: the stream's constants, then (path, offset, size, first line) per chunk;
-    each chunk's Checked back, or the error that stopped it."""
-    consts = _read_frame(stdin)
-    if consts is None:
+    """In a worker: the job (a picklable callable), then (path, offset, size, first line,
+    torn) per chunk; each chunk's answer back, job(path, lines, first line, torn), or the
+    error that stopped it."""
+    frame = _read_frame(stdin)
+    if frame is None:
         return
-    stream = TraceStream(**pickle.loads(consts[1]), live_view=False)
+    job = pickle.loads(frame[1])
     while (frame := _read_frame(stdin)) is not None:
-        path, offset, size, first_line = pickle.loads(frame[1])
+        path, offset, size, first_line, torn = pickle.loads(frame[1])
         try:
-            got = stream.check(read_span(Path(path), offset, size), first_line)
-            tag, payload = _CHUNK, pickle.dumps(got, protocol=pickle.HIGHEST_PROTOCOL)
+            got = job(path, read_span(Path(path), offset, size), first_line, torn)
+            tag = _CHUNK
+            payload = pickle.dumps((first_line, got), protocol=pickle.HIGHEST_PROTOCOL)
         except BaseException as exc:  # the caller must hear of it, never wait on it
             tag, payload = _ERROR, f"{path}:{first_line}: {exc!r}".encode()
         stdout.write(_FRAME.pack(tag, len(payload)))
@@ -59,6 +62,19 @@ def serve(stdin: BinaryIO, stdout: BinaryIO) -> None:
         stdout.flush()
         if tag == _ERROR:
             return
+
+
+class StreamCheck:
+    """The analyze job: TraceStream.check of a chunk, for a stream with these constants."""
+
+    def __init__(self, consts: dict[str, Any]) -> None:
+        self.consts = consts
+        self.stream: TraceStream | None = None
+
+    def __call__(self, path: str, lines: list[bytes], first_line: int, torn: bool) -> Checked:
+        if self.stream is None:
+            self.stream = TraceStream(**self.consts, live_view=False)
+        return self.stream.check(lines, first_line)
 
 
 def main(argv: list[str]) -> int:
@@ -99,17 +115,17 @@ class _Worker:
 
 
 class Workers:
-    """Worker processes that check chunks for one stream's constants, in the order given.
+    """Worker processes that run a job on chunks of files, answering in the order given.
 
     Forked from this process where it runs one thread (the modules are loaded already, and a
     judge on a target keeps its checked modules); else spawned as `python -c` children (a
     fork beside other threads could inherit a lock one of them holds)."""
 
-    def __init__(self, count: int, consts: dict[str, Any]) -> None:
+    def __init__(self, count: int, job: Callable[[str, list[bytes], int, bool], Any]) -> None:
         self.procs: list[_Worker] = []
         self.waiting: deque[tuple[int, str, int]] = deque()  # worker, path, first line
         self.next = 0
-        payload = pickle.dumps(consts)
+        payload = pickle.dumps(job)
         fork = hasattr(os, "fork") and threading.active_count() == 1
         try:
             for _ in range(count):
@@ -162,15 +178,17 @@ class Workers:
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
-    def submit(self, path: str, offset: int, size: int, first_line: int) -> None:
-        """Hand a chunk to the next worker (round robin)."""
+    def submit(
+        self, path: str, offset: int, size: int, first_line: int, torn: bool = False
+    ) -> None:
+        """Hand a chunk (a chunk_spans span) to the next worker (round robin)."""
         k = self.next
         self.next = (k + 1) % len(self.procs)
-        self._send(self.procs[k], pickle.dumps((path, offset, size, first_line)))
+        self._send(self.procs[k], pickle.dumps((path, offset, size, first_line, torn)))
         self.waiting.append((k, path, first_line))
 
-    def result(self) -> Checked:
-        """The oldest submitted chunk, checked."""
+    def result(self) -> Any:
+        """The job's answer for the oldest submitted chunk."""
         k, path, first_line = self.waiting.popleft()
         proc = self.procs[k]
         frame = _read_frame(proc.stdout)
@@ -179,8 +197,8 @@ class Workers:
         tag, payload = frame
         if tag != _CHUNK:
             raise WorkerError(f"a worker judging the trace failed at {payload.decode('utf-8', 'replace')}")  # fmt: skip
-        got = pickle.loads(payload)
-        if not isinstance(got, Checked) or got.first_line != first_line:
+        at, got = pickle.loads(payload)
+        if at != first_line:
             raise WorkerError(f"a worker answered for another chunk than {path}:{first_line}")
         return got
 
@@ -237,7 +255,7 @@ def feed_files(
         for path in files:
             for offset, size, line_no, cut in chunk_spans(path, chunk):
                 if pool is None and workers >= 2 and _known(stream):
-                    pool = Workers(workers, _consts(stream))
+                    pool = Workers(workers, StreamCheck(_consts(stream)))
                 if pool is None or cut:
                     while pending:
                         fold()
@@ -272,3 +290,36 @@ def _consts(stream: TraceStream) -> dict[str, Any]:
         "exact": stream.exact,
         "topk_source": stream.topk_source,
     }
+
+
+def map_chunks(
+    files: list[Path],
+    job: Callable[[str, list[bytes], int, bool], Any],
+    workers: int,
+    ready: Callable[[], bool],
+    chunk: int = READ_CHUNK,
+) -> Iterator[Any]:
+    """job(path, lines, first line, torn) of every chunk of the files, in order: here while
+    ready() says no (the job learns from its first chunks what it needs) or workers < 2,
+    then by `workers` processes, each handed a copy of the job as it is then."""
+    pool: Workers | None = None
+    pending = 0
+    try:
+        for path in files:
+            for offset, size, line_no, torn in chunk_spans(path, chunk):
+                if pool is None and workers >= 2 and ready():
+                    pool = Workers(workers, job)
+                if pool is None:
+                    yield job(str(path), read_span(path, offset, size), line_no, torn)
+                    continue
+                pool.submit(str(path), offset, size, line_no, torn)
+                pending += 1
+                if pending > AHEAD * workers:
+                    pending -= 1
+                    yield pool.result()
+        while pending:
+            pending -= 1
+            yield pool.result()  # type: ignore[union-attr]
+    finally:
+        if pool is not None:
+            pool.close()

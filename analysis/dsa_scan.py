@@ -104,9 +104,21 @@ def scan_block(info: TraceInfo, chunk: int = READ_CHUNK) -> Iterator[Scanned]:
 
 def scan_file(info: TraceInfo, path: Path, chunk: int = READ_CHUNK) -> Iterator[Scanned]:
     for line_no, lines, torn in complete_lines(path, chunk):
-        if not torn:
-            yield from _judge(info, path, lines, line_no)
-            continue
+        yield from scan_span(info, path, lines, line_no, torn)
+
+
+def known(info: TraceInfo) -> bool:
+    """The trace's block size and KV bytes per token are known: a chunk is judged alone."""
+    return info.block_size is not None and info.bytes_per_token is not None
+
+
+def scan_span(
+    info: TraceInfo, path: Path, lines: list[bytes], line_no: int, torn: bool
+) -> Iterator[Scanned]:
+    """One chunk of complete_lines (or chunk_spans), judged; info learns what it did not know."""
+    if not torn:
+        yield from _judge(info, path, lines, line_no)
+    else:
         # a torn last line: a record that is none, named like the validator does
         fail = Fail(
             "record",

@@ -279,6 +279,19 @@ class SizeAgg:
         self.inter_sum += float(ir.sum())
         self.bytes_total += int(rows.bytes_read.sum())
 
+    def merge(self, o: SizeAgg) -> None:
+        """Fold in another part's histograms (its float sums added as add() would have)."""
+        self.records += o.records
+        self.unique_blocks = _add_hist(self.unique_blocks, o.unique_blocks)
+        self.ratio.update(o.ratio)
+        self.ratio_sum += o.ratio_sum
+        self.tpb = _add_hist(self.tpb, o.tpb)
+        self.tpb_p50.update(o.tpb_p50)
+        self.prefix_undetermined += o.prefix_undetermined
+        self.inter_ratio.update(o.inter_ratio)
+        self.inter_sum += o.inter_sum
+        self.bytes_total += o.bytes_total
+
     def result(self, bpt: int | None) -> dict[str, Any]:
         unique_blocks = _counter(self.unique_blocks)
         ub = stats(unique_blocks)
@@ -319,6 +332,14 @@ def _bump_ints(hist: np.ndarray, values: np.ndarray) -> np.ndarray:
     more = np.bincount(values, minlength=len(hist))
     more[: len(hist)] += hist
     return more
+
+
+def _add_hist(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    if len(a) < len(b):
+        a, b = b, a
+    out = a.copy()
+    out[: len(b)] += b
+    return out
 
 
 def _counter(hist: np.ndarray) -> Counter[int]:
@@ -439,6 +460,20 @@ class WhatIf:
                 line = s.batch.lines[int(rows[i])]
                 self.first_differ = f"{s.file}:{line}: {', '.join(names)}"
 
+    def merge(self, o: WhatIf) -> None:
+        """Fold in the part that follows this one in the trace (one scanned chunk's, say: its
+        float sums are then the very addends feed() would have added)."""
+        self.records += o.records
+        self.used += o.used
+        self.invalid += o.invalid
+        self.first_invalid = self.first_invalid or o.first_invalid
+        self.recorded_equal += o.recorded_equal
+        self.recorded_differ += o.recorded_differ
+        self.first_differ = self.first_differ or o.first_differ
+        self.percentile_method += o.percentile_method
+        for b in self.sizes:
+            self.aggs[b].merge(o.aggs[b])
+
     def result(self) -> dict[str, Any]:
         bpt = self.info.bytes_per_token
         return {
@@ -459,17 +494,45 @@ class WhatIf:
         }
 
 
-def whatif_dir(folder: str, sizes: list[int], topk: int | None = None) -> dict[str, Any]:
-    """The what-if of one block directory, streamed (a top-level function: a worker process
-    can run it)."""
+class WhatIfChunk:
+    """The what-if's work on one chunk (any process): a part per scanned run of its rows, for
+    WhatIf.merge in order."""
+
+    def __init__(self, info: TraceInfo, sizes: list[int]) -> None:
+        self.info = info
+        self.sizes = sizes
+
+    def __call__(self, path: str, lines: list[bytes], first_line: int, torn: bool) -> list[WhatIf]:
+        from pathlib import Path
+
+        from analysis.dsa_scan import scan_span
+
+        parts = []
+        for s in scan_span(self.info, Path(path), lines, first_line, torn):
+            part = WhatIf(self.info, self.sizes)
+            part.feed(s)
+            part.info = None  # type: ignore[assignment]  # not sent back: the caller has it
+            parts.append(part)
+        return parts
+
+
+def whatif_dir(
+    folder: str, sizes: list[int], topk: int | None = None, workers: int = 1
+) -> dict[str, Any]:
+    """The what-if of one block directory, streamed, its chunks read by `workers` processes
+    (the same result; a top-level function: a worker process can run it)."""
     from pathlib import Path
 
-    from analysis.dsa_scan import scan_block, trace_info
+    from analysis.dsa_parallel import map_chunks
+    from analysis.dsa_scan import known, trace_info
+    from analysis.dsa_tree import shard_files
 
     info = trace_info(Path(folder), topk)
     w = WhatIf(info, sizes)
-    for chunk in scan_block(info):
-        w.feed(chunk)
+    job = WhatIfChunk(info, sizes)
+    for parts in map_chunks(shard_files(info.folder), job, workers, lambda: known(info)):
+        for part in parts:
+            w.merge(part)
     return w.result()
 
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from runners.exits import EXIT_USAGE
+from runners.exits import EXIT_INFRA, EXIT_USAGE
 
 DEFAULT_SIZES = "4,8,16,64,128"
 
@@ -29,6 +29,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
         "--output", type=Path, help="file to write (default: DIR/<block>.<format> beside it)"
     )
     export.add_argument("--topk", type=int, help="top-k when summary.json does not say")
+    export.add_argument(
+        "--workers",
+        type=int,
+        help="processes reading the trace (default: as many as cores and memory allow)",
+    )
 
     dsa = sub.add_parser("dsa", help="DSA trace data tools: block-size what-if, KV-tier simulator")
     tools = dsa.add_subparsers(
@@ -41,6 +46,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     whatif.add_argument("--block-sizes", default=DEFAULT_SIZES, help=f"(default {DEFAULT_SIZES})")
     whatif.add_argument("--topk", type=int, help="top-k when summary.json does not say")
     whatif.add_argument("--json", action="store_true", help="print the result as JSON")
+    whatif.add_argument(
+        "--workers",
+        type=int,
+        help="processes reading the trace (default: as many as cores and memory allow)",
+    )
 
     tiers = tools.add_parser(
         "tiers", help="replay the block accesses through an HBM tier of N blocks over a remote pool"
@@ -119,8 +129,11 @@ def _outputs(folders: list[Path], output: Path | None, fmt: str) -> list[Path] |
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """Exit 0: every record exported and valid; 1: exported, some marked invalid; 2: usage."""
+    """Exit 0: every record exported and valid; 1: exported, some marked invalid; 2: usage;
+    3: a worker process died."""
+    from analysis.dsa_parallel import WorkerError
     from analysis.dsa_scan import trace_info
+    from runners.resources import judge_workers
 
     folders = _folders(args.dir)
     if folders is None:
@@ -136,7 +149,10 @@ def cmd_export(args: argparse.Namespace) -> int:
             return EXIT_USAGE
         try:
             info = trace_info(folder, args.topk)
-            records, invalid = export_block(info, out, args.format)
+            records, invalid = export_block(info, out, args.format, judge_workers(args.workers))
+        except WorkerError as exc:
+            _err(f"{folder}: not exported: {exc}")
+            return EXIT_INFRA
         except ValueError as exc:
             _err(str(exc))
             return EXIT_USAGE
@@ -152,19 +168,25 @@ def cmd_export(args: argparse.Namespace) -> int:
 ROW_GROUP = 4096  # rows buffered before a parquet row group is written (~64 MiB at top-2048)
 
 
-def export_block(info, out: Path, fmt: str) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+def export_block(
+    info, out: Path, fmt: str, workers: int = 1, chunk: int = 4 << 20
+) -> tuple[int, int]:  # type: ignore[no-untyped-def]
     """Stream a block directory's records into one file (written to .part, then renamed).
 
-    Encoding and compression (pyarrow, outside the GIL) run in one writer thread while the
-    next chunk is parsed and judged; at most one write is in flight (bounded memory)."""
+    The chunks are parsed, judged and made tables (csv: flattened) by `workers` processes
+    (analysis.dsa_parallel; here when 1), in order; encoding and compression (pyarrow,
+    outside the GIL) run in one writer thread meanwhile; at most one write is in flight and
+    a few chunks wait per worker (bounded memory)."""
     from concurrent.futures import Future, ThreadPoolExecutor
 
     import pyarrow as pa
     import pyarrow.csv as pacsv
     import pyarrow.parquet as pq
 
-    from analysis.dsa_export import SCHEMA, flat_for_csv, record_table
-    from analysis.dsa_scan import scan_block
+    from analysis.dsa_export import SCHEMA, ExportChunk, flat_for_csv
+    from analysis.dsa_parallel import map_chunks
+    from analysis.dsa_scan import known
+    from analysis.dsa_tree import shard_files
 
     part = out.with_name(out.name + ".part")
     records = invalid = 0
@@ -177,19 +199,18 @@ def export_block(info, out: Path, fmt: str) -> tuple[int, int]:  # type: ignore[
         nonlocal inflight, writer
         if inflight is not None:
             inflight.result()  # one write at a time, and its error surfaces here
-        if fmt == "csv":
-            table = flat_for_csv(table)
-            if writer is None:
-                writer = pacsv.CSVWriter(part, table.schema)
+        if fmt == "csv" and writer is None:
+            writer = pacsv.CSVWriter(part, table.schema)
         inflight = pool.submit(writer.write_table, table)  # type: ignore[union-attr]
 
     try:
         if fmt == "parquet":
             writer = pq.ParquetWriter(part, SCHEMA, compression="zstd")
-        for chunk in scan_block(info):
-            table = record_table(chunk)
+        job = ExportChunk(info, csv=fmt == "csv")
+        files = shard_files(info.folder)
+        for table, bad in map_chunks(files, job, workers, lambda: known(info), chunk):
             records += table.num_rows
-            invalid += int((~chunk.valid).sum()) + len(chunk.bad)
+            invalid += bad
             pending.append(table)
             if fmt == "csv" or sum(t.num_rows for t in pending) >= ROW_GROUP:
                 write(pa.concat_tables(pending))
@@ -221,6 +242,7 @@ def cmd_dsa(args: argparse.Namespace) -> int:
 
 def cmd_whatif(args: argparse.Namespace) -> int:
     from analysis.dsa_whatif import format_whatif, whatif_dir
+    from runners.resources import judge_workers
 
     try:
         sizes = sizes_of(args.block_sizes)
@@ -229,7 +251,7 @@ def cmd_whatif(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     return _each_folder(
         args,
-        lambda folder: whatif_dir(str(folder), sizes, args.topk),
+        lambda folder: whatif_dir(str(folder), sizes, args.topk, judge_workers(args.workers)),
         format_whatif,
         "no valid dsa_topk record to recompute from",
     )
@@ -246,6 +268,8 @@ def _each_folder(
     folders = _folders(args.dir)
     if folders is None:
         return EXIT_USAGE
+    from analysis.dsa_parallel import WorkerError
+
     results = []
     for folder in folders:
         try:
@@ -253,6 +277,9 @@ def _each_folder(
         except ValueError as exc:
             _err(str(exc))
             return EXIT_USAGE
+        except WorkerError as exc:
+            _err(f"{folder}: not computed: {exc}")
+            return EXIT_INFRA
     if args.json:
         print(json.dumps({"dirs": results}, indent=1))
     else:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from dsa_writer import write_trace
 
-from analysis.dsa_parallel import WorkerError, Workers, feed_files
+from analysis.dsa_parallel import StreamCheck, WorkerError, Workers, feed_files
 from analysis.dsa_stream import TraceStream
 from analysis.dsa_tree import (
     analyze_block,
@@ -119,7 +119,7 @@ def test_a_worker_that_dies_is_an_error_never_a_verdict(tmp_path: Path) -> None:
     path = shard_files(folder)[0]
     offset, size, line_no, _ = next(chunk_spans(path))
     consts = {"topk": 32, "layers": 3, "block_size": 16, "bytes_per_token": 0}
-    with Workers(2, consts) as pool:
+    with Workers(2, StreamCheck(consts)) as pool:
         pool.submit(str(path), offset, size, line_no)
         got = pool.result()  # a live worker answers
         assert (got.first_line, got.lines) == (line_no, len(read_span(path, offset, size)))
@@ -129,3 +129,62 @@ def test_a_worker_that_dies_is_an_error_never_a_verdict(tmp_path: Path) -> None:
         with pytest.raises(WorkerError, match="ended without a word"):
             pool.submit(str(path), offset, size, line_no)  # worker 1's turn
             pool.result()
+
+
+def test_int_lists_as_json_text_are_msgspecs_slices_and_nulls_included() -> None:
+    import msgspec
+    import pyarrow as pa
+
+    from analysis.dsa_export import _int_lists_json
+
+    lists = pa.array([[1, 2, 3], [], None, [-5, 10**12], [7]], type=pa.list_(pa.int64()))
+    for arr in (lists, lists.slice(1, 3), lists.slice(2), lists.slice(4)):
+        want = [None if v is None else msgspec.json.encode(v).decode() for v in arr.to_pylist()]
+        assert _int_lists_json(arr).to_pylist() == want
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "csv"])
+def test_export_on_workers_writes_the_single_process_file(fmt: str, tmp_path: Path) -> None:
+    import pyarrow.csv as pacsv
+    import pyarrow.parquet as pq
+
+    from analysis.dsa_scan import trace_info
+    from console.dsa_data_cli import export_block
+
+    folder = _planted(tmp_path / "t")
+    one = export_block(trace_info(folder), tmp_path / f"1.{fmt}", fmt, 1, chunk=4000)
+    many = export_block(trace_info(folder), tmp_path / f"2.{fmt}", fmt, 2, chunk=4000)
+    assert one == many and one[1] == 3  # a value, a non-JSON line, a torn last line
+    read = pq.read_table if fmt == "parquet" else pacsv.read_csv
+    a, b = read(tmp_path / f"1.{fmt}"), read(tmp_path / f"2.{fmt}")
+    assert a.num_rows == one[0] and a.equals(b)
+    valid = a.column("valid").to_pylist()
+    assert valid.count(False) == one[1]  # every invalid record marked, none dropped
+
+
+def test_whatif_on_workers_is_the_single_process_result(tmp_path: Path) -> None:
+    from analysis.dsa_whatif import whatif_dir
+
+    folder = _planted(tmp_path / "t")
+    one = whatif_dir(str(folder), [4, 16, 64], workers=1)
+    assert one["invalid"] == 3 and one["used"] > 100
+    assert whatif_dir(str(folder), [4, 16, 64], workers=2) == one
+
+
+def test_beside_other_threads_the_workers_are_spawned_and_judge_the_same(tmp_path: Path) -> None:
+    import threading
+
+    folder = _planted(tmp_path / "t")
+    one = analyze_block(folder, None, None, 1, chunk=4000)
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)  # a fork beside it could copy a held lock
+    other.start()
+    try:
+        with Workers(1, StreamCheck({})) as pool:
+            [pid] = pool.pids
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                assert b"analysis.dsa_parallel" in fh.read()  # a fresh interpreter, not a fork
+        assert analyze_block(folder, None, None, 2, chunk=4000) == one
+    finally:
+        stop.set()
+        other.join()
