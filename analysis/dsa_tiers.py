@@ -25,11 +25,13 @@ import heapq
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from analysis.dsa_scan import Scanned, TraceInfo, scan_file
+from analysis.dsa_parallel import map_chunks
+from analysis.dsa_scan import Scanned, TraceInfo, known, scan_file, scan_span
 from analysis.dsa_tree import shard_files
 from analysis.dsa_whatif import at_block_size, prefix_range, sorted_positions
 
@@ -106,13 +108,44 @@ def _accesses(
             )
 
 
-def replay_order(info: TraceInfo, block_size: int | None, skipped: Skipped) -> Iterator[Access]:
-    """The trace's accesses in replay order (see the module's doc), streamed."""
+class AccessChunk:
+    """The replay's reading of one chunk (any process): its records' accesses, and what it
+    skipped."""
+
+    def __init__(self, info: TraceInfo, block_size: int | None) -> None:
+        self.info = info
+        self.block_size = block_size
+
+    def __call__(
+        self, path: str, lines: list[bytes], first_line: int, torn: bool
+    ) -> tuple[list[Access], Skipped]:
+        skipped = Skipped()
+        chunks = scan_span(self.info, Path(path), lines, first_line, torn)
+        return list(_accesses(chunks, self.info, self.block_size, skipped)), skipped
+
+
+def replay_order(
+    info: TraceInfo, block_size: int | None, skipped: Skipped, workers: int = 1
+) -> Iterator[Access]:
+    """The trace's accesses in replay order (see the module's doc), streamed. In trace order
+    the shards are read by `workers` processes (BurstGPT's order merges the shards as they
+    stream: read here)."""
     files = shard_files(info.folder)
+    if workers >= 2 and not info.end_ms:
+        job = AccessChunk(info, block_size)
+        return _unpacked(map_chunks(files, job, workers, lambda: known(info)), skipped)
     streams = [_accesses(scan_file(info, p), info, block_size, skipped) for p in files]
     if info.end_ms:
         return heapq.merge(*streams, key=lambda a: a.key)
     return (a for stream in streams for a in stream)
+
+
+def _unpacked(chunks: Iterator[tuple[list[Access], Skipped]], skipped: Skipped) -> Iterator[Access]:
+    for accesses, part in chunks:
+        skipped.records += part.records
+        skipped.invalid += part.invalid
+        skipped.first_invalid = skipped.first_invalid or part.first_invalid
+        yield from accesses
 
 
 # -- the HBM tier ---------------------------------------------------------------------------------
@@ -257,18 +290,18 @@ def tiers_dir(
     remote_latency_us: float = 50.0,
     bandwidth_gbs: float = 25.0,
     topk: int | None = None,
+    workers: int = 1,
 ) -> dict[str, Any]:
     """The simulation of one block directory at every capacity, JSON-ready (a top-level
-    function: a worker process can run it, given the folder's path)."""
-    from pathlib import Path
-
+    function: a worker process can run it, given the folder's path); `workers` processes
+    read the trace (replay_order)."""
     from analysis.dsa_scan import trace_info
     from analysis.dsa_whatif import stats
 
     if isinstance(info, str):
         info = trace_info(Path(info), topk)
     skipped = Skipped()
-    accesses = replay_order(info, block_size, skipped)
+    accesses = replay_order(info, block_size, skipped, workers)
     # the stream learns the block size and bytes per token from the first records it reads:
     # the bytes of a block are fixed once the first access is out
     first = next(accesses, None)

@@ -65,7 +65,7 @@ def stage(name: str, folder: Path, out: Path, workers: int = 1) -> int:
     if name in ("parquet", "csv"):
         return export_block(trace_info(folder), out / f"x.{name}", name, workers)[0]
     if name == "tiers-lru":
-        return int(tiers_dir(str(folder), [4096], "lru")["records"])
+        return int(tiers_dir(str(folder), [4096], "lru", workers=workers)["records"])
     raise ValueError(name)
 
 
@@ -115,8 +115,6 @@ def main() -> None:
             print(f"-- {workers} worker{'s' if workers > 1 else ''} (x: the 1-worker validator)")
             stages = {"validator": "validator (analyze)", **labels} if workers > 1 else labels
             for name, label in stages.items():
-                if name == "tiers-lru" and workers > 1:
-                    continue  # the replay is one process's (its scan too)
                 wall, cpu, _ = best(name, folder, root, args.repeat, workers)
                 print(f"{label:<34} {wall:>11.0f} {wall / base_wall:>11.2f} {cpu:>10.0f} {cpu / base_cpu:>6.2f}")  # fmt: skip
         print(f"loadavg after: {loadavg()}")

@@ -83,6 +83,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     )
     tiers.add_argument("--topk", type=int, help="top-k when summary.json does not say")
     tiers.add_argument("--json", action="store_true", help="print the result as JSON")
+    tiers.add_argument(
+        "--workers",
+        type=int,
+        help="processes reading the trace (default: as many as cores and memory allow)",
+    )
 
 
 def sizes_of(text: str) -> list[int]:
@@ -304,6 +309,7 @@ def capacities_of(text: str, sweep: bool) -> list[int]:
 def cmd_tiers(args: argparse.Namespace) -> int:
     from analysis.dsa_scan import trace_info
     from analysis.dsa_tiers import format_tiers, tiers_dir
+    from runners.resources import judge_workers
 
     try:
         caps = capacities_of(args.hbm_blocks, args.sweep)
@@ -326,6 +332,7 @@ def cmd_tiers(args: argparse.Namespace) -> int:
             bytes_per_token=args.kv_bytes_per_token,
             remote_latency_us=args.remote_latency_us,
             bandwidth_gbs=args.bandwidth_gbs,
+            workers=judge_workers(args.workers),
         ),
         format_tiers,
         "no valid dsa_topk record to replay",

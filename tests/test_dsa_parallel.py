@@ -188,3 +188,15 @@ def test_beside_other_threads_the_workers_are_spawned_and_judge_the_same(tmp_pat
     finally:
         stop.set()
         other.join()
+
+
+@pytest.mark.parametrize(("policy", "size"), [("lru", None), ("prefix-pinned", 4)])
+def test_tiers_on_workers_replay_what_one_process_does(
+    policy: str, size: int | None, tmp_path: Path
+) -> None:
+    from analysis.dsa_tiers import tiers_dir
+
+    folder = _planted(tmp_path / "t")
+    one = tiers_dir(str(folder), [2, 8, 64], policy, block_size=size, workers=1)
+    assert one["invalid"] == 3 and one["used"] > 100 and one["first_invalid"]
+    assert tiers_dir(str(folder), [2, 8, 64], policy, block_size=size, workers=2) == one
