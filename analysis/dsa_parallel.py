@@ -97,12 +97,17 @@ class _Worker:
     """One worker process and this side's ends of its two pipes."""
 
     def __init__(
-        self, pid: int, stdin: BinaryIO, stdout: BinaryIO, stderr: BinaryIO | None
+        self,
+        pid: int,
+        stdin: BinaryIO,
+        stdout: BinaryIO,
+        popen: subprocess.Popen[bytes] | None = None,
     ) -> None:
         self.pid = pid
         self.stdin = stdin
         self.stdout = stdout
-        self.stderr = stderr  # a spawned worker's; a forked one writes to this process's
+        self.popen = popen  # a spawned worker's (its stderr a pipe); a forked one writes to ours
+        self.stderr = popen.stderr if popen is not None else None
         self.status: int | None = None
 
     def wait(self, kill: bool = False) -> int:
@@ -110,7 +115,10 @@ class _Worker:
             if kill:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self.pid, signal.SIGKILL)
-            self.status = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+            if self.popen is not None:
+                self.status = self.popen.wait()
+            else:
+                self.status = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
         return self.status
 
 
@@ -156,7 +164,7 @@ class Workers:
                 os._exit(code)
         os.close(down_r)
         os.close(up_w)
-        return _Worker(pid, os.fdopen(down_w, "wb"), os.fdopen(up_r, "rb"), None)
+        return _Worker(pid, os.fdopen(down_w, "wb"), os.fdopen(up_r, "rb"))
 
     def _spawn(self) -> _Worker:
         env = dict(os.environ)
@@ -170,9 +178,7 @@ class Workers:
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
         )
         assert proc.stdin is not None and proc.stdout is not None
-        worker = _Worker(proc.pid, proc.stdin, proc.stdout, proc.stderr)
-        proc.returncode = 0  # waited for by _Worker (Popen must not reap it again)
-        return worker
+        return _Worker(proc.pid, proc.stdin, proc.stdout, proc)
 
     @property
     def pids(self) -> list[int]:
