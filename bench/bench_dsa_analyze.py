@@ -55,6 +55,13 @@ def write_trace(root: Path) -> tuple[Path, list[bytes]]:
         "max_requests_per_file": 1,
     }
     (folder / "summary.json").write_text(json.dumps({"config": config}))
+    # the statistics section as the validator recomputes it (a bench, not a test: the verdict
+    # is then TRACE_OK and the whole path, summary comparison included, is timed)
+    from analysis.dsa_tree import analyze_block
+
+    stats = analyze_block(folder, None, None)["recomputed"]
+    stats.pop("records")
+    (folder / "summary.json").write_text(json.dumps({"config": config, **stats}))
     return folder, lines
 
 
@@ -119,7 +126,7 @@ def main() -> None:
             wall, cpu, result = best(
                 lambda w=workers: analyze_block(folder, None, None, w), args.repeat
             )
-            assert isinstance(result, dict) and result["records"] == n, result
+            assert isinstance(result, dict) and result["verdict"] == "TRACE_OK", result
             if single is None:
                 single = result
             used = min(workers, cores())

@@ -200,3 +200,36 @@ def test_tiers_on_workers_replay_what_one_process_does(
     one = tiers_dir(str(folder), [2, 8, 64], policy, block_size=size, workers=1)
     assert one["invalid"] == 3 and one["used"] > 100 and one["first_invalid"]
     assert tiers_dir(str(folder), [2, 8, 64], policy, block_size=size, workers=2) == one
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as fh:
+            out += [int(c) for c in fh.read().split()]
+    return out
+
+
+def test_a_worker_killed_mid_trace_stops_analyze_with_an_error(tmp_path: Path) -> None:
+    import threading
+
+    folder = _planted(tmp_path / "t")
+    killed: list[int] = []
+    done = threading.Event()
+
+    def kill_first_worker() -> None:  # beside this thread the workers are spawned: slow to
+        while not done.is_set() and not killed:  # start, so the kill comes before their answers
+            for child in _children(os.getpid()):
+                os.kill(child, signal.SIGKILL)
+                killed.append(child)
+                break
+
+    killer = threading.Thread(target=kill_first_worker)
+    killer.start()
+    try:
+        with pytest.raises(WorkerError, match="ended without a word"):
+            analyze_block(folder, None, None, 2, chunk=4000)
+    finally:
+        done.set()
+        killer.join()
+    assert killed
