@@ -1,15 +1,18 @@
-"""A DSA trace judged on several cores: the per-record half of each chunk (parse, every
-per-record check, fingerprints, aggregates: most of the work) runs in worker processes, while
-this process folds their results through the cross-record checks in the trace's order
-(TraceStream.check, TraceStream.absorb). The chunks are feed_file's own (chunk_spans), and a
-worker does for a chunk only what feed() does with it alone, so the counts, the first failure,
-every problem and every record's mark are the single-process path's.
+"""A DSA trace read on several cores. `analyze` (feed_files): the per-record half of each
+chunk (parse, every per-record check, fingerprints, aggregates: most of the work) runs in
+worker processes, while this process folds their results through the cross-record checks in
+the trace's order (TraceStream.check, TraceStream.absorb). The chunks are feed_file's own
+(chunk_spans), and a worker does for a chunk only what feed() does with it alone, so the
+counts, the first failure, every problem and every record's mark are the single-process
+path's. The data tools (export, what-if, tiers) hand their per-chunk work to the same workers
+(map_chunks) and fold the answers in order.
 
-Parsing holds the GIL, so the workers are processes: plain `python -c` children, like the
-B3.67 side reader (analysis.parallel, whose HELPER_COMMAND a judge on a target sets), fed one
-chunk's place (file, offset, size) at a time over a pipe. At most two chunks wait per worker
-(memory stays a few chunks' columns, whatever the trace's size). A worker that dies, or says
-anything but a checked chunk, is a WorkerError (never a pass, never a chunk skipped).
+Parsing holds the GIL, so the workers are processes: forked where this process runs one thread,
+else plain `python -c` children like the B3.67 side reader (analysis.parallel, whose
+HELPER_COMMAND a judge on a target sets), fed one chunk's place (file, offset, size) at a time
+over a pipe. At most two chunks wait per worker (memory stays a few chunks' worth, whatever the
+trace's size). A worker that dies, or fails, is a WorkerError (never a pass, never a chunk
+skipped).
 """
 
 from __future__ import annotations
