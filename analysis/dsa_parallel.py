@@ -251,6 +251,7 @@ def feed_files(
     stream's block size and KV bytes per token are known (until then, and with workers < 2,
     here). Returns the torn last lines' problems."""
     torn: list[dict[str, Any]] = []
+    workers = _worth(files, workers, chunk)
     pool: Workers | None = None
     pending: deque[tuple[Path, int, int]] = deque()  # path, offset, size (for a reread)
 
@@ -285,6 +286,18 @@ def feed_files(
     return torn
 
 
+def _worth(files: list[Path], workers: int, chunk: int) -> int:
+    """workers, or 1 when the files are no more than a chunk per worker (starting the
+    processes would cost more than it saves)."""
+    if workers < 2:
+        return 1
+    size = 0
+    for path in files:
+        with contextlib.suppress(OSError):  # a file that cannot be read fails where it is read
+            size += path.stat().st_size
+    return workers if size > workers * chunk else 1
+
+
 def _known(stream: TraceStream) -> bool:
     return stream.block_size is not None and stream.bytes_per_token is not None
 
@@ -311,6 +324,7 @@ def map_chunks(
     """job(path, lines, first line, torn) of every chunk of the files, in order: here while
     ready() says no (the job learns from its first chunks what it needs) or workers < 2,
     then by `workers` processes, each handed a copy of the job as it is then."""
+    workers = _worth(files, workers, chunk)
     pool: Workers | None = None
     pending = 0
     try:

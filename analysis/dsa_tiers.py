@@ -125,7 +125,11 @@ class AccessChunk:
 
 
 def replay_order(
-    info: TraceInfo, block_size: int | None, skipped: Skipped, workers: int = 1
+    info: TraceInfo,
+    block_size: int | None,
+    skipped: Skipped,
+    workers: int = 1,
+    chunk: int = 4 << 20,
 ) -> Iterator[Access]:
     """The trace's accesses in replay order (see the module's doc), streamed. In trace order
     the shards are read by `workers` processes (BurstGPT's order merges the shards as they
@@ -133,7 +137,7 @@ def replay_order(
     files = shard_files(info.folder)
     if workers >= 2 and not info.end_ms:
         job = AccessChunk(info, block_size)
-        return _unpacked(map_chunks(files, job, workers, lambda: known(info)), skipped)
+        return _unpacked(map_chunks(files, job, workers, lambda: known(info), chunk), skipped)
     streams = [_accesses(scan_file(info, p), info, block_size, skipped) for p in files]
     if info.end_ms:
         return heapq.merge(*streams, key=lambda a: a.key)
@@ -291,6 +295,7 @@ def tiers_dir(
     bandwidth_gbs: float = 25.0,
     topk: int | None = None,
     workers: int = 1,
+    chunk: int = 4 << 20,
 ) -> dict[str, Any]:
     """The simulation of one block directory at every capacity, JSON-ready (a top-level
     function: a worker process can run it, given the folder's path); `workers` processes
@@ -301,7 +306,7 @@ def tiers_dir(
     if isinstance(info, str):
         info = trace_info(Path(info), topk)
     skipped = Skipped()
-    accesses = replay_order(info, block_size, skipped, workers)
+    accesses = replay_order(info, block_size, skipped, workers, chunk)
     # the stream learns the block size and bytes per token from the first records it reads:
     # the bytes of a block are fixed once the first access is out
     first = next(accesses, None)

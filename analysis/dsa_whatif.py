@@ -517,7 +517,11 @@ class WhatIfChunk:
 
 
 def whatif_dir(
-    folder: str, sizes: list[int], topk: int | None = None, workers: int = 1
+    folder: str,
+    sizes: list[int],
+    topk: int | None = None,
+    workers: int = 1,
+    chunk: int = 4 << 20,
 ) -> dict[str, Any]:
     """The what-if of one block directory, streamed, its chunks read by `workers` processes
     (the same result; a top-level function: a worker process can run it)."""
@@ -530,7 +534,7 @@ def whatif_dir(
     info = trace_info(Path(folder), topk)
     w = WhatIf(info, sizes)
     job = WhatIfChunk(info, sizes)
-    for parts in map_chunks(shard_files(info.folder), job, workers, lambda: known(info)):
+    for parts in map_chunks(shard_files(info.folder), job, workers, lambda: known(info), chunk):
         for part in parts:
             w.merge(part)
     return w.result()

@@ -166,9 +166,9 @@ def test_whatif_on_workers_is_the_single_process_result(tmp_path: Path) -> None:
     from analysis.dsa_whatif import whatif_dir
 
     folder = _planted(tmp_path / "t")
-    one = whatif_dir(str(folder), [4, 16, 64], workers=1)
+    one = whatif_dir(str(folder), [4, 16, 64], workers=1, chunk=4000)
     assert one["invalid"] == 3 and one["used"] > 100
-    assert whatif_dir(str(folder), [4, 16, 64], workers=2) == one
+    assert whatif_dir(str(folder), [4, 16, 64], workers=2, chunk=4000) == one
 
 
 def test_beside_other_threads_the_workers_are_spawned_and_judge_the_same(tmp_path: Path) -> None:
@@ -197,9 +197,10 @@ def test_tiers_on_workers_replay_what_one_process_does(
     from analysis.dsa_tiers import tiers_dir
 
     folder = _planted(tmp_path / "t")
-    one = tiers_dir(str(folder), [2, 8, 64], policy, block_size=size, workers=1)
+    one = tiers_dir(str(folder), [2, 8, 64], policy, block_size=size, workers=1, chunk=4000)
     assert one["invalid"] == 3 and one["used"] > 100 and one["first_invalid"]
-    assert tiers_dir(str(folder), [2, 8, 64], policy, block_size=size, workers=2) == one
+    many = tiers_dir(str(folder), [2, 8, 64], policy, block_size=size, workers=2, chunk=4000)
+    assert many == one
 
 
 def _children(pid: int) -> list[int]:
@@ -233,3 +234,12 @@ def test_a_worker_killed_mid_trace_stops_analyze_with_an_error(tmp_path: Path) -
         done.set()
         killer.join()
     assert killed
+
+
+def test_workers_start_only_for_more_than_a_chunk_each(tmp_path: Path) -> None:
+    from analysis.dsa_parallel import _worth
+
+    files = shard_files(_planted(tmp_path / "t"))
+    size = sum(f.stat().st_size for f in files)
+    assert _worth(files, 3, 4000) == 3 and _worth(files, 2, 4000) == 2  # the tests above
+    assert _worth(files, 2, size // 2 + 1) == 1 and _worth(files, 1, 1) == 1
