@@ -11,8 +11,11 @@ the same with the arrays cut out of each line first (split_positions), and analy
 with 1 worker (the single-process path) and with 2..--workers workers. Each
 analyze line gives records/s, its ratio to json.loads, the rate per core it used (records/s
 divided by min(workers, cores)) and that per-core rate's ratio to the floor, and whether its
-result equals the single-process one. The load average is printed before and after: on a
-shared machine the ratios (same run) are the figures to read.
+result equals the single-process one. A control line says how much CPU the machine gives
+--workers processes at once against one, in the same run (on a loaded machine with autogroup
+scheduling a session's processes share one slot: no worker count can gain there). The load
+average is printed before and after: on a shared machine the ratios (same run) are the
+figures to read.
 
     python bench/bench_dsa_analyze.py [--repeat 3] [--workers 2]
 """
@@ -78,6 +81,32 @@ def best(fn: Callable[[], object], repeat: int) -> tuple[float, float, object]:
     return wall, cpu, out
 
 
+def _spin(n: int) -> None:
+    x = 0
+    for i in range(n):
+        x += i
+
+
+def cpu_scaling(procs: int, n: int = 5_000_000) -> float:
+    """How many times one process's speed `procs` forked processes spinning at once get (a
+    pure-Python loop): on an idle machine about min(procs, cores); on a loaded one with
+    autogroup scheduling, where a session shares one slot, about 1."""
+    rates = []
+    for count in (1, procs):
+        t = time.perf_counter()
+        pids = []
+        for _ in range(count):
+            pid = os.fork()
+            if pid == 0:
+                _spin(n)
+                os._exit(0)
+            pids.append(pid)
+        for pid in pids:
+            os.waitpid(pid, 0)
+        rates.append(count * n / (time.perf_counter() - t))
+    return rates[1] / rates[0]
+
+
 def main() -> None:
     import orjson
     from bench_dsa_ingest import loadavg
@@ -137,6 +166,10 @@ def main() -> None:
                 f"{label:44s} {n / wall:8.0f} {base / wall:7.2f} {per_core:9.0f} "
                 f"{(n / floor) / per_core:10.2f}   cpu {cpu:.2f} s, {same}"
             )
+        print(
+            f"control: {args.workers} processes spinning get x{cpu_scaling(args.workers):.2f} "
+            "one's speed on this machine now (the most N workers can gain)"
+        )
         print(f"loadavg after: {loadavg()}")
 
 

@@ -117,6 +117,13 @@ def main() -> None:
             for name, label in stages.items():
                 wall, cpu, _ = best(name, folder, root, args.repeat, workers)
                 print(f"{label:<34} {wall:>11.0f} {wall / base_wall:>11.2f} {cpu:>10.0f} {cpu / base_cpu:>6.2f}")  # fmt: skip
+        if args.workers > 1:
+            from bench_dsa_analyze import cpu_scaling
+
+            print(
+                f"control: {args.workers} processes spinning get x{cpu_scaling(args.workers):.2f} "
+                "one's speed on this machine now (the most N workers can gain)"
+            )
         print(f"loadavg after: {loadavg()}")
         print(f"this process's peak RSS: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")  # fmt: skip
 
