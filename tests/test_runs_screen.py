@@ -4,6 +4,8 @@ times that name their units."""
 
 from __future__ import annotations
 
+import asyncio
+import datetime as dt
 import shutil
 from pathlib import Path
 
@@ -15,9 +17,10 @@ from textual.widgets import DataTable
 
 from console.app import create_app
 from console.screens.runs import RunsScreen
-from runners.status import elapsed_words
+from runners.status import Status, collect, elapsed_words
 
 DATA = Path(__file__).resolve().parent / "data"
+CLOCK = dt.datetime(2026, 11, 25, 8, 0, 0, tzinfo=dt.UTC).timestamp()
 STOPPED_NOTE = "its end is not recorded and no process of it runs"
 
 
@@ -53,7 +56,7 @@ def test_elapsed_names_its_units() -> None:
 
 
 async def test_runs_screen_orders_by_state_shows_every_column_and_the_reason(out: Path) -> None:
-    app = create_app(out_dir=out, clock=lambda: 1_800_000_000.0)
+    app = create_app(out_dir=out, clock=lambda: CLOCK)
     app.runs_hosts = []
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.press("f3")
@@ -80,6 +83,31 @@ async def test_runs_screen_orders_by_state_shows_every_column_and_the_reason(out
         await pilot.press("down")
         await wait_for(
             pilot, lambda: "note  " not in screen_text(app), LOADED_S, "no note for ended"
+        )
+        # when the hosts were asked: the states are what they said then
+        assert "2 of 2 run(s), asked 08:00:00 UTC, sorted by state (asc)." in screen_text(app)
+
+
+async def test_runs_screen_says_it_is_asking_until_the_hosts_answer(out: Path) -> None:
+    answer = asyncio.Event()
+
+    async def slow(out_dir: Path, hosts: list[str] | None, now: float) -> Status:
+        await answer.wait()  # a host that takes its time
+        return await collect(out_dir, hosts=hosts, now=now)
+
+    app = create_app(out_dir=out, clock=lambda: CLOCK)
+    app.runs_hosts, app.runs_collect = [], slow
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("f3")
+        screen = await wait_for_screen(pilot, RunsScreen)
+        await pilot.resize_terminal(100, 40)  # a redraw meanwhile does not say "0 of 0 run(s)"
+        await wait_for(pilot, lambda: screen.size.width == 100, LOADED_S, "the resize")
+        assert "asking the hosts of each run ..." in screen_text(app)
+        assert "0 of 0" not in screen_text(app)
+        answer.set()
+        await wait_for(pilot, lambda: screen.collected > 0, LOADED_S, "the runs collected")
+        await wait_for(
+            pilot, lambda: "2 of 2 run(s), asked" in screen_text(app), LOADED_S, "the count"
         )
 
 

@@ -7,6 +7,7 @@ one is reattached, an ended one replayed), `c` cancels a live one after asking, 
 
 from __future__ import annotations
 
+import datetime as dt
 import io
 import time
 from collections.abc import Awaitable, Callable
@@ -104,7 +105,7 @@ class RunsScreen(Screen[None]):
     DEFAULT_CSS = """
     RunsScreen #runs-table { height: 1fr; }
     RunsScreen #runs-detail, RunsScreen #runs-locks { height: auto; padding: 0 1; }
-    RunsScreen #runs-status { height: 1; padding: 0 1; }
+    RunsScreen #runs-status { height: auto; padding: 0 1; }
     """
     BINDINGS = [
         Binding("escape", "close", "Back"),
@@ -115,9 +116,10 @@ class RunsScreen(Screen[None]):
     ]
 
     class Collected(Message):
-        def __init__(self, status: Status) -> None:
+        def __init__(self, status: Status, now: float) -> None:
             super().__init__()
             self.status = status
+            self.now = now
 
     def __init__(
         self, out_dir: Path, hosts: list[str] | None = None, collect: Collect | None = None
@@ -132,6 +134,8 @@ class RunsScreen(Screen[None]):
         self.sort_reverse = False
         self.filter_text = ""
         self.collected = 0  # how many times the runs were collected (tests wait on it)
+        self.asked_at: float | None = None  # the clock when the hosts were last asked
+        self.asking = False
 
     def compose(self) -> ComposeResult:
         yield Label("Runs", classes="section-title")
@@ -152,17 +156,17 @@ class RunsScreen(Screen[None]):
     # -- collecting -------------------------------------------------------------------------------
 
     def action_refresh(self) -> None:
-        self.query_one("#runs-status", Static).update(
-            Text("asking the hosts of each run ...", style="dim")
-        )
+        self.asking = True
+        self.show_status_line()
         self.run_worker(self._collect(), group="collect", exclusive=True, exit_on_error=False)
 
     async def _collect(self) -> None:
         now = getattr(self.app, "clock", time.time)()
-        self.post_message(self.Collected(await self.collect(self.out_dir, self.hosts, now)))
+        status = await self.collect(self.out_dir, self.hosts, now)
+        self.post_message(self.Collected(status, now))
 
     def on_runs_screen_collected(self, message: Collected) -> None:
-        self.status = message.status
+        self.status, self.asked_at, self.asking = message.status, message.now, False
         self.collected += 1
         self.show()
 
@@ -188,15 +192,23 @@ class RunsScreen(Screen[None]):
             table.move_cursor(row=dirs.index(previous.local_dir))
         self.show_locks()
         self.show_detail()
-        arrow = "desc" if self.sort_reverse else "asc"
-        filtered = f", filter {self.filter_text!r}" if self.filter_text else ""
-        self.query_one("#runs-status", Static).update(
-            Text(
-                f"{len(self.shown)} of {len(status.runs)} run(s), sorted by {self.sort_key} "
-                f"({arrow}){filtered}. Enter: open (live: reattach; ended: replay). c: cancel.",
-                style="dim",
+        self.show_status_line()
+
+    def show_status_line(self) -> None:
+        """How many runs, in what order, and when the hosts were asked (the states are what
+        they said then: f5 asks again)."""
+        if self.asking or self.asked_at is None:
+            line = "asking the hosts of each run ..."
+        else:
+            asked = dt.datetime.fromtimestamp(self.asked_at, dt.UTC)
+            arrow = "desc" if self.sort_reverse else "asc"
+            filtered = f", filter {self.filter_text!r}" if self.filter_text else ""
+            line = (
+                f"{len(self.shown)} of {len(self.status.runs)} run(s), asked {asked:%H:%M:%S} "
+                f"UTC, sorted by {self.sort_key} ({arrow}){filtered}. Enter: open (live: "
+                "reattach; ended: replay). c: cancel."
             )
-        )
+        self.query_one("#runs-status", Static).update(Text(line, style="dim"))
 
     @staticmethod
     def cells(run: RunStatus, values: dict[str, Any]) -> list[Text]:
