@@ -3,6 +3,8 @@ its hosts, and who holds each host's lock, as `tracedeck status` shows them.
 
 `/` filters the rows, clicking a column header (or `s`) sorts by it, Enter opens the run (a live
 one is reattached, an ended one replayed), `c` cancels a live one after asking, `f5` asks again.
+Live runs come first; the lock holder column takes what the others leave of the width, and the
+highlighted run's note and lock holders are spelled out under the table.
 """
 
 from __future__ import annotations
