@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from textual.app import App
@@ -18,7 +20,7 @@ from console.screens.history import HistoryScreen
 from console.screens.plan import PlanScreen
 from console.screens.presets import PresetsScreen
 from console.screens.run import RunScreen
-from console.screens.runs import RunsScreen
+from console.screens.runs import Collect, RunsScreen
 from console.screens.sources import ReplaySource
 from runners.presets import preset_files
 from runners.record import EVENTS
@@ -45,9 +47,11 @@ class TracedeckApp(App[int]):
         replay_dir: Path | None = None,
         speed: float = 1.0,
         preset_paths: list[Path] | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         super().__init__()
         self.out_dir = out_dir
+        self.clock = clock  # "now" for what the console computes from the time (elapsed)
         self.replay_dir = replay_dir
         self.speed = speed
         self.preset_paths = preset_paths
@@ -55,6 +59,8 @@ class TracedeckApp(App[int]):
         self.quit_notes: list[str] = []
         # The hosts whose locks the Runs screen shows (None: the configured ones); tests set it.
         self.runs_hosts: list[str] | None = None
+        # How the Runs screen collects (None: runners.status.collect); tests pin volatile values.
+        self.runs_collect: Collect | None = None
 
     def get_default_screen(self) -> Screen:
         paths = self.preset_paths if self.preset_paths is not None else preset_files()
@@ -93,7 +99,7 @@ class TracedeckApp(App[int]):
 
     def action_runs(self) -> None:
         if not any(isinstance(screen, RunsScreen) for screen in self.screen_stack):
-            self.push_screen(RunsScreen(self.out_dir, self.runs_hosts))
+            self.push_screen(RunsScreen(self.out_dir, self.runs_hosts, self.runs_collect))
 
     async def action_quit(self) -> None:
         # Quitting never cancels a run: stop following, close sessions, leave runs going.
@@ -122,16 +128,19 @@ def create_app(
     speed: float = 1.0,
     *,
     preset_paths: list[Path] | None = None,
+    clock: Callable[[], float] = time.time,
 ) -> TracedeckApp:
     """The console app; `replay_dir` opens the Run screen on that recorded run directly.
 
-    preset_paths replaces the shipped and user presets (tests use it for a fixed list).
+    preset_paths replaces the shipped and user presets (tests use it for a fixed list); clock
+    gives "now" (tests pin it, so that an elapsed time is the same on every run of them).
     """
     return TracedeckApp(
         out_dir=Path(out_dir) if out_dir is not None else default_out_dir(),
         replay_dir=Path(replay_dir) if replay_dir is not None else None,
         speed=speed,
         preset_paths=preset_paths,
+        clock=clock,
     )
 
 

@@ -46,6 +46,10 @@ def check_here(out_dir: Path, packages: tuple[str, ...]) -> Checked:
     ssh_config = Path.home() / ".ssh" / "config"
     if ssh_config.exists() and not os.access(ssh_config, os.R_OK):
         out.add(PROBLEM, "ssh config", f"{ssh_config} cannot be read: chmod u+r it")
+    elif not ssh_config.exists():
+        out.add(
+            OK, "ssh config", f"{ssh_config} is absent: no host aliases (ssh://USER@HOST works)"
+        )
     else:
         from runners.targets.factory import ssh_config_aliases
 

@@ -465,15 +465,14 @@ async def check(p: Preview, target: Target | None = None) -> Checked:
     name = p.target_name
     try:
         await target.connect()
-    except HostKeyUnknown as exc:
-        out.add(PROBLEM, "host key", f"{exc}")
-        return out
-    except HostKeyMismatch as exc:
-        out.add(PROBLEM, "host key", str(exc))
+    except (HostKeyUnknown, HostKeyMismatch) as exc:
+        _add_host_key(out, target, exc)
         return out
     except TargetError as exc:
+        _add_host_key(out, target, exc)  # a key judged before the login failed is said too
         out.add(PROBLEM, "reachable", str(exc))
         return out
+    _add_host_key(out, target, None)
     try:
         await _check_connected(p, target, out)
     except TargetError as exc:
@@ -481,6 +480,19 @@ async def check(p: Preview, target: Target | None = None) -> Checked:
     finally:
         await target.close()
     return out
+
+
+def _add_host_key(out: Checked, target: Target, error: TargetError | None) -> None:
+    """The host-key step of an SSH target (runners.hostkey_step), before reachable."""
+    from runners.hostkey_step import host_key_step
+    from runners.targets.ssh import SshTarget
+
+    if isinstance(target, SshTarget):
+        step = host_key_step(target, error is None, error)
+        level = OK if step.ok else PROBLEM if step.ok is False else WARN
+        out.add(level, "host key", step.text)
+    elif error is not None and isinstance(error, (HostKeyUnknown, HostKeyMismatch)):
+        out.add(PROBLEM, "host key", str(error))
 
 
 async def _check_fleet(p: Preview) -> Checked:
@@ -497,7 +509,7 @@ async def _check_connected(p: Preview, target: Target, out: Checked) -> None:
     if name == "local":
         out.add(OK, "reachable", "this machine")
     else:
-        out.add(OK, "reachable", f"connected to {name}; its host key is in known_hosts")
+        out.add(OK, "reachable", f"connected to {name} (logged in, an SFTP session open)")
     code, home, err = await _sh(target, "cd && pwd")
     if code != 0 or not home.startswith("/"):
         out.add(PROBLEM, "home", f"{name}: no usable home directory ({err or home})")

@@ -212,12 +212,17 @@ def holder_words(holder: dict[str, Any]) -> str:
 
 
 def elapsed_words(seconds: float | None) -> str:
+    """42s, 2m05s, 1h02m, 3d04h: each unit named ("0:42" read as 42 minutes beside "1h02m")."""
     if seconds is None:
         return "-"
     s = int(seconds)
+    if s < 60:
+        return f"{s}s"
     if s < 3600:
-        return f"{s // 60}:{s % 60:02d}"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
 def status_lines(status: Status) -> list[str]:

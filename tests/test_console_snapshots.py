@@ -41,8 +41,12 @@ LOADED_S = 60.0
 
 
 def columns_fit(table: DataTable) -> bool:
-    """Every column of `table` is measured as wide as its widest cell (nothing cut for now)."""
+    """Every column of `table` sized to its content is measured as wide as its widest cell (a
+    DataTable measures them when idle, which a loaded machine puts off); a column given a width
+    (one that takes what the others leave) is drawn at that width."""
     for key, column in table.columns.items():
+        if not column.auto_width:
+            continue
         cells = [v.cell_len if isinstance(v, Text) else len(str(v)) for v in table.get_column(key)]
         if column.content_width < max(cells, default=0):
             return False
@@ -116,10 +120,11 @@ def test_history_screen(snap_compare, out: Path) -> None:  # noqa: ANN001
                 isinstance(pilot.app.screen, HistoryScreen)
                 and len(pilot.app.screen.entries) == 4
                 and not pilot.app.screen.workers  # the scan is over, not about to refill
+                and columns_fit(pilot.app.screen.query_one("#runs", DataTable))
             ),
         )
-        await pilot.pause()  # the table's column widths settle on the next refresh
-        await pilot.pause()
+        await pilot.press("down", "down")  # the readout run: its reason in full under the table
+        await until(pilot, lambda: pilot.app.screen.query_one("#history-why").display)
 
     assert snap_compare(app, terminal_size=SIZE, run_before=open_history)
 

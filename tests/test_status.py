@@ -22,6 +22,19 @@ from console.screens.runs import RunsScreen
 pytestmark = pytest.mark.ssh
 
 
+# The lock each host of these tests takes (configured, as an operator would): a name of their
+# own, since a run elsewhere on this machine reaps whatever holds a lock file of its lock's path,
+# here the default /tmp/tracedeck.lock in any mount namespace (each test host has its own /tmp).
+HOST_LOCK = "/tmp/tracedeck-status-test.lock"
+
+
+def configure_hosts(home: Path, hosts: tuple[str, ...] = ("gpu-a", "gpu-b", "local")) -> None:
+    """config.toml under `home` naming `hosts`, each with the lock HOST_LOCK."""
+    config = home / ".config" / "tracedeck" / "config.toml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text("".join(f'[hosts.{h}]\nlock = "{HOST_LOCK}"\n\n' for h in hosts))
+
+
 def started(out: Path, known: set[Path], what: str) -> Path:
     """The run directory that appeared beside `known`, once its run prints."""
     new = wait_for(lambda: set(run_dirs(out)) - known, what=f"{what}'s run directory")
@@ -31,8 +44,10 @@ def started(out: Path, known: set[Path], what: str) -> Path:
 
 
 async def test_status_and_runs_screen_show_two_hosts_and_a_local_run_with_lock_holders(
-    fleet: Fleet, tmp_path: Path
+    fleet: Fleet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.delenv("XDG_CONFIG_HOME", raising=False)
+    configure_hosts(fleet.home.path)
     env = cli_env(fleet.home.path)
     preset = lines_preset(tmp_path, cells=1, lines=3000, pause=0.1)  # cancelled at the end
     consoles: list[subprocess.Popen[str]] = []
@@ -69,7 +84,7 @@ async def test_status_and_runs_screen_show_two_hosts_and_a_local_run_with_lock_h
         for where in ("gpu-a", "gpu-b", "local"):
             lock_line = next(li for li in lines if li.split()[:1] == [where])
             assert " held " in lock_line and runs[where]["run_id"] in lock_line, lock_line
-        await runs_screen_shows(root, runs, dirs)
+        await runs_screen_shows(root, runs, locks, dirs)
     finally:
         for local in dirs.values():
             tracedeck("cancel", str(local), "--grace", "1", env=env)
@@ -81,7 +96,7 @@ async def test_status_and_runs_screen_show_two_hosts_and_a_local_run_with_lock_h
                 console.communicate()
 
 
-async def runs_screen_shows(root: Path, runs: dict, dirs: dict[str, Path]) -> None:  # type: ignore[type-arg]
+async def runs_screen_shows(root: Path, runs: dict, locks: dict, dirs: dict[str, Path]) -> None:  # type: ignore[type-arg]
     """F3: the same three live runs with their lock holders; / filters, a header sorts, Enter
     reattaches, c asks before cancelling."""
     app = create_app(out_dir=root)
@@ -97,10 +112,16 @@ async def runs_screen_shows(root: Path, runs: dict, dirs: dict[str, Path]) -> No
         for row in rows:
             where = row[5]
             assert row[0] == "live (followed)" and row[1] == runs[where]["run_id"], row
-            assert row[6].startswith(f"{where}: ") and runs[where]["run_id"] in row[6], row
-        locks = str(screen.query_one("#runs-locks").content)
+            assert row[7] == "this run", row  # the lock of its host is held by the run itself
+        selected = screen.selected()
+        assert selected is not None
+        holder = locks[selected.hosts[0]]["holder"]  # said in full under the table
+        who = f"{holder['user']}@{holder['console_host']}, pgid {holder['pgid']}"
+        detail = str(screen.query_one("#runs-detail").content)
+        assert detail == f"lock  this run ({who})", detail
+        line = str(screen.query_one("#runs-locks").content)
         for where in ("local", "gpu-a", "gpu-b"):
-            assert f"{where} held by " in locks, locks
+            assert f"{where} held by " in line, line
         await pilot.press("slash", *"gpu-b", "enter")
         assert [r.hosts for r in screen.shown] == [["gpu-b"]]
         screen.query_one("#runs-filter", Input).value = ""
@@ -109,6 +130,10 @@ async def runs_screen_shows(root: Path, runs: dict, dirs: dict[str, Path]) -> No
         assert [r.hosts[0] for r in screen.shown] == ["gpu-a", "gpu-b", "local"]
         screen.sort_by("hosts")
         assert [r.hosts[0] for r in screen.shown] == ["local", "gpu-b", "gpu-a"]
+        selected = screen.selected()  # the cursor stayed on gpu-b's run through filter and sorts
+        assert selected is not None and selected.hosts == ["gpu-b"], selected
+        await pilot.press("up")
+        assert screen.selected() is not None and screen.selected().hosts == ["local"]
         await pilot.press("c")
         assert isinstance(app.screen, ConfirmDialog)
         await pilot.press("n")

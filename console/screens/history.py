@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,12 +17,22 @@ from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Label, Select, Static
 
 from console.screens.sources import AttachSource, ReplaySource
-from console.widgets.text import TONE_STYLES, plain
+from console.widgets.fill_table import refill
+from console.widgets.text import TONE_STYLES, clean, plain
 from runners.events import RunFinished
 from runners.kind import tone
 from runners.record import EVENTS, RUN_JSON, decode_event
 
 UNFINISHED = "running?/unfinished"
+WHY_LINES = 4  # the highlighted run's reason under the table, at most this many lines
+COLUMNS = (
+    ("started (UTC)", "started"),
+    ("run id", "run_id"),
+    ("preset", "preset"),
+    ("target", "target"),
+    ("verdict", "verdict"),
+    ("why", "why"),
+)
 TAIL_BYTES = 1 << 18
 SPEEDS: list[tuple[str, float]] = [
     ("real time", 1.0),
@@ -44,6 +55,18 @@ class RunEntry:
     problem: str | None = None
     kind: str = ""
     why: str = ""  # the verdict's reason (a loosened pass says how much, a failure why)
+
+
+def started_words(started: str) -> str:
+    """A record's start to the minute in UTC (what leaves room for the why column), or the
+    record's own text when it is not an ISO time."""
+    try:
+        when = dt.datetime.fromisoformat(started)
+    except ValueError:
+        return started
+    if when.tzinfo is not None:
+        when = when.astimezone(dt.UTC)
+    return f"{when:%Y-%m-%d %H:%M}"
 
 
 def last_verdict(events: Path) -> str | None:
@@ -145,6 +168,7 @@ class HistoryScreen(Screen[None]):
     DEFAULT_CSS = """
     HistoryScreen #history-trends { height: auto; max-height: 50%; display: none; padding: 0 1; }
     HistoryScreen #history-trends.shown { display: block; }
+    HistoryScreen #history-why { height: auto; padding: 0 1; }
     """
 
     class Scanned(Message):
@@ -173,22 +197,18 @@ class HistoryScreen(Screen[None]):
                 id="speed",
             )
         yield DataTable(id="runs", cursor_type="row", zebra_stripes=True)
+        yield Static("", id="history-why", markup=False)
         yield VerticalScroll(Static("", id="trends-text", markup=False), id="history-trends")
         yield Static("", id="history-status", markup=False)
         yield Footer()
 
     def on_mount(self) -> None:
         table = self.query_one("#runs", DataTable)
-        for label, key in (
-            ("started", "started"),
-            ("run id", "run_id"),
-            ("preset", "preset"),
-            ("target", "target"),
-            ("verdict", "verdict"),
-            ("why", "why"),
-        ):
-            table.add_column(label, key=key)
+        refill(table, COLUMNS, [], "why")
         table.focus()
+
+    def on_resize(self) -> None:
+        self.show()  # the why column takes what the other columns leave of the new width
 
     def on_screen_resume(self) -> None:
         self.action_rescan()  # a run opened from here may have finished meanwhile
@@ -204,28 +224,7 @@ class HistoryScreen(Screen[None]):
     def on_history_screen_scanned(self, message: Scanned) -> None:
         previous = self.selected()
         self.entries = message.entries
-        table = self.query_one("#runs", DataTable)
-        table.clear()
-        for entry in self.entries:
-            if entry.problem:
-                verdict = plain(entry.problem, "red")
-            elif entry.verdict is None:
-                verdict = Text(UNFINISHED, style="bold yellow")
-            else:
-                verdict = plain(entry.verdict, TONE_STYLES[tone(entry.kind, entry.verdict)])
-            table.add_row(
-                plain(entry.started.replace("T", " ")),
-                plain(entry.run_id),
-                plain(entry.preset),
-                plain(entry.target),
-                verdict,
-                plain(entry.why, "dim"),
-                key=str(entry.local_dir),
-            )
-        if previous is not None:
-            dirs = [entry.local_dir for entry in self.entries]
-            if previous.local_dir in dirs:
-                table.move_cursor(row=dirs.index(previous.local_dir))
+        self.show(previous)
         count = len(self.entries)
         self.query_one("#history-status", Static).update(
             Text(
@@ -234,6 +233,51 @@ class HistoryScreen(Screen[None]):
                 style="dim",
             )
         )
+
+    def show(self, previous: RunEntry | None = None) -> None:
+        """Draw the entries, the cursor put back on `previous` (default: the run it is on)."""
+        table = self.query_one("#runs", DataTable)
+        previous = previous or self.selected()
+        rows = []
+        for entry in self.entries:
+            if entry.problem:
+                verdict = plain(entry.problem, "red")
+            elif entry.verdict is None:
+                verdict = Text(UNFINISHED, style="bold yellow")
+            else:
+                verdict = plain(entry.verdict, TONE_STYLES[tone(entry.kind, entry.verdict)])
+            cells = [
+                plain(started_words(entry.started)),
+                plain(entry.run_id),
+                plain(entry.preset),
+                plain(entry.target),
+                verdict,
+                plain(entry.why, "dim"),
+            ]
+            rows.append((str(entry.local_dir), cells))
+        refill(table, COLUMNS, rows, "why")
+        if previous is not None:
+            dirs = [entry.local_dir for entry in self.entries]
+            if previous.local_dir in dirs:
+                table.move_cursor(row=dirs.index(previous.local_dir))
+        self.show_why()
+
+    def show_why(self) -> None:
+        """The highlighted run's reason in full under the table (its column may cut it)."""
+        entry = self.selected()
+        why = self.query_one("#history-why", Static)
+        why.display = bool(entry and entry.why)
+        if entry and entry.why:
+            text = clean(entry.why)
+            room = WHY_LINES * max(self.size.width - 2, 20) - len("why  ")
+            if len(text) > room:  # Enter opens the run, which shows all of it
+                text = text[: room - 1] + "…"
+            line = Text("why  ", style="bold")
+            line.append(text)
+            why.update(line)
+
+    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        self.show_why()
 
     def selected(self) -> RunEntry | None:
         table = self.query_one("#runs", DataTable)

@@ -3,11 +3,16 @@ its hosts, and who holds each host's lock, as `tracedeck status` shows them.
 
 `/` filters the rows, clicking a column header (or `s`) sorts by it, Enter opens the run (a live
 one is reattached, an ended one replayed), `c` cancels a live one after asking, `f5` asks again.
+Live runs come first; the lock holder column takes what the others leave of the width, and the
+highlighted run's note and lock holders are spelled out under the table.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import io
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +25,20 @@ from textual.widgets import DataTable, Footer, Input, Label, Static
 
 from console.screens.dialogs import ConfirmDialog
 from console.screens.sources import AttachSource, ReplaySource
-from console.widgets.text import TONE_STYLES, plain
+from console.widgets.fill_table import refill
+from console.widgets.text import TONE_STYLES, clean, plain
 from runners.kind import tone
-from runners.status import LIVE, RunStatus, Status, elapsed_words, holder_words
+from runners.status import (
+    ENDED,
+    ENDING,
+    LIVE,
+    STOPPED,
+    UNKNOWN,
+    RunStatus,
+    Status,
+    elapsed_words,
+    holder_words,
+)
 
 COLUMNS = (
     ("state", "state"),
@@ -31,37 +47,68 @@ COLUMNS = (
     ("kind", "kind"),
     ("verdict", "verdict"),
     ("host(s)", "hosts"),
-    ("lock holder", "holder"),
     ("elapsed", "elapsed"),
+    ("lock holder", "holder"),  # the long one, last: it takes what the others leave
 )
+# runners.status.collect's shape: (records root, hosts whose locks to show, now) -> Status.
+Collect = Callable[[Path, list[str] | None, float], Awaitable[Status]]
 STATE_STYLES = {"live": "bold cyan", "ending": "cyan", "ended": "", "stopped": "yellow"}
+# The order of states when sorting by state: what runs first (as `tracedeck status` lists them).
+STATE_ORDER = {LIVE: 0, ENDING: 1, UNKNOWN: 2, STOPPED: 3, ENDED: 4}
 
 
-def holders_of(run: RunStatus, status: Status) -> str:
-    """Who holds the locks of the run's hosts ('' when none is held)."""
-    held = [
-        f"{lk.host}: {holder_words(lk.holder)}"
-        for lk in status.locks
-        if lk.host in run.hosts and lk.state == "held"
-    ]
+def holders_of(run: RunStatus, status: Status, short: bool = False) -> str:
+    """Who holds the locks of the run's hosts ('' when none is held), the host named when the
+    run has several: "this run" when it is the run itself (with who and the process group
+    unless `short`). A run that is not live shows only locks it holds itself (leftovers): who
+    holds its hosts now is the locks line's to say, not its row's."""
+    held = []
+    for lk in status.locks:
+        if lk.host not in run.hosts or lk.state != "held":
+            continue
+        mine = lk.holder.get("run_id") == run.run_id
+        if not mine and run.state != LIVE:
+            continue
+        who = holder_words(lk.holder)
+        if mine:
+            user = f"{lk.holder.get('user', '?')}@{lk.holder.get('console_host', '?')}"
+            pgid = lk.holder.get("pgid")
+            who = f"{user}, pgid {pgid}" if pgid else user
+            who = "this run" if short else f"this run ({who})"
+        held.append(f"{lk.host}: {who}" if len(run.hosts) > 1 else who)
     return "; ".join(held)
 
 
 def row_values(run: RunStatus, status: Status) -> dict[str, Any]:
     """The sortable values of one row, by column key."""
     return {
-        "state": run.state + (" (followed)" if run.followed and run.state == LIVE else ""),
+        "state": (STATE_ORDER.get(run.state, len(STATE_ORDER)), -(run.started or 0.0)),
         "run_id": run.run_id,
         "preset": run.preset,
         "kind": run.kind,
         "verdict": run.verdict or "",
         "hosts": ",".join(run.hosts),
-        "holder": holders_of(run, status),
+        "holder": holders_of(run, status, short=True),
         "elapsed": run.elapsed_s if run.elapsed_s is not None else -1.0,
     }
 
 
+def state_words(run: RunStatus) -> str:
+    return run.state + (" (followed)" if run.followed and run.state == LIVE else "")
+
+
+async def _collect(out_dir: Path, hosts: list[str] | None, now: float) -> Status:
+    from runners.status import collect
+
+    return await collect(out_dir, hosts=hosts, now=now)
+
+
 class RunsScreen(Screen[None]):
+    DEFAULT_CSS = """
+    RunsScreen #runs-table { height: 1fr; }
+    RunsScreen #runs-detail, RunsScreen #runs-locks { height: auto; padding: 0 1; }
+    RunsScreen #runs-status { height: auto; padding: 0 1; }
+    """
     BINDINGS = [
         Binding("escape", "close", "Back"),
         Binding("slash", "filter", "Filter"),
@@ -71,33 +118,39 @@ class RunsScreen(Screen[None]):
     ]
 
     class Collected(Message):
-        def __init__(self, status: Status) -> None:
+        def __init__(self, status: Status, now: float) -> None:
             super().__init__()
             self.status = status
+            self.now = now
 
-    def __init__(self, out_dir: Path, hosts: list[str] | None = None) -> None:
+    def __init__(
+        self, out_dir: Path, hosts: list[str] | None = None, collect: Collect | None = None
+    ) -> None:
         super().__init__()
         self.out_dir = out_dir
         self.hosts = hosts
+        self.collect = collect or _collect
         self.status = Status([], [])
         self.shown: list[RunStatus] = []
         self.sort_key = "state"
         self.sort_reverse = False
         self.filter_text = ""
         self.collected = 0  # how many times the runs were collected (tests wait on it)
+        self.asked_at: float | None = None  # the clock when the hosts were last asked
+        self.asking = False
 
     def compose(self) -> ComposeResult:
         yield Label("Runs", classes="section-title")
         yield Input(placeholder="/ filter: any text of a row", id="runs-filter")
         yield DataTable(id="runs-table", cursor_type="row", zebra_stripes=True)
+        yield Static("", id="runs-detail", markup=False)
         yield Static("", id="runs-locks", markup=False)
         yield Static("", id="runs-status", markup=False)
         yield Footer()
 
     def on_mount(self) -> None:
         table = self.query_one("#runs-table", DataTable)
-        for label, key in COLUMNS:
-            table.add_column(label, key=key)
+        refill(table, COLUMNS, [], "holder")
         self.query_one("#runs-filter", Input).display = False
         table.focus()
         self.action_refresh()
@@ -105,18 +158,17 @@ class RunsScreen(Screen[None]):
     # -- collecting -------------------------------------------------------------------------------
 
     def action_refresh(self) -> None:
-        self.query_one("#runs-status", Static).update(
-            Text("asking the hosts of each run ...", style="dim")
-        )
+        self.asking = True
+        self.show_status_line()
         self.run_worker(self._collect(), group="collect", exclusive=True, exit_on_error=False)
 
     async def _collect(self) -> None:
-        from runners.status import collect
-
-        self.post_message(self.Collected(await collect(self.out_dir, hosts=self.hosts)))
+        now = getattr(self.app, "clock", time.time)()
+        status = await self.collect(self.out_dir, self.hosts, now)
+        self.post_message(self.Collected(status, now))
 
     def on_runs_screen_collected(self, message: Collected) -> None:
-        self.status = message.status
+        self.status, self.asked_at, self.asking = message.status, message.now, False
         self.collected += 1
         self.show()
 
@@ -125,65 +177,94 @@ class RunsScreen(Screen[None]):
     def show(self) -> None:
         status = self.status
         needle = self.filter_text.lower()
-        rows = [(run, row_values(run, status)) for run in status.runs]
-        if needle:
-            rows = [
-                (run, values)
-                for run, values in rows
-                if any(needle in str(v).lower() for v in values.values())
-            ]
-        rows.sort(key=lambda rv: rv[1][self.sort_key], reverse=self.sort_reverse)
-        self.shown = [run for run, _ in rows]
+        rows = []
+        for run in status.runs:
+            values = row_values(run, status)
+            cells = self.cells(run, values)
+            if needle and not any(needle in cell.plain.lower() for cell in cells):
+                continue
+            rows.append((run, values, cells))
+        rows.sort(key=lambda row: row[1][self.sort_key], reverse=self.sort_reverse)
         table = self.query_one("#runs-table", DataTable)
-        table.clear()
-        for run, values in rows:
-            verdict = (
-                plain(run.verdict, TONE_STYLES[tone(run.kind, run.verdict)])
-                if run.verdict
-                else Text("-", style="dim")
+        previous = self.selected()
+        self.shown = [run for run, _, _ in rows]
+        refill(table, COLUMNS, [(run.local_dir, cells) for run, _, cells in rows], "holder")
+        dirs = [run.local_dir for run in self.shown]
+        if previous is not None and previous.local_dir in dirs:
+            table.move_cursor(row=dirs.index(previous.local_dir))
+        self.show_locks()
+        self.show_detail()
+        self.show_status_line()
+
+    def show_status_line(self) -> None:
+        """How many runs, in what order, and when the hosts were asked (the states are what
+        they said then: f5 asks again)."""
+        if self.asking or self.asked_at is None:
+            line = "asking the hosts of each run ..."
+        else:
+            asked = dt.datetime.fromtimestamp(self.asked_at, dt.UTC)
+            arrow = "desc" if self.sort_reverse else "asc"
+            filtered = f", filter {self.filter_text!r}" if self.filter_text else ""
+            line = (
+                f"{len(self.shown)} of {len(self.status.runs)} run(s), asked {asked:%H:%M:%S} "
+                f"UTC, sorted by {self.sort_key} ({arrow}){filtered}. Enter: open (live: "
+                "reattach; ended: replay). c: cancel."
             )
-            table.add_row(
-                plain(values["state"], STATE_STYLES.get(run.state, "bold red")),
-                plain(run.run_id),
-                plain(run.preset),
-                plain(run.kind),
-                verdict,
-                plain(values["hosts"]),
-                plain(values["holder"]),
-                Text(elapsed_words(run.elapsed_s), justify="right"),
-                key=run.local_dir,
-            )
+        self.query_one("#runs-status", Static).update(Text(line, style="dim"))
+
+    @staticmethod
+    def cells(run: RunStatus, values: dict[str, Any]) -> list[Text]:
+        verdict = (
+            plain(run.verdict, TONE_STYLES[tone(run.kind, run.verdict)])
+            if run.verdict
+            else Text("-", style="dim")
+        )
+        return [
+            plain(state_words(run), STATE_STYLES.get(run.state, "bold red")),
+            plain(run.run_id),
+            plain(run.preset),
+            plain(run.kind),
+            verdict,
+            plain(values["hosts"]),
+            Text(elapsed_words(run.elapsed_s), justify="right"),
+            plain(values["holder"]),
+        ]
+
+    def show_locks(self) -> None:
         locks = Text("locks  ", style="bold")
-        for lk in status.locks:
-            style = (
-                "bold red"
-                if lk.state == "held"
-                else "green"
-                if lk.state
-                in (
-                    "free",
-                    "absent",
-                )
-                else "yellow"
-            )
+        for lk in self.status.locks:
+            if lk.state == "held":
+                style = "bold red"
+            elif lk.state in ("free", "absent"):
+                style = "green"
+            else:
+                style = "yellow"
             locks.append(f"{lk.host} ", style="bold")
             locks.append(lk.state, style=style)
             who = holder_words(lk.holder)
             if lk.state == "held" and who:
                 locks.append(f" by {who}")
             elif lk.note:
-                locks.append(f" ({lk.note})", style="dim")
+                locks.append(f" ({clean(lk.note)})", style="dim")
             locks.append("   ")
         self.query_one("#runs-locks", Static).update(locks)
-        arrow = "desc" if self.sort_reverse else "asc"
-        filtered = f", filter {self.filter_text!r}" if self.filter_text else ""
-        self.query_one("#runs-status", Static).update(
-            Text(
-                f"{len(self.shown)} of {len(status.runs)} run(s), sorted by {self.sort_key} "
-                f"({arrow}){filtered}. Enter: open (live: reattach; ended: replay). c: cancel.",
-                style="dim",
-            )
-        )
+
+    def show_detail(self) -> None:
+        """The highlighted run in words its row may cut: its note (why its state is what it
+        is) and who holds its hosts' locks."""
+        run = self.selected()
+        detail = self.query_one("#runs-detail", Static)
+        line = Text()
+        if run is not None and run.note:
+            line.append("note  ", style="bold")
+            line.append(clean(run.note))
+        holder = holders_of(run, self.status) if run is not None else ""
+        if holder:
+            line.append("\n" if line else "")
+            line.append("lock  ", style="bold")
+            line.append(clean(holder))
+        detail.display = bool(line)
+        detail.update(line)
 
     # -- filter and sort ---------------------------------------------------------------------------
 
@@ -249,6 +330,10 @@ class RunsScreen(Screen[None]):
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
         self.refresh_bindings()
+        self.show_detail()
+
+    def on_resize(self) -> None:
+        self.show()  # the holder column takes what the other columns leave of the new width
 
     def action_cancel_run(self) -> None:
         run = self.selected()

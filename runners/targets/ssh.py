@@ -105,6 +105,15 @@ class SshTarget:
     # -- connection -------------------------------------------------------------------------
 
     @property
+    def host_key(self) -> tuple[ResolvedHost, Verdict | None] | None:
+        """How the last connect judged the server's key: the host as ~/.ssh/config resolves it
+        and the verdict (None there: no plain key judged, a certificate or no key exchange);
+        None before a connect resolved the host."""
+        if self._resolved is None:
+            return None
+        return self._resolved, self._verdict
+
+    @property
     def _where(self) -> str:
         r = self._resolved
         if r is None:
