@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from runners.cells import CellState, cell_name
+from runners.cells import CellState, PlannedCell, cell_name
 from runners.events import (
+    CORE_EVENTS,
     ArtifactFetched,
     ArtifactHeld,
     CellFinished,
@@ -23,9 +24,10 @@ from runners.events import (
     Event,
     RunFinished,
     TraceBatch,
+    type_table,
 )
 from runners.exits import EXIT_FAIL, EXIT_INFRA, EXIT_INTERRUPT, EXIT_PASS
-from runners.plan import PlannedCell
+from runners.presets import Preset
 
 if TYPE_CHECKING:
     from analysis.run_compare import Item
@@ -56,7 +58,7 @@ TONES = ("pass", "drift", "fail")
 
 @dataclass(slots=True)
 class JudgeContext:
-    preset: Any  # runners.presets.Preset (typed loosely: presets imports this module's kinds)
+    preset: Preset
     local_dir: Path
     date: str
     emit: Callable[[Event], None]
@@ -276,6 +278,8 @@ class Kind:
     cell_exit_is_verdict: ClassVar[bool] = False
     # Set when the kind can judge on the target ([judge] on = "auto" | "host" | "console").
     host_judging: ClassVar[HostJudging | None] = None
+    # The kind's own event types (defined with runners.events.event), for decoding its records.
+    events: ClassVar[tuple[type[Event], ...]] = ()
 
     def validate_definition(self) -> None:
         """Refuse a kind that cannot be used: no name, no judge, or words that contradict."""
@@ -287,6 +291,10 @@ class Kind:
             raise TypeError(f"kind {self.name!r}: pass_word {self.pass_word!r} not in pass_words")
         if self.fail_word in self.pass_words | self.drift_words:
             raise TypeError(f"kind {self.name!r}: fail_word {self.fail_word!r} reads as a pass")
+        for cls in self.events:
+            if not (isinstance(cls, type) and issubclass(cls, Event)) or cls.type in CORE_EVENTS:
+                raise TypeError(f"kind {self.name!r}: {cls!r} in events is not an event of its own")
+        type_table(self.events)
 
     # -- presets ---------------------------------------------------------------------------------
 
@@ -360,11 +368,3 @@ class Kind:
         from analysis.compare_items import cell_items
 
         return cell_items(events)
-
-
-def tone(kind_name: str, word: str | None) -> str:
-    """The tone of a verdict word for a kind by name; an unknown kind's words are failures."""
-    from runners.kinds import all_kinds
-
-    kind = all_kinds().get(kind_name)
-    return kind.tone(word) if kind is not None else "fail"

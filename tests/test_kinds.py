@@ -18,8 +18,8 @@ from console.app import create_app
 from console.panel import KindPanel
 from console.panels import all_panels, panel_for
 from console.screens.run import RunScreen
-from runners.kinds import all_kinds
-from runners.presets import PresetError, load_preset, resolve_preset
+from runners.kinds import all_kinds, load_preset
+from runners.presets import PresetError, resolve_preset
 
 KINDS = sorted(all_kinds())
 

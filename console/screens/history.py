@@ -18,7 +18,7 @@ from textual.widgets import DataTable, Footer, Label, Select, Static
 from console.screens.sources import AttachSource, ReplaySource
 from console.widgets.text import TONE_STYLES, plain
 from runners.events import RunFinished
-from runners.kind import tone
+from runners.kinds import event_types, tone
 from runners.record import EVENTS, RUN_JSON, decode_event
 
 UNFINISHED = "running?/unfinished"
@@ -65,7 +65,7 @@ def last_finished(events: Path) -> RunFinished | None:
         if b'"run_finished"' not in line:
             continue
         try:
-            event = decode_event(events, 0, line)
+            event = decode_event(events, 0, line, event_types())
         except ValueError:
             continue  # the tail may start mid-line, or a line may be torn
         if isinstance(event, RunFinished):

@@ -389,11 +389,12 @@ def rejudge_run(run_dir: Path, args: argparse.Namespace) -> int:
     aggregates) folded again, then the end-of-trace checks and summary.json recomputed against
     them. Shards copied into the run directory (<dir>/<trace-out>/block<N>/) are judged whole
     from their records instead. Nothing in the run directory is written."""
+    from runners.kinds import event_types
     from runners.record import EVENTS, RunRecord, iter_events
 
     try:
         record = RunRecord.load(run_dir)
-        events = list(iter_events(run_dir / EVENTS))
+        events = list(iter_events(run_dir / EVENTS, event_types()))
     except (OSError, ValueError, TypeError) as exc:
         print(f"tracedeck: {exc}", file=sys.stderr)
         return EXIT_USAGE

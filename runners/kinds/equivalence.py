@@ -51,7 +51,7 @@ from analysis.logits import InputError
 from analysis.report import report_markdown
 from analysis.run_compare import Item
 from runners.atomic import write_atomic
-from runners.cells import CellState, cell_name
+from runners.cells import CellState, PlannedCell, cell_name
 from runners.events import (
     ArtifactFailed,
     ArtifactFetched,
@@ -76,7 +76,7 @@ from runners.kind import (
     KindPrinter,
     failure_text,
 )
-from runners.plan import PlannedCell
+from runners.kinds import event_types
 from runners.presets import PresetError
 from runners.progress import Meter
 from runners.record import RUN_JSON, RunRecord, read_events
@@ -589,6 +589,7 @@ class EquivalenceKind(Kind):
     name = "equivalence"
     description = "B3.67 prefill-vs-decode guardrail: per-seed pair verdicts (seed 000)"
     judge_class = EquivalenceJudge
+    events = (PairVerdict, PairUnjudged)
     pass_word, fail_word = PASS_GUARDRAIL, FAIL_GUARDRAIL
     pass_words = frozenset({PASS_GUARDRAIL, PASS_EQUIV})
     # A loosened pass is the operator's choice, not the seed's guardrail: shown like drift.
@@ -833,7 +834,7 @@ def _held_on_host(root: Path) -> list[str]:
         return []
     try:
         target = RunRecord.load(root).target
-        events = read_events(root / "events.jsonl").events
+        events = read_events(root / "events.jsonl", event_types()).events
     except (OSError, ValueError, TypeError):
         return []
     held = {(e.cell, e.path) for e in events if isinstance(e, ArtifactHeld)}
@@ -848,7 +849,7 @@ def _engine_failures(root: Path, seeds: list[int] | None) -> list[Unjudged]:
         return []
     try:
         run_id = RunRecord.load(root).run_id
-        events = read_events(root / "events.jsonl").events
+        events = read_events(root / "events.jsonl", event_types()).events
     except (OSError, ValueError, TypeError):
         return []
     params = {c["index"]: c["params"] for e in events if isinstance(e, RunStarted) for c in e.cells}

@@ -77,6 +77,7 @@ from runners.kind import (
     KindPrinter,
     failure_text,
 )
+from runners.kinds import event_types
 from runners.presets import PresetError
 from runners.record import EVENTS, RUN_JSON, RunRecord, read_events
 from runners.templates import TemplateError, render_plain, template_fields
@@ -370,6 +371,7 @@ class KvInvarianceKind(Kind):
         "03C KV-cache invariance: single-shot vs incremental vs chunked, bitwise (seed 002)"
     )
     judge_class = KvInvarianceJudge
+    events = (KvCellVerdict,)
     pass_word, fail_word = PASS_INVARIANCE, FAIL_INVARIANCE
     pass_words = frozenset({PASS_INVARIANCE, "BITWISE_EQUAL"})
 
@@ -609,7 +611,7 @@ def _planned_without_result(root: Path, found: list[CellResult]) -> list[CellRes
     cells = orjson.loads(plan.read_bytes()).get("cells") or []
     recorded: dict[int, list[KvCellVerdict]] = {}
     if (root / EVENTS).is_file():
-        for e in read_events(root / EVENTS).events:
+        for e in read_events(root / EVENTS, event_types()).events:
             if isinstance(e, KvCellVerdict):
                 recorded.setdefault(e.cell, []).append(e)
     have = {tuple(sorted(c.point.items())) for c in found if not c.source}

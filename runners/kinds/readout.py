@@ -246,6 +246,7 @@ class ReadoutKind(Kind):
     name = "readout"
     description = "B3.11/B3.12 readout trace: prefill_last vs decode0 top-1 per prompt"
     judge_class = ReadoutJudge
+    events = (ReadoutRow,)
     pass_word, fail_word = VERDICT_OK, VERDICT_NO_OK
     pass_words = frozenset({VERDICT_OK})
     smoke = ("b3_11_readout", ('matrix.prompt=["p0_short", "p4_sys"]',))
