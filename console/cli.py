@@ -643,7 +643,7 @@ def _analyze(args: argparse.Namespace) -> int:
         if args.kind not in kinds:
             _err(f"--kind {args.kind}: unknown run kind; known: {', '.join(kinds)}")
             return EXIT_USAGE
-        return kinds[args.kind].analyze(path, args)
+        return _analyze_as(kinds[args.kind], path, args)
     if (path / RUN_JSON).is_file():
         try:
             recorded = RunRecord.load(path).kind
@@ -651,12 +651,24 @@ def _analyze(args: argparse.Namespace) -> int:
             _err(str(exc))
             return EXIT_USAGE
         if recorded in kinds:
-            return kinds[recorded].analyze(path, args)
+            return _analyze_as(kinds[recorded], path, args, f"a {recorded} run: ")
     for kind in kinds.values():
         if kind.claims(path):
             return kind.analyze(path, args)
     _err(f"{path}: not something tracedeck can judge; pass {_analyze_forms()}")
     return EXIT_USAGE
+
+
+def _analyze_as(kind, path: Path, args: argparse.Namespace, what: str = "") -> int:  # type: ignore[no-untyped-def]
+    """The kind's analyze; a usage error naming the kind when it has none."""
+    if not kind.analyzes:
+        able = ", ".join(n for n, k in _kinds().items() if k.analyzes) or "none"
+        _err(
+            f"{path}: {what}the {kind.name} kind has no analyze (a {kind.name} run is judged "
+            f"as it runs: `tracedeck replay {path}` shows its verdict); kinds with one: {able}"
+        )
+        return EXIT_USAGE
+    return int(kind.analyze(path, args))
 
 
 def _output_problem(path: Path, output: Path) -> str:

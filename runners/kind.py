@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import orjson
+
 from runners.cells import CellState, PlannedCell, cell_name
 from runners.events import (
     CORE_EVENTS,
@@ -54,6 +56,7 @@ for _word in SCHEDULER_KILLS:
 NEVER_STARTED = (126, 127)  # the shell could not run the command: no engine ran at all
 
 TONES = ("pass", "drift", "fail")
+NUMPY = orjson.OPT_SERIALIZE_NUMPY
 
 
 @dataclass(slots=True)
@@ -134,10 +137,8 @@ class Judge:
         elif isinstance(event, TraceBatch) and event.end_offset > self.trace_applied.get(
             event.file, 0
         ):
-            # A recorded batch (attach): its digest rebuilds what digest() built live.
-            self.trace_applied[event.file] = event.end_offset
-            if event.digest is not None:
-                self.apply_digest(event)
+            # A recorded batch (attach, replay): applied as its lines were when followed live.
+            self.apply_trace(event.cell, event.file, event.digest, event.end_offset)
         self.on_event(event)
 
     def on_event(self, event: Event) -> None:
@@ -157,17 +158,31 @@ class Judge:
     def take_lines(
         self, cell: int, file: str, lines: list[bytes], first_line: int, end_offset: int
     ) -> Digest:
-        """Fold freshly followed trace lines; the digest returned is recorded with them."""
+        """Freshly followed trace lines: their digest (recorded with them), applied here."""
         digest = self.digest(cell, file, lines, first_line)
-        self.trace_applied[file] = end_offset
+        # Applied as recorded (JSON), so what it leaves is what an attach rebuilds from it.
+        data = (
+            None if digest.data is None else orjson.loads(orjson.dumps(digest.data, option=NUMPY))
+        )
+        self.apply_trace(cell, file, data, end_offset)
         return digest
 
+    def apply_trace(
+        self, cell: int, file: str, data: dict[str, Any] | None, end_offset: int
+    ) -> None:
+        """The one way a trace batch changes the judge, live (take_lines) and recorded (fold):
+        its digest's data through apply_digest, and the file's offset moved past it."""
+        self.trace_applied[file] = max(end_offset, self.trace_applied.get(file, 0))
+        if data is not None:
+            self.apply_digest(cell, file, data)
+
     def digest(self, cell: int, file: str, lines: list[bytes], first_line: int) -> Digest:
-        """Fold trace lines into the judge's state and return their compact account."""
+        """The compact account of trace lines, computed from the judge's state as it is; it
+        must change nothing (apply_digest folds it in, live and on attach alike)."""
         return Digest()
 
-    def apply_digest(self, event: TraceBatch) -> None:
-        """Fold a recorded account (the same state digest() left, rebuilt on attach)."""
+    def apply_digest(self, cell: int, file: str, data: dict[str, Any]) -> None:
+        """Fold a digest's data into the judge's state: the only way trace lines change it."""
 
     # -- work --------------------------------------------------------------------------------
 
@@ -204,29 +219,54 @@ class Judge:
         return out
 
     def finish(self, ending: Ending) -> RunFinished:
-        """The run's result: the kind's verdict, or the ending's word when it was cut short."""
+        """The run's result: the kind's verdict under the one rule every kind shares, then kept.
+
+        A run cut short (cancelled, crashed, host lost, killed by a scheduler) ends with the
+        ending's word, never with a verdict on what it left. An engine that crashed or never
+        ran is never a verdict either: the run is ENGINE_ERROR, except that a kind judging items
+        apart (Kind.judges_items_apart) keeps a failure it found in another item; a crash never
+        lets a run pass. The word goes into the summary's own verdict key (Kind.verdict_key)
+        and its reason says why; then the kind keeps its documents (keep).
+        """
         result = self.verdict(ending)
+        word, code, why = result.verdict, result.exit_code, ""
+        summary = dict(result.summary)
+        engine = self.engine_errors()
+        apart = self.kind.judges_items_apart
+        if engine and not apart:
+            summary["engine_errors"] = engine
         cut = ENDINGS.get(ending.how)
-        if cut is not None and result.verdict != cut[0]:
-            summary = dict(result.summary)
+        if cut is not None:
+            word, code = cut
+            why = f"the run ended {word} before it was judged whole"
             if ending.message:
                 summary["error"] = ending.message
-            return RunFinished(verdict=cut[0], exit_code=cut[1], summary=summary)
-        return result
+        elif engine and (not apart or self.kind.tone(word) != "fail"):
+            word, code, why = ENGINE_ERROR, EXIT_INFRA, engine[0]
+            summary["engine_errors"] = engine
+        if word != result.verdict:
+            key = self.kind.verdict_key
+            if key:
+                summary[key] = word
+            if isinstance(summary.get("reason"), str):
+                summary["reason"] = f"{why}; {summary['reason']}"
+        final = RunFinished(verdict=word, exit_code=code, summary=summary)
+        self.keep(final)
+        return final
 
     def verdict(self, ending: Ending) -> RunFinished:
+        """The kind's verdict on what the run left (finish() applies the shared rule to it)."""
         summary: dict[str, Any] = {
             "cells": len(self.ctx.cells),
             "states": self.cell_states(),
             "errors": [e.message for e in self.errors],
         }
-        engine = self.engine_errors()
-        if engine:
-            summary["engine_errors"] = engine
-            return RunFinished(verdict=ENGINE_ERROR, exit_code=EXIT_INFRA, summary=summary)
         ok = self.cells_ok() and not self.errors
         word = self.kind.pass_word if ok else self.kind.fail_word
         return RunFinished(verdict=word, exit_code=EXIT_PASS if ok else EXIT_FAIL, summary=summary)
+
+    def keep(self, result: RunFinished) -> None:
+        """Write the kind's documents (summary.json, a report) with the run's final result."""
 
 
 class KindPrinter:
@@ -276,6 +316,12 @@ class Kind:
     # True when a cell's exit code is the kind's verdict; otherwise a failed cell means the
     # engine crashed, an infrastructure failure (ENGINE_ERROR, exit 3), never a verdict.
     cell_exit_is_verdict: ClassVar[bool] = False
+    # True when the judge judges items apart (pairs, grid cells) and names a crashed item's
+    # result unjudged itself, so a failure it found in another item stands; otherwise any
+    # crashed cell makes the run ENGINE_ERROR (Judge.finish applies the rule).
+    judges_items_apart: ClassVar[bool] = False
+    # The summary key that states the run's word (kept equal to the final one), if any.
+    verdict_key: ClassVar[str] = ""
     # Set when the kind can judge on the target ([judge] on = "auto" | "host" | "console").
     host_judging: ClassVar[HostJudging | None] = None
     # The kind's own event types (defined with runners.events.event), for decoding its records.
@@ -292,8 +338,13 @@ class Kind:
         if self.fail_word in self.pass_words | self.drift_words:
             raise TypeError(f"kind {self.name!r}: fail_word {self.fail_word!r} reads as a pass")
         for cls in self.events:
-            if not (isinstance(cls, type) and issubclass(cls, Event)) or cls.type in CORE_EVENTS:
-                raise TypeError(f"kind {self.name!r}: {cls!r} in events is not an event of its own")
+            if not (isinstance(cls, type) and issubclass(cls, Event)):
+                raise TypeError(f"kind {self.name!r}: {cls!r} in events is not an Event class")
+            if cls.type in CORE_EVENTS:
+                raise TypeError(
+                    f"kind {self.name!r}: event {cls.__qualname__} takes the type word "
+                    f"{cls.type!r} of a core event"
+                )
         type_table(self.events)
 
     # -- presets ---------------------------------------------------------------------------------
@@ -343,6 +394,11 @@ class Kind:
         return KindPrinter()
 
     # -- tracedeck analyze ---------------------------------------------------------------------
+
+    @property
+    def analyzes(self) -> bool:
+        """Does the kind have an analyze entry (`tracedeck analyze` on its runs and files)?"""
+        return type(self).analyze is not Kind.analyze
 
     def claims(self, path: Path) -> bool:
         """Is path something this kind's analyze judges (a tree, a trace file)?"""
