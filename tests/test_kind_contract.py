@@ -74,25 +74,50 @@ KIND = ClashKind()
 '''
 
 
+def own_event(module: str, word: str) -> str:
+    """A kind module whose one event class has the type word given."""
+    return (
+        CLASH.replace("ClashKind", f"{module.title()}Kind")
+        .replace('name = "clash"', f'name = "{module}"')
+        .replace('"cell_finished"', f'"{word}"')
+    )
+
+
 @pytest.fixture
-def clash_kind(tmp_path: Path) -> Iterator[None]:
+def plugged(tmp_path: Path) -> Iterator[Path]:
+    """A kinds folder merged into the registry for the test."""
     folder = tmp_path / "runners" / "kinds"
     folder.mkdir(parents=True)
-    (folder / "clash.py").write_text(textwrap.dedent(CLASH))
     runners.kinds.__path__.append(str(folder))
-    runners.kinds.reload()
     try:
-        yield
+        yield folder
     finally:
         runners.kinds.__path__.remove(str(folder))
         runners.kinds.reload()
 
 
-def test_a_kind_whose_event_type_is_taken_is_refused_naming_it(clash_kind: None) -> None:
+def test_a_kind_whose_event_type_is_a_core_one_is_refused_naming_it(plugged: Path) -> None:
+    (plugged / "clash.py").write_text(textwrap.dedent(CLASH))
+    runners.kinds.reload()
     assert "clash" not in all_kinds()
     [problem] = runners.kinds.problems()
     assert "runners.kinds.clash" in problem and "'cell_finished'" in problem
     assert event_types()["cell_finished"] is CellFinished
+
+
+def test_two_kinds_with_one_event_type_the_second_is_refused_naming_the_first(
+    plugged: Path,
+) -> None:
+    (plugged / "alpha.py").write_text(textwrap.dedent(own_event("alpha", "shared_word")))
+    (plugged / "beta.py").write_text(textwrap.dedent(own_event("beta", "shared_word")))
+    runners.kinds.reload()
+    assert "alpha" in all_kinds() and "beta" not in all_kinds()
+    [problem] = runners.kinds.problems()
+    assert problem == (
+        "run kind module runners.kinds.beta: event type 'shared_word' "
+        "(taken by runners.kinds.alpha)"
+    )
+    assert event_types()["shared_word"].__module__ == "runners.kinds.alpha"
 
 
 # -- digests: applied one way, live and on attach ------------------------------------------------
