@@ -8,6 +8,7 @@ the ``decode`` lines after it are that prompt's decode steps. A prompt is "OK" w
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Iterable
@@ -515,6 +516,16 @@ class ReadoutAggregator:
     def __init__(self) -> None:
         self._prompts: list[_Prompt] = []
         self.facts: list[Fact] = []  # every fact applied, in order
+
+    def scratch(self) -> ReadoutAggregator:
+        """A copy to check further lines against that leaves this table as it is (fact() reads
+        the prompts' names, lines and counters, never their token sequences or the facts)."""
+        copy = ReadoutAggregator()
+        copy._prompts = [
+            dataclasses.replace(p, index_notes=list(p.index_notes), top1_seq=[], gap_seq=[])
+            for p in self._prompts
+        ]
+        return copy
 
     def feed_line(self, raw: bytes | str, line_no: int, file: str = "") -> list[dict[str, Any]]:
         """Parse one line, fold it in, and return the rows it changed."""

@@ -34,6 +34,7 @@ from runners.events import (  # noqa: E402
     RunFinished,
     RunStarted,
 )
+from runners.kinds import event_types  # noqa: E402
 from runners.kinds.equivalence import PairVerdict  # noqa: E402
 from runners.record import read_events  # noqa: E402
 
@@ -123,7 +124,7 @@ def synthetic_run(folder: Path, cells: int, total: int) -> int:
 def model_only(folder: Path) -> tuple[int, float]:
     """The baseline: read and parse events.jsonl and fold it into a RunModel, no UI."""
     start = time.perf_counter()
-    events = read_events(folder / "events.jsonl").events
+    events = read_events(folder / "events.jsonl", event_types()).events
     model = RunModel()
     for event in events:
         model.apply(event)

@@ -25,7 +25,7 @@ import orjson  # noqa: E402
 
 from runners import changes  # noqa: E402
 from runners.events import Event, TraceBatch  # noqa: E402
-from runners.presets import load_preset  # noqa: E402
+from runners.kinds import load_preset  # noqa: E402
 from runners.session import Session  # noqa: E402
 
 WRITER = """

@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from console import doctor_cmd, logs_cmd, status_cmd  # noqa: E402
+from console.cancel_cmd import cancel_run  # noqa: E402
+from console.run_lookup import find_run  # noqa: E402
 from console.version import VersionAction  # noqa: E402
 from runners.exits import EXIT_INFRA, EXIT_INTERRUPT, EXIT_USAGE  # noqa: E402
 
@@ -278,7 +280,8 @@ def _infra_error(exc: Exception) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from console.headless import Printer
-    from runners.presets import PresetError, load_preset, resolve_preset
+    from runners.kinds import load_preset
+    from runners.presets import PresetError, resolve_preset
     from runners.session import Session, default_out_dir
     from runners.targets.base import TargetError
 
@@ -313,7 +316,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from runners import dryrun
-    from runners.presets import PresetError, load_preset, resolve_preset
+    from runners.kinds import load_preset
+    from runners.presets import PresetError, resolve_preset
     from runners.session import default_out_dir
 
     try:
@@ -451,25 +455,6 @@ async def _follow_interruptible(session) -> int:  # type: ignore[no-untyped-def]
         await session.close()
 
 
-def find_run(run: str, out: Path | None) -> Path:
-    """A run directory as given, or the run with that id under the out dir (OUT/by-id/ID)."""
-    from runners.record import find_local_run
-    from runners.session import default_out_dir
-
-    path = Path(run)
-    if (path / "run.json").exists():
-        return path
-    root = out or default_out_dir()
-    found = find_local_run(run, root)
-    if found is not None:
-        return found
-    raise FileNotFoundError(
-        f"no run {run!r}: not a run directory, and no run with that id under {root} "
-        f"({root}/by-id/ links each run by its id); pass the directory `tracedeck run` printed "
-        f"(or --out where it was written)"
-    )
-
-
 def cmd_attach(args: argparse.Namespace) -> int:
     from console.headless import Printer
     from runners.targets.base import TargetError
@@ -515,51 +500,12 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
     try:
         local = find_run(args.run, args.out)
-        return asyncio.run(_cancel(local, args.grace, Printer()))
+        return asyncio.run(cancel_run(local, args.grace, Printer()))
     except (FileNotFoundError, ValueError, KeyError, TypeError) as exc:
         _err(str(exc))
         return EXIT_USAGE
     except TargetError as exc:
         return _infra_error(exc)
-
-
-async def _cancel(local: Path, grace: float, printer) -> int:  # type: ignore[no-untyped-def]
-    """Kill every live process of the run, whatever its record says, then record its end
-    (unless the console that follows it does that)."""
-    from runners.record import RecordBusy
-    from runners.session import Session
-
-    session = Session.from_record(local, printer)
-    asked = time.time()
-    try:
-        await session.target.connect()
-        outcome = await session.cancel(grace)
-    finally:
-        await session.close()
-    word = outcome.removeprefix("TRACEDECK_").lower().replace("_", " ") or "sent"
-    run_id = session.record.run_id
-    try:
-        attached = Session.attach(local, printer, replay=printer.track)
-    except RecordBusy:
-        print(f"cancel: {word}; the console following run {run_id} records its end")
-        return 0
-    try:
-        if attached.finished is not None:
-            ended = attached.finished
-            if ended.t >= asked:  # the console that followed it recorded the cancel
-                print(f"cancel: {word}; run {run_id} ended {ended.verdict}")
-            elif outcome == "TRACEDECK_NOT_RUNNING":
-                print(f"cancel: nothing was running; run {run_id} had ended {ended.verdict}")
-            else:
-                print(
-                    f"cancel: {word} processes left over after run {run_id} ended {ended.verdict}"
-                )
-            return 0
-        result = await attached.follow()
-    finally:
-        await attached.close()
-    print(f"cancel: {word}; run {run_id} ended {result.verdict}")
-    return 0
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
@@ -598,6 +544,7 @@ async def _fetch(local: Path, printer) -> int:  # type: ignore[no-untyped-def]
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    from runners.kinds import event_types
     from runners.record import EVENTS, read_events
 
     path = args.dir / EVENTS
@@ -613,7 +560,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from console.headless import Printer
 
     try:
-        recorded = read_events(path)
+        recorded = read_events(path, event_types())
     except ValueError as exc:
         _err(str(exc))
         return EXIT_USAGE
@@ -696,7 +643,7 @@ def _analyze(args: argparse.Namespace) -> int:
         if args.kind not in kinds:
             _err(f"--kind {args.kind}: unknown run kind; known: {', '.join(kinds)}")
             return EXIT_USAGE
-        return kinds[args.kind].analyze(path, args)
+        return _analyze_as(kinds[args.kind], path, args)
     if (path / RUN_JSON).is_file():
         try:
             recorded = RunRecord.load(path).kind
@@ -704,12 +651,24 @@ def _analyze(args: argparse.Namespace) -> int:
             _err(str(exc))
             return EXIT_USAGE
         if recorded in kinds:
-            return kinds[recorded].analyze(path, args)
+            return _analyze_as(kinds[recorded], path, args, f"a {recorded} run: ")
     for kind in kinds.values():
         if kind.claims(path):
             return kind.analyze(path, args)
     _err(f"{path}: not something tracedeck can judge; pass {_analyze_forms()}")
     return EXIT_USAGE
+
+
+def _analyze_as(kind, path: Path, args: argparse.Namespace, what: str = "") -> int:  # type: ignore[no-untyped-def]
+    """The kind's analyze; a usage error naming the kind when it has none."""
+    if not kind.analyzes:
+        able = ", ".join(n for n, k in _kinds().items() if k.analyzes) or "none"
+        _err(
+            f"{path}: {what}the {kind.name} kind has no analyze (a {kind.name} run is judged "
+            f"as it runs: `tracedeck replay {path}` shows its verdict); kinds with one: {able}"
+        )
+        return EXIT_USAGE
+    return int(kind.analyze(path, args))
 
 
 def _output_problem(path: Path, output: Path) -> str:
@@ -752,8 +711,8 @@ def _console_watch(kind: str) -> Callable[[argparse.Namespace], int] | None:
 
 
 def cmd_presets(args: argparse.Namespace) -> int:
-    from runners.kinds import problems
-    from runners.presets import PresetError, load_preset, preset_files
+    from runners.kinds import load_preset, problems
+    from runners.presets import PresetError, preset_files
 
     rows = []
     broken = 0

@@ -35,7 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 def cmd_diff(args: argparse.Namespace) -> int:
     from analysis.run_compare import ENGINE_SWITCHES, compare_runs, diff_lines
-    from console.cli import find_run
+    from console.run_lookup import find_run
     from runners.run_view import load_side
 
     sides = []

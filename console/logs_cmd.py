@@ -83,7 +83,8 @@ class LogPrinter:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    from console.cli import find_run
+    from console.run_lookup import find_run
+    from runners.kinds import event_types
     from runners.record import EVENTS, read_events
     from runners.targets.base import TargetError
 
@@ -97,7 +98,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
         if args.follow:
             code = asyncio.run(_follow(local, printer))
         else:
-            for event in read_events(local / EVENTS).events:
+            for event in read_events(local / EVENTS, event_types()).events:
                 printer(event)
             code = 0
     except (FileNotFoundError, ValueError, KeyError, TypeError) as exc:

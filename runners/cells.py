@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
@@ -39,3 +40,14 @@ def cell_name(index: int, params: dict[str, Any], total: int | None = None) -> s
     count = f"/{total}" if total else ""
     label = params_label(params)
     return f"cell {index + 1}{count}" + (f" ({label})" if label else "")
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedCell:
+    """One cell as the plan renders it: its parameters, exact command and environment."""
+
+    index: int
+    params: dict[str, Any]
+    command: str
+    env: dict[str, str]
+    artifacts: tuple[str, ...] = ()  # paths under the run's artifacts dir to bring home

@@ -21,10 +21,9 @@ from __future__ import annotations
 import os
 import tomllib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from runners.presets import Preset
+from runners.presets import LOCK_RULE, Preset
 
 DEFAULT_LOCK = "/tmp/tracedeck.lock"
 HOST_KEYS = {"lock": str}
@@ -35,7 +34,6 @@ NOTIFY_KEYS: dict[str, tuple[Any, str]] = {
     "timeout_s": ((int, float), "a number of seconds"),
 }
 # A relative lock would depend on each console's directory: two runs could share the GPU.
-LOCK_RULE = "must be an absolute path (every console must take the same lock)"
 
 
 class ConfigError(ValueError):

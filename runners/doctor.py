@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 from runners.dryrun import OK, PROBLEM, WARN, Checked, check, preview
-from runners.presets import SHIPPED_DIR, PresetError, load_preset
+from runners.kinds import load_preset
+from runners.presets import SHIPPED_DIR, PresetError
 
 PROBE_PRESET = "b3_67_smoke"
 FREE_MIN = 1 << 30  # less than this free under the records is a warning

@@ -1,14 +1,15 @@
 """Typed events: the one stream every consumer (headless printer, recorder, console) reads.
 
-Core events are defined here; a run kind defines its own events in its module
-(runners/kinds/<kind>.py). Every Event subclass registers its `type` word on definition, so
-recorded runs decode once the kinds are loaded (runners.kinds.all_kinds()).
+Core events are defined here (CORE_EVENTS); a run kind defines its own events in its module
+and declares them (Kind.events). Decoding a recorded event takes the table of types to decode
+with (runners.kinds.event_types() gives every usable kind's); nothing registers on import.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar, dataclass_transform
 
@@ -16,24 +17,15 @@ import orjson
 
 from runners.cells import CellState
 
-EVENT_TYPES: dict[str, type[Event]] = {}
-
 E = TypeVar("E", bound="type[Event]")
 
 
 @dataclass_transform(kw_only_default=False)
 def event(cls: E) -> E:
-    """Make an Event subclass a slotted dataclass and register its `type` word for decoding."""
+    """Make an Event subclass a slotted dataclass; its `type` word must be its own."""
     made = dataclass(slots=True)(cls)
-    word = made.__dict__.get("type")
-    taken = EVENT_TYPES.get(word) if isinstance(word, str) else None
-    same = taken is not None and (taken.__module__, taken.__qualname__) == (
-        made.__module__,
-        made.__qualname__,
-    )
-    if not isinstance(word, str) or (taken is not None and not same):
-        raise TypeError(f"{cls.__name__}: event type {word!r} is missing or already taken")
-    EVENT_TYPES[word] = made
+    if not isinstance(made.__dict__.get("type"), str):
+        raise TypeError(f"{cls.__name__}: an event class must set its own `type` word")
     return made
 
 
@@ -307,14 +299,52 @@ class Progress(Event):
     cell: int = -2
 
 
-def event_from_dict(data: dict[str, Any]) -> Event:
-    """Rebuild an event from its recorded form; raises ValueError for an unknown type."""
-    from runners.kinds import all_kinds
+def type_table(classes: Iterable[type[Event]]) -> dict[str, type[Event]]:
+    """Type word -> class; TypeError when two classes claim one word."""
+    table: dict[str, type[Event]] = {}
+    for cls in classes:
+        taken = table.get(cls.type)
+        if taken is not None and taken is not cls:
+            raise TypeError(
+                f"event type {cls.type!r} of {cls.__module__}.{cls.__qualname__} is already "
+                f"taken by {taken.__module__}.{taken.__qualname__}"
+            )
+        table[cls.type] = cls
+    return table
 
-    all_kinds()  # kind modules define (and so register) their own event types
+
+CORE_EVENTS: dict[str, type[Event]] = type_table(
+    [
+        RunStarted,
+        EngineVersion,
+        LockAcquired,
+        LockBusy,
+        CellStarted,
+        OutputLines,
+        TraceBatch,
+        ArtifactFetched,
+        ArtifactHeld,
+        ArtifactFailed,
+        CellFinished,
+        Connection,
+        Error,
+        RunFinished,
+        HostAssigned,
+        HostState,
+        CellRequeued,
+        JobSubmitted,
+        SchedulerState,
+        Progress,
+    ]
+)
+
+
+def event_from_dict(data: dict[str, Any], types: Mapping[str, type[Event]]) -> Event:
+    """Rebuild an event from its recorded form with a table of types (runners.kinds.
+    event_types()); raises ValueError for a type the table does not hold."""
     data = dict(data)
     kind = data.pop("type", None)
-    cls = EVENT_TYPES.get(kind)  # type: ignore[arg-type]
+    cls = types.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise ValueError(f"unknown event type {kind!r}")
     return cls(**data)

@@ -7,9 +7,9 @@ import hashlib
 from collections.abc import Callable
 from pathlib import Path
 
-from runners.cells import cell_name
+from runners.cells import PlannedCell, cell_name
 from runners.events import ArtifactFailed, ArtifactFetched, ArtifactHeld, Error, Event
-from runners.plan import PlannedCell, RunPlan
+from runners.plan import RunPlan
 from runners.progress import Meter, Sink
 from runners.record import RecordError
 from runners.targets.base import ConnectionLost, LocalWriteError, Target, TargetError

@@ -429,7 +429,7 @@ class FleetSession(Session):
             events_path = local_dir / EVENTS
             if events_path.exists():
                 drop_torn_tail(events_path)
-                for event in iter_events(events_path):
+                for event in iter_events(events_path, kinds.event_types()):
                     if isinstance(event, RunFinished) and event.verdict == DISCONNECTED:
                         continue
                     session._fold(event)

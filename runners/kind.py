@@ -13,8 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from runners.cells import CellState, cell_name
+import orjson
+
+from runners.cells import CellState, PlannedCell, cell_name
 from runners.events import (
+    CORE_EVENTS,
     ArtifactFetched,
     ArtifactHeld,
     CellFinished,
@@ -23,9 +26,10 @@ from runners.events import (
     Event,
     RunFinished,
     TraceBatch,
+    type_table,
 )
 from runners.exits import EXIT_FAIL, EXIT_INFRA, EXIT_INTERRUPT, EXIT_PASS
-from runners.plan import PlannedCell
+from runners.presets import Preset
 
 if TYPE_CHECKING:
     from analysis.run_compare import Item
@@ -52,11 +56,12 @@ for _word in SCHEDULER_KILLS:
 NEVER_STARTED = (126, 127)  # the shell could not run the command: no engine ran at all
 
 TONES = ("pass", "drift", "fail")
+NUMPY = orjson.OPT_SERIALIZE_NUMPY
 
 
 @dataclass(slots=True)
 class JudgeContext:
-    preset: Any  # runners.presets.Preset (typed loosely: presets imports this module's kinds)
+    preset: Preset
     local_dir: Path
     date: str
     emit: Callable[[Event], None]
@@ -132,10 +137,8 @@ class Judge:
         elif isinstance(event, TraceBatch) and event.end_offset > self.trace_applied.get(
             event.file, 0
         ):
-            # A recorded batch (attach): its digest rebuilds what digest() built live.
-            self.trace_applied[event.file] = event.end_offset
-            if event.digest is not None:
-                self.apply_digest(event)
+            # A recorded batch (attach, replay): applied as its lines were when followed live.
+            self.apply_trace(event.cell, event.file, event.digest, event.end_offset)
         self.on_event(event)
 
     def on_event(self, event: Event) -> None:
@@ -155,17 +158,31 @@ class Judge:
     def take_lines(
         self, cell: int, file: str, lines: list[bytes], first_line: int, end_offset: int
     ) -> Digest:
-        """Fold freshly followed trace lines; the digest returned is recorded with them."""
+        """Freshly followed trace lines: their digest (recorded with them), applied here."""
         digest = self.digest(cell, file, lines, first_line)
-        self.trace_applied[file] = end_offset
+        # Applied as recorded (JSON), so what it leaves is what an attach rebuilds from it.
+        data = (
+            None if digest.data is None else orjson.loads(orjson.dumps(digest.data, option=NUMPY))
+        )
+        self.apply_trace(cell, file, data, end_offset)
         return digest
 
+    def apply_trace(
+        self, cell: int, file: str, data: dict[str, Any] | None, end_offset: int
+    ) -> None:
+        """The one way a trace batch changes the judge, live (take_lines) and recorded (fold):
+        its digest's data through apply_digest, and the file's offset moved past it."""
+        self.trace_applied[file] = max(end_offset, self.trace_applied.get(file, 0))
+        if data is not None:
+            self.apply_digest(cell, file, data)
+
     def digest(self, cell: int, file: str, lines: list[bytes], first_line: int) -> Digest:
-        """Fold trace lines into the judge's state and return their compact account."""
+        """The compact account of trace lines, computed from the judge's state as it is; it
+        must change nothing (apply_digest folds it in, live and on attach alike)."""
         return Digest()
 
-    def apply_digest(self, event: TraceBatch) -> None:
-        """Fold a recorded account (the same state digest() left, rebuilt on attach)."""
+    def apply_digest(self, cell: int, file: str, data: dict[str, Any]) -> None:
+        """Fold a digest's data into the judge's state: the only way trace lines change it."""
 
     # -- work --------------------------------------------------------------------------------
 
@@ -202,29 +219,54 @@ class Judge:
         return out
 
     def finish(self, ending: Ending) -> RunFinished:
-        """The run's result: the kind's verdict, or the ending's word when it was cut short."""
+        """The run's result: the kind's verdict under the one rule every kind shares, then kept.
+
+        A run cut short (cancelled, crashed, host lost, killed by a scheduler) ends with the
+        ending's word, never with a verdict on what it left. An engine that crashed or never
+        ran is never a verdict either: the run is ENGINE_ERROR, except that a kind judging items
+        apart (Kind.judges_items_apart) keeps a failure it found in another item; a crash never
+        lets a run pass. The word goes into the summary's own verdict key (Kind.verdict_key)
+        and its reason says why; then the kind keeps its documents (keep).
+        """
         result = self.verdict(ending)
+        word, code, why = result.verdict, result.exit_code, ""
+        summary = dict(result.summary)
+        engine = self.engine_errors()
+        apart = self.kind.judges_items_apart
+        if engine and not apart:
+            summary["engine_errors"] = engine
         cut = ENDINGS.get(ending.how)
-        if cut is not None and result.verdict != cut[0]:
-            summary = dict(result.summary)
+        if cut is not None:
+            word, code = cut
+            why = f"the run ended {word} before it was judged whole"
             if ending.message:
                 summary["error"] = ending.message
-            return RunFinished(verdict=cut[0], exit_code=cut[1], summary=summary)
-        return result
+        elif engine and (not apart or self.kind.tone(word) != "fail"):
+            word, code, why = ENGINE_ERROR, EXIT_INFRA, engine[0]
+            summary["engine_errors"] = engine
+        if word != result.verdict:
+            key = self.kind.verdict_key
+            if key:
+                summary[key] = word
+            if isinstance(summary.get("reason"), str):
+                summary["reason"] = f"{why}; {summary['reason']}"
+        final = RunFinished(verdict=word, exit_code=code, summary=summary)
+        self.keep(final)
+        return final
 
     def verdict(self, ending: Ending) -> RunFinished:
+        """The kind's verdict on what the run left (finish() applies the shared rule to it)."""
         summary: dict[str, Any] = {
             "cells": len(self.ctx.cells),
             "states": self.cell_states(),
             "errors": [e.message for e in self.errors],
         }
-        engine = self.engine_errors()
-        if engine:
-            summary["engine_errors"] = engine
-            return RunFinished(verdict=ENGINE_ERROR, exit_code=EXIT_INFRA, summary=summary)
         ok = self.cells_ok() and not self.errors
         word = self.kind.pass_word if ok else self.kind.fail_word
         return RunFinished(verdict=word, exit_code=EXIT_PASS if ok else EXIT_FAIL, summary=summary)
+
+    def keep(self, result: RunFinished) -> None:
+        """Write the kind's documents (summary.json, a report) with the run's final result."""
 
 
 class KindPrinter:
@@ -274,8 +316,16 @@ class Kind:
     # True when a cell's exit code is the kind's verdict; otherwise a failed cell means the
     # engine crashed, an infrastructure failure (ENGINE_ERROR, exit 3), never a verdict.
     cell_exit_is_verdict: ClassVar[bool] = False
+    # True when the judge judges items apart (pairs, grid cells) and names a crashed item's
+    # result unjudged itself, so a failure it found in another item stands; otherwise any
+    # crashed cell makes the run ENGINE_ERROR (Judge.finish applies the rule).
+    judges_items_apart: ClassVar[bool] = False
+    # The summary key that states the run's word (kept equal to the final one), if any.
+    verdict_key: ClassVar[str] = ""
     # Set when the kind can judge on the target ([judge] on = "auto" | "host" | "console").
     host_judging: ClassVar[HostJudging | None] = None
+    # The kind's own event types (defined with runners.events.event), for decoding its records.
+    events: ClassVar[tuple[type[Event], ...]] = ()
 
     def validate_definition(self) -> None:
         """Refuse a kind that cannot be used: no name, no judge, or words that contradict."""
@@ -287,6 +337,15 @@ class Kind:
             raise TypeError(f"kind {self.name!r}: pass_word {self.pass_word!r} not in pass_words")
         if self.fail_word in self.pass_words | self.drift_words:
             raise TypeError(f"kind {self.name!r}: fail_word {self.fail_word!r} reads as a pass")
+        for cls in self.events:
+            if not (isinstance(cls, type) and issubclass(cls, Event)):
+                raise TypeError(f"kind {self.name!r}: {cls!r} in events is not an Event class")
+            if cls.type in CORE_EVENTS:
+                raise TypeError(
+                    f"kind {self.name!r}: event {cls.__qualname__} takes the type word "
+                    f"{cls.type!r} of a core event"
+                )
+        type_table(self.events)
 
     # -- presets ---------------------------------------------------------------------------------
 
@@ -336,6 +395,11 @@ class Kind:
 
     # -- tracedeck analyze ---------------------------------------------------------------------
 
+    @property
+    def analyzes(self) -> bool:
+        """Does the kind have an analyze entry (`tracedeck analyze` on its runs and files)?"""
+        return type(self).analyze is not Kind.analyze
+
     def claims(self, path: Path) -> bool:
         """Is path something this kind's analyze judges (a tree, a trace file)?"""
         return False
@@ -360,11 +424,3 @@ class Kind:
         from analysis.compare_items import cell_items
 
         return cell_items(events)
-
-
-def tone(kind_name: str, word: str | None) -> str:
-    """The tone of a verdict word for a kind by name; an unknown kind's words are failures."""
-    from runners.kinds import all_kinds
-
-    kind = all_kinds().get(kind_name)
-    return kind.tone(word) if kind is not None else "fail"

@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from runners.cells import SETUP_CELL
+from runners.cells import SETUP_CELL, PlannedCell
 from runners.determinism import cell_env
 from runners.presets import Cell, Preset
 from runners.templates import render, render_plain
@@ -54,15 +54,6 @@ def dir_command(path: str, create: bool) -> str:
 
 def cell_dir_name(cell: int) -> str:
     return SETUP if cell == SETUP_CELL else f"{cell:03d}"
-
-
-@dataclass(frozen=True, slots=True)
-class PlannedCell:
-    index: int
-    params: dict[str, Any]
-    command: str
-    env: dict[str, str]
-    artifacts: tuple[str, ...] = ()  # paths under the run's artifacts dir to bring home
 
 
 GLOB_CHARS = frozenset("*?[")

@@ -8,12 +8,12 @@ import math
 import os
 import re
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from runners.cells import params_label
-from runners.config import LOCK_RULE
 from runners.determinism import PROFILES
 from runners.templates import TemplateError
 from runners.templates import template_fields as _fields
@@ -99,6 +99,7 @@ SCHEMA: dict[str, dict[str, tuple[Any, bool, Any]]] = {
     },
 }
 JUDGE_ON = ("auto", "host", "console")
+LOCK_RULE = "must be an absolute path (every console must take the same lock)"
 # A kind adds its own sections (runners.kind.Kind.sections), checked for its presets only.
 REQUIRED_SECTIONS = ("preset", "engine", "matrix")
 
@@ -216,15 +217,34 @@ def template_fields(template: str, source: str, key: str) -> list[str]:
         raise PresetError(source, key, str(exc)) from None
 
 
+class KindRules(Protocol):
+    """What loading a preset needs of its run kind (a runners.kind.Kind has all of it)."""
+
+    name: str
+    sections: dict[str, dict[str, tuple[Any, bool, Any]]]
+    host_judging: Any
+
+    def check(self, data: dict[str, Any], source: str, options: frozenset[str]) -> None: ...
+
+    def matrix_keys_read(self, data: dict[str, Any]) -> set[str]: ...
+
+
 def validate(
-    data: dict[str, Any], source: str, options: frozenset[str] = frozenset()
+    data: dict[str, Any],
+    source: str,
+    options: frozenset[str] = frozenset(),
+    *,
+    kinds: Mapping[str, KindRules],
 ) -> dict[str, Any]:
-    """Check every section and key, fill defaults, run the kind's checks; returns the data."""
-    kind = _kind_of(data, source)
+    """Check every section and key, fill defaults, run the kind's checks; returns the data.
+
+    kinds: the registry (runners.kinds.all_kinds()), passed in: presets imports no kind.
+    """
+    kind = _kind_of(data, source, kinds)
     schema = {**SCHEMA, **kind.sections}
     for section in data:
         if section not in schema:
-            owners = [k.name for k in _kinds().values() if section in k.sections]
+            owners = [k.name for k in kinds.values() if section in k.sections]
             why = (
                 f"a section of {' and '.join(owners)} presets, not of kind {kind.name!r}"
                 if owners
@@ -306,11 +326,13 @@ def _placeholders_in(value: Any) -> set[str]:
     return set()
 
 
-def check_new_matrix_keys(out: dict[str, Any], source: str, keys: set[str]) -> None:
+def check_new_matrix_keys(
+    out: dict[str, Any], source: str, keys: set[str], kinds: Mapping[str, KindRules]
+) -> None:
     """A matrix key an override adds that no template, artifact path or the kind reads is a
     typo (`matrix.seeds` for `matrix.seed`): it would change nothing and leave the whole matrix
     to run. (The preset file's own keys may be labels; an override's new key is never one.)"""
-    kind = _kind_of(out, source)
+    kind = _kind_of(out, source, kinds)
     used = kind.matrix_keys_read(out) | _placeholders_in(
         {section: value for section, value in out.items() if section != "matrix"}
     )
@@ -354,7 +376,7 @@ def _check_rendered_paths(out: dict[str, Any], source: str) -> None:
                     )
 
 
-def _check_judge(judge: dict[str, Any], source: str, kind: Any) -> None:
+def _check_judge(judge: dict[str, Any], source: str, kind: KindRules) -> None:
     if judge["on"] not in JUDGE_ON:
         raise PresetError(source, "judge.on", f"must be one of {', '.join(JUDGE_ON)}")
     if judge["on"] == "host" and kind.host_judging is None:
@@ -465,13 +487,7 @@ SBATCH_OWN = frozenset(
 )
 
 
-def _kinds() -> dict[str, Any]:
-    from runners.kinds import all_kinds
-
-    return all_kinds()
-
-
-def _kind_of(data: dict[str, Any], source: str) -> Any:
+def _kind_of(data: dict[str, Any], source: str, kinds: Mapping[str, KindRules]) -> KindRules:
     """The run kind a preset names, checked before anything else (it adds sections)."""
     head = data.get("preset")
     if not isinstance(head, dict):
@@ -482,7 +498,6 @@ def _kind_of(data: dict[str, Any], source: str) -> Any:
     if name is None:
         raise PresetError(source, "preset.kind", "missing required key")
     _check_type(source, "preset.kind", name, str)
-    kinds = _kinds()
     if name not in kinds:
         raise PresetError(source, "preset.kind", f"must be one of {', '.join(kinds)}, got {name!r}")
     return kinds[name]
@@ -589,7 +604,11 @@ def load_preset(
     path: str | os.PathLike[str],
     overrides: list[str] | None = None,
     options: frozenset[str] = frozenset(),
+    *,
+    kinds: Mapping[str, KindRules],
 ) -> Preset:
+    """A preset file, --set overrides applied, validated against its kind from `kinds` (the
+    registry: runners.kinds.load_preset passes every usable kind)."""
     source = str(path)
     try:
         with open(path, "rb") as fh:
@@ -611,8 +630,8 @@ def load_preset(
     for assignment in overrides or []:
         apply_override(data, assignment, f"{source} (--set {assignment})")
     try:
-        validated = validate(data, source, options)
-        check_new_matrix_keys(validated, source, set(validated["matrix"]) - file_keys)
+        validated = validate(data, source, options, kinds=kinds)
+        check_new_matrix_keys(validated, source, set(validated["matrix"]) - file_keys, kinds)
     except PresetError as exc:
         culprit = _override_for(exc.key, overrides or [])
         if culprit is None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runners.events import RunFinished
+from runners.kinds import event_types
 from runners.launchers.detached import DetachedLauncher
 from runners.launchers.slurm import JOB_DIR, SlurmLauncher, SlurmSettings
 from runners.plan import RunPlan, dir_command
@@ -137,7 +138,7 @@ def recorded_end(local: Path) -> RunFinished | None:
     path = local / EVENTS
     end = None
     with contextlib.suppress(OSError, ValueError):
-        for event in iter_events(path):
+        for event in iter_events(path, event_types()):
             if isinstance(event, RunFinished):
                 end = event if event.verdict not in NOT_ENDINGS else None
     return end

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +15,9 @@ import orjson
 from runners.atomic import write_atomic
 from runners.events import Event, event_from_dict
 from runners.targets.base import TargetError
+
+# type word -> event class, as runners.kinds.event_types() gives it (the registry is passed in)
+Types = Mapping[str, type[Event]]
 
 RUN_JSON = "run.json"
 EVENTS = "events.jsonl"
@@ -162,15 +165,15 @@ def split_lines(data: bytes) -> tuple[list[bytes], bytes]:
     return data[:cut].split(b"\n")[:-1], data[cut:]
 
 
-def decode_event(path: str | os.PathLike[str], number: int, line: bytes) -> Event:
+def decode_event(path: str | os.PathLike[str], number: int, line: bytes, types: Types) -> Event:
     """One recorded line as an event; ValueError naming the file and line when it is not one."""
     try:
-        return event_from_dict(orjson.loads(line))
+        return event_from_dict(orjson.loads(line), types)
     except (orjson.JSONDecodeError, TypeError, ValueError) as exc:
         raise ValueError(f"{path}:{number}: not a tracedeck event ({exc})") from None
 
 
-def iter_events(path: str | os.PathLike[str]) -> Iterator[Event]:
+def iter_events(path: str | os.PathLike[str], types: Types) -> Iterator[Event]:
     """The recorded events in order, read a chunk at a time (memory stays flat whatever the
     record's size); a torn last line is left out, a malformed complete line is an error."""
     number = 0
@@ -181,13 +184,13 @@ def iter_events(path: str | os.PathLike[str]) -> Iterator[Event]:
             for line in lines:
                 number += 1
                 if line.strip():
-                    yield decode_event(path, number, line)
+                    yield decode_event(path, number, line, types)
 
 
-def recorded_count(local_dir: str | os.PathLike[str]) -> int:
+def recorded_count(local_dir: str | os.PathLike[str], types: Types) -> int:
     """How many complete events a run's record holds."""
     path = Path(local_dir) / EVENTS
-    return sum(1 for _ in iter_events(path)) if path.exists() else 0
+    return sum(1 for _ in iter_events(path, types)) if path.exists() else 0
 
 
 def torn_tail(path: str | os.PathLike[str]) -> bytes:
@@ -203,9 +206,9 @@ def torn_tail(path: str | os.PathLike[str]) -> bytes:
     return tail[cut:]
 
 
-def read_events(path: str | os.PathLike[str]) -> Recorded:
+def read_events(path: str | os.PathLike[str], types: Types) -> Recorded:
     """Every recorded event; a malformed complete line is an error naming its line."""
-    return Recorded(list(iter_events(path)), torn_tail(path))
+    return Recorded(list(iter_events(path, types)), torn_tail(path))
 
 
 def drop_torn_tail(path: str | os.PathLike[str]) -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from runners.events import Error, Event, RunFinished, TraceBatch
 from runners.kind import ENDINGS, Ending, Judge
+from runners.kinds import event_types
 from runners.record import EVENTS, RUN_JSON, read_events
 
 ANALYZE_DIR = "{name}.analyze-{stamp}"
@@ -95,7 +96,9 @@ def rejudge(run_dir: Path, feed: Callable[[Judge, list[Event]], None]) -> Rejudg
     """
     from runners.session import Session
 
-    events = read_events(run_dir / EVENTS).events if (run_dir / EVENTS).is_file() else []
+    events = (
+        read_events(run_dir / EVENTS, event_types()).events if (run_dir / EVENTS).is_file() else []
+    )
     emitted: list[Event] = []
     try:
         session = Session.from_record(run_dir, emitted.append)

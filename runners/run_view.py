@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from analysis.run_compare import RunSide
-from runners.kinds import all_kinds
+from runners.kinds import all_kinds, event_types
 from runners.record import EVENTS, RunRecord, iter_events
 
 # The engine's own identity in the metadata it writes (seed 000 2.1: git_commit), in the order
@@ -30,7 +30,7 @@ def load_side(local_dir: Path) -> RunSide:
     path = Path(local_dir) / EVENTS
     if not path.is_file():
         raise FileNotFoundError(f"{path}: the run recorded no events; nothing to compare")
-    events = [e.to_dict() for e in iter_events(path)]
+    events = [e.to_dict() for e in iter_events(path, event_types())]
     kind = all_kinds().get(record.kind)
     if kind is None:
         raise ValueError(f"{local_dir}: run kind {record.kind!r} is not known to this tracedeck")

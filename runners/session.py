@@ -545,7 +545,7 @@ class Session:
             events_path = Path(local_dir) / EVENTS
             if events_path.exists():
                 drop_torn_tail(events_path)
-                for event in iter_events(events_path):
+                for event in iter_events(events_path, kinds.event_types()):
                     if isinstance(event, RunFinished) and event.verdict == DISCONNECTED:
                         continue  # the console gave up following; the run itself went on
                     session._fold(event)

@@ -16,6 +16,7 @@ from typing import Any
 
 from runners.config import fleet_names, host_lock, load_config
 from runners.events import RunFinished, RunStarted
+from runners.kinds import event_types
 from runners.prune import NOT_ENDINGS, Targets, run_alive
 from runners.record import EVENTS, FLEET, RunRecord, iter_events, local_runs, writer_present
 from runners.targets.base import TargetError
@@ -93,7 +94,7 @@ def read_run(local: Path) -> tuple[RunStatus, list[tuple[str, str]]]:
     )
     end: RunFinished | None = None
     with contextlib.suppress(OSError, ValueError):
-        for event in iter_events(local / EVENTS):
+        for event in iter_events(local / EVENTS, event_types()):
             if isinstance(event, RunStarted) and run.started is None:
                 run.started = event.t
             elif isinstance(event, RunFinished):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from runners.events import Event, RunFinished
 from runners.follow import FileFollower
+from runners.kinds import event_types
 from runners.record import EVENTS, decode_event, writer_present
 from runners.session import DISCONNECTED
 from runners.targets.local import LocalTarget
@@ -27,6 +28,7 @@ async def view(
     when the writer left before it, and how many events were fed)."""
     path = Path(local_dir) / EVENTS
     follower = FileFollower(LocalTarget(), str(path))
+    types = event_types()
     count = 0
     while True:
         writer_was_there = writer_present(local_dir)
@@ -34,7 +36,7 @@ async def view(
         for number, line in enumerate(got.lines if got else [], start=got.first_line if got else 1):
             if not line.strip():
                 continue
-            event = decode_event(path, number, line)
+            event = decode_event(path, number, line, types)
             sink(event)
             count += 1
             if isinstance(event, RunFinished) and event.verdict != DISCONNECTED:

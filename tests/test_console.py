@@ -41,7 +41,7 @@ from runners.events import (
     RunStarted,
     event_from_dict,
 )
-from runners.kind import tone
+from runners.kinds import event_types, tone
 from runners.kinds.equivalence import PairVerdict
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -633,7 +633,7 @@ def test_errors_in_the_model_are_logged_plainly() -> None:
     model = RunModel()
     model.apply(Error(message="[bold]boom[/bold] at x", where="x"))
     assert model.log[-1][2] == "error: [bold]boom[/bold] at x"
-    assert event_from_dict(Error(message="m").to_dict()).message == "m"
+    assert event_from_dict(Error(message="m").to_dict(), event_types()).message == "m"
 
 
 @pytest.mark.slow

@@ -40,7 +40,8 @@ from console.widgets.live_table import LiveTable
 from console.widgets.run_header import RunHeader
 from console.widgets.run_log import RunLog
 from runners.events import CellFinished, CellStarted, RunStarted
-from runners.presets import PresetError, load_preset
+from runners.kinds import load_preset
+from runners.presets import PresetError
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = sorted((DATA / "presets").glob("*.toml"))

@@ -42,6 +42,7 @@ from console.panels.dsa_trace import DsaDetail, DsaPanel, DsaWatchApp, DsaWatchS
 from console.screens.history import HistoryScreen
 from console.screens.presets import PresetsScreen
 from runners.events import event_from_dict
+from runners.kinds import event_types
 from runners.kinds.dsa_trace import TraceBook
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -88,7 +89,7 @@ def rebuilt(local_dir: Path) -> TraceBook:
     for line in (local_dir / "events.jsonl").read_bytes().splitlines():
         event = orjson.loads(line)
         if event["type"] == "trace":
-            book.apply(event_from_dict(event))  # type: ignore[arg-type]
+            book.apply(event_from_dict(event, event_types()))  # type: ignore[arg-type]
     return book
 
 

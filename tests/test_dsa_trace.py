@@ -15,6 +15,7 @@ from runhelp import ROOT, cli_env, events, run_dirs, tracedeck
 from sshd import SshHome
 
 from runners.events import event_from_dict
+from runners.kinds import event_types
 from runners.kinds.dsa_trace import TraceBook
 
 
@@ -171,7 +172,7 @@ def test_dsa_smoke_is_trace_ok_and_its_summary_equals_the_recomputation(tmp_path
     book = TraceBook(64, 3)
     for e in recorded:
         if e["type"] == "trace":
-            book.apply(event_from_dict(e))
+            book.apply(event_from_dict(e, event_types()))
     assert book.totals() == {"records": 45, "invalid": 0, "shards": 2, "requests": 3}
     replay = tracedeck("replay", str(local), "--headless", env=cli_env(home(tmp_path)))
     assert replay.stdout.splitlines()[-3:] == done.stdout.splitlines()[-3:]

@@ -18,7 +18,8 @@ from faults import assert_run_gone, record_of
 from runhelp import cli_env, events, run_dirs, tracedeck, wait_for
 from sshd import CuttableProxy, SshHome
 
-from runners.presets import load_preset, resolve_preset
+from runners.kinds import load_preset
+from runners.presets import resolve_preset
 
 FAILING = ["--set", "matrix.seed=[0]", "--set", 'matrix.inject=["readout_offset"]']
 

@@ -18,8 +18,8 @@ from console.app import create_app
 from console.panel import KindPanel
 from console.panels import all_panels, panel_for
 from console.screens.run import RunScreen
-from runners.kinds import all_kinds
-from runners.presets import PresetError, load_preset, resolve_preset
+from runners.kinds import all_kinds, load_preset
+from runners.presets import PresetError, resolve_preset
 
 KINDS = sorted(all_kinds())
 
@@ -94,103 +94,17 @@ async def test_each_kind_runs_headless_and_the_console_shows_its_panel(
 
 # -- a kind added from outside: a module under another kinds package, and its panel ----------------
 
-TOY_KIND = '''
-"""A toy run kind (test plug-in): every cell writes a line "toy N" to its own trace file."""
-
-from __future__ import annotations
-
-from typing import Any
-
-from runners.events import Event, RunFinished
-from runners.exits import EXIT_FAIL, EXIT_PASS
-from runners.kind import Digest, Ending, Judge, Kind, KindPrinter
-from runners.presets import PresetError
-
-
-class ToyJudge(Judge):
-    def __init__(self, kind: Kind, ctx: Any) -> None:
-        super().__init__(kind, ctx)
-        self.seen: dict[int, int] = {}
-
-    def digest(self, cell: int, file: str, lines: list[bytes], first_line: int) -> Digest:
-        count = sum(1 for line in lines if line.startswith(b"toy "))
-        self.seen[cell] = self.seen.get(cell, 0) + count
-        return Digest({"toys": count})
-
-    def apply_digest(self, event: Any) -> None:
-        self.seen[event.cell] = self.seen.get(event.cell, 0) + event.digest["toys"]
-
-    def verdict(self, ending: Ending) -> RunFinished:
-        want = self.ctx.preset.section("toy")["per_cell"]
-        ok = self.cells_ok() and all(self.seen.get(c.index) == want for c in self.ctx.cells)
-        return RunFinished(
-            verdict="TOY_OK" if ok else "TOY_BAD",
-            exit_code=EXIT_PASS if ok else EXIT_FAIL,
-            summary={"seen": {str(k): v for k, v in self.seen.items()}},
-        )
-
-
-class ToyPrinter(KindPrinter):
-    def lines(self, event: Event) -> list[str]:
-        digest = getattr(event, "digest", None)
-        return [f"toy lines from cell {event.cell}: {digest['toys']}"] if digest else []
-
-
-class ToyKind(Kind):
-    name = "toy"
-    description = "a toy kind added by a test"
-    judge_class = ToyJudge
-    pass_word, fail_word = "TOY_OK", "TOY_BAD"
-    pass_words = frozenset({"TOY_OK"})
-    sections = {"toy": {"per_cell": (int, False, 1)}}
-    smoke = ("toy", ())
-
-    def check(self, data: dict[str, Any], source: str, options: frozenset[str]) -> None:
-        if data["toy"]["per_cell"] < 1:
-            raise PresetError(source, "toy.per_cell", "must be at least 1")
-
-    def printer(self) -> KindPrinter:
-        return ToyPrinter()
-
-
-KIND = ToyKind()
-'''
-
-TOY_PANEL = '''
-"""The toy kind's panel (test plug-in)."""
-
-from __future__ import annotations
-
-from textual.app import ComposeResult
-from textual.widgets import Static
-
-from console.panel import KindPanel
-from runners.events import Event, TraceBatch
-
-
-class ToyPanel(KindPanel):
-    DEFAULT_CSS = "ToyPanel { height: 1; }"
-    kind = "toy"
-
-    def __init__(self, *, id: str | None = None) -> None:
-        super().__init__(id=id)
-        self.toys = 0
-
-    def compose(self) -> ComposeResult:
-        yield Static("no toys yet", id="toys", markup=False)
-
-    def take(self, event: Event) -> bool:
-        if isinstance(event, TraceBatch) and event.digest:
-            self.toys += event.digest["toys"]
-            return True
-        return False
-
-    def redraw(self) -> None:
-        self.query_one("#toys", Static).update(f"toys seen: {self.toys}")
-
-
-PANEL = ToyPanel
-'''
+# The toy kind is docs/KINDS.md's worked example: its files exactly as the page shows them.
+EXAMPLE = re.compile(r"<!-- example: (\S+) -->\n```\w*\n(.*?)\n```", re.S)
+TOY = {
+    name: body + "\n"
+    for name, body in EXAMPLE.findall((ROOT / "docs" / "KINDS.md").read_text(encoding="utf-8"))
+}
+TOY_KIND, TOY_PANEL, TOY_PRESET = (
+    TOY["runners/kinds/toy.py"],
+    TOY["console/panels/toy.py"],
+    TOY["toy.toml"],
+)
 
 NO_JUDGE = '''
 """A kind module that forgot its judge."""
@@ -203,25 +117,6 @@ class BrokenKind(Kind):
 
 KIND = BrokenKind()
 '''
-
-TOY_PRESET = """
-[preset]
-name = "toy"
-kind = "toy"
-description = "two cells, each writes one toy line"
-
-[toy]
-per_cell = 1
-
-[engine]
-command = "mkdir -p {out} && echo 'toy {n}' > {out}/toy_{n}.txt"
-
-[matrix]
-n = [1, 2]
-
-[traces]
-follow = ["toy_{n}.txt"]
-"""
 
 
 @pytest.fixture

@@ -342,7 +342,8 @@ REFUSED = [
 def test_a_bad_preset_is_refused_naming_its_key(
     tmp_path: Path, path: Path, edit: tuple[str, str], sets: list[str], message: str
 ) -> None:
-    from runners.presets import PresetError, load_preset
+    from runners.kinds import load_preset
+    from runners.presets import PresetError
 
     text = path.read_text()
     if edit[0]:
@@ -356,7 +357,7 @@ def test_a_bad_preset_is_refused_naming_its_key(
 
 
 def test_the_shipped_presets_load_with_the_grid_they_promise() -> None:
-    from runners.presets import load_preset
+    from runners.kinds import load_preset
 
     full = load_preset(SMOKE.with_name("kv_invariance.toml"))
     assert full.cell_count() == 96

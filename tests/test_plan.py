@@ -15,8 +15,9 @@ from runhelp import cli_env, run_dirs, tracedeck, wait_until_held
 from sshd import SshHome
 
 from console.cli import main
+from runners.kinds import load_preset
 from runners.plan import build_plan, interpreter
-from runners.presets import SHIPPED_DIR, load_preset
+from runners.presets import SHIPPED_DIR
 
 SHIPPED = sorted(p.stem for p in SHIPPED_DIR.glob("*.toml"))
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from runners.kinds import load_preset
 from runners.launchers.detached import DetachedLauncher
 from runners.plan import build_plan, cell_scripts
 from runners.presets import (
     PresetError,
-    load_preset,
     parse_value,
     preset_files,
     resolve_preset,
@@ -254,7 +254,7 @@ def test_a_preset_lock_speaks_for_its_own_host_only(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from runners.config import DEFAULT_LOCK, run_lock
-    from runners.presets import load_preset
+    from runners.kinds import load_preset
 
     _host_config(tmp_path, monkeypatch, '[hosts.gpu-b]\nlock = "/tmp/gpu-b.lock"\n')
     path = tmp_path / "p.toml"

@@ -12,8 +12,8 @@ from test_engines_doc import write_example
 
 from console.headless import CLEAR, Printer, ProgressShow
 from runners.events import Progress, RunFinished
+from runners.kinds import load_preset
 from runners.kinds.equivalence import analyze_tree
-from runners.presets import load_preset
 from runners.progress import Meter, ProgressLines, progress_text
 from runners.session import Session
 

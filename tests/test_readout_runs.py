@@ -11,6 +11,7 @@ from runhelp import ROOT, cli_env, events, run_dirs, spawn, tracedeck, wait_for
 from sshd import SshHome
 
 from runners.events import event_from_dict
+from runners.kinds import event_types
 from runners.kinds.readout import RowBook
 
 SAMPLE = ROOT / "presets" / "samples" / "b3_12_mi300x.jsonl"
@@ -30,7 +31,7 @@ def final_rows(local_dir: Path) -> dict[str, dict]:
     """The rows as a replay rebuilds them: the recorded trace digests folded in order."""
     book = RowBook()
     for e in events(local_dir):
-        book.fold(event_from_dict(e))
+        book.fold(event_from_dict(e, event_types()))
     return {row["prompt"]: row for row in book.rows().values()}
 
 

@@ -359,7 +359,7 @@ STUCK_LAUNCH = """
 import asyncio, sys
 from pathlib import Path
 from runners.launchers.detached import DetachedLauncher
-from runners.presets import load_preset
+from runners.kinds import load_preset
 from runners.session import Session
 
 started = sys.argv[3] == "after"

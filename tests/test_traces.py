@@ -135,7 +135,8 @@ def test_every_trace_line_is_credited_to_the_cell_that_wrote_it(
 
 
 def test_a_pattern_may_only_shape_the_file_name(tmp_path: Path) -> None:
-    from runners.presets import PresetError, load_preset
+    from runners.kinds import load_preset
+    from runners.presets import PresetError
 
     path = write_preset(tmp_path, "x.jsonl", 1, 0)
     with pytest.raises(PresetError, match=r"traces.follow\[0\]: a pattern .* only be in the file"):

@@ -10,7 +10,8 @@ import pytest
 from runhelp import cli_env, events, run_dirs, tracedeck
 
 from analysis.equivalence import VERDICT_EXIT
-from runners.presets import PresetError, load_preset, resolve_preset
+from runners.kinds import load_preset
+from runners.presets import PresetError, resolve_preset
 
 SMALL = ["matrix.seed=[0]", "matrix.prompt_len=[16]", "matrix.gen_len=[4]", "matrix.vocab=[512]"]
 SIDE = "runs/kv_aligned_{kv_aligned}/seed_{seed}/{mode}"

@@ -20,7 +20,7 @@ from console.screens.sources import AttachSource, ReplaySource
 from console.widgets.fill_table import refill
 from console.widgets.text import TONE_STYLES, clean, plain
 from runners.events import RunFinished
-from runners.kind import tone
+from runners.kinds import event_types, tone
 from runners.record import EVENTS, RUN_JSON, decode_event
 
 UNFINISHED = "running?/unfinished"
@@ -88,7 +88,7 @@ def last_finished(events: Path) -> RunFinished | None:
         if b'"run_finished"' not in line:
             continue
         try:
-            event = decode_event(events, 0, line)
+            event = decode_event(events, 0, line, event_types())
         except ValueError:
             continue  # the tail may start mid-line, or a line may be torn
         if isinstance(event, RunFinished):

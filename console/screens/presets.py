@@ -24,7 +24,8 @@ from runners.atomic import write_atomic
 from runners.config import check_target, fleet_names
 from runners.dryrun import preview
 from runners.events import Event
-from runners.presets import SHIPPED_DIR, Preset, PresetError, load_preset, user_dir
+from runners.kinds import load_preset
+from runners.presets import SHIPPED_DIR, Preset, PresetError, user_dir
 from runners.session import Session
 from runners.targets.base import HostKeyUnknown, TargetError
 from runners.targets.factory import ssh_config_aliases

@@ -36,6 +36,7 @@ from console.widgets.progress import ProgressView
 from console.widgets.run_header import RunHeader
 from console.widgets.run_log import RunLog
 from runners.events import Error, Event
+from runners.kinds import event_types
 from runners.presets import PresetError
 from runners.record import RecordBusy, recorded_count
 from runners.session import Session, fetch_held_into
@@ -158,7 +159,7 @@ class RunScreen(Screen[None]):
         """Reattach as the record's writer; while another console writes it, view it read-only
         and take the writing over if that console goes."""
         # Events of the record already in the model (a first attempt replayed them) are skipped.
-        shown = 0 if replay else await asyncio.to_thread(recorded_count, local_dir)
+        shown = 0 if replay else await asyncio.to_thread(recorded_count, local_dir, event_types())
         while True:
             try:
                 session = await asyncio.to_thread(

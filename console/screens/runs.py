@@ -27,7 +27,7 @@ from console.screens.dialogs import ConfirmDialog
 from console.screens.sources import AttachSource, ReplaySource
 from console.widgets.fill_table import refill
 from console.widgets.text import TONE_STYLES, clean, plain
-from runners.kind import tone
+from runners.kinds import tone
 from runners.status import (
     ENDED,
     ENDING,
@@ -351,12 +351,12 @@ class RunsScreen(Screen[None]):
         self.app.push_screen(ConfirmDialog(question, yes="Cancel the run", no="Keep it"), answered)
 
     async def _cancel(self, run: RunStatus) -> None:
-        from console.cli import _cancel
+        from console.cancel_cmd import cancel_run
         from console.headless import Printer
         from runners.targets.base import TargetError
 
         try:
-            code = await _cancel(Path(run.local_dir), 5.0, Printer(out=io.StringIO()))
+            code = await cancel_run(Path(run.local_dir), 5.0, Printer(out=io.StringIO()))
         except (TargetError, OSError, ValueError) as exc:
             self.notify(f"cancel {run.run_id}: {exc}", severity="error", markup=False)
             return

@@ -15,6 +15,7 @@ from pathlib import Path
 import orjson
 
 from runners.events import Error, Event
+from runners.kinds import event_types
 from runners.record import EVENTS, RUN_JSON, decode_event, split_lines
 from runners.session import Session
 
@@ -128,6 +129,7 @@ async def replay_events(
         )
         return
     lines, torn = split_lines(data)
+    types = event_types()
     fast = is_fast(speed)
     loop = asyncio.get_running_loop()
     t0: float | None = None
@@ -138,7 +140,7 @@ async def replay_events(
             if not line.strip():
                 continue
             try:
-                event = decode_event(path, number, line)
+                event = decode_event(path, number, line, types)
             except ValueError as exc:
                 sink(
                     Error(

@@ -8,7 +8,7 @@ from textual.widgets import Static
 from console.run_model import RunModel
 from console.widgets.text import clean
 from runners.cells import CellState
-from runners.kind import tone
+from runners.kinds import tone
 
 
 class VerdictBanner(Static):

@@ -4,29 +4,35 @@ A kind is one module here (preset section and checks, judge, verdict words, head
 `analyze` entry), its pure judgement in analysis/, and its panel in console/panels/. Nothing
 else names a kind. Further kind packages on sys.path merge into this one (pkgutil.extend_path),
 so a kind can be added without editing any file of tracedeck.
+
+This package's own module is the registry: it is passed to what needs the kinds (event
+decoding: event_types(); preset loading: load_preset()), so nothing below it imports it.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 import traceback
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from runners.kind import Kind
+from runners.events import CORE_EVENTS, Event
+from runners.kind import Kind
+from runners.presets import Preset
+from runners.presets import load_preset as _load_preset
 
 __path__ = pkgutil.extend_path(__path__, __name__)
 
 _KINDS: dict[str, Kind] | None = None
+_EVENTS: dict[str, type[Event]] = {}
 _PROBLEMS: list[str] = []
 
 
 def _discover() -> dict[str, Kind]:
-    from runners.kind import Kind
-
     found: dict[str, Kind] = {}
     _PROBLEMS.clear()
+    _EVENTS.clear()
+    _EVENTS.update(CORE_EVENTS)
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
         if info.name.startswith("_"):
             continue
@@ -45,7 +51,16 @@ def _discover() -> dict[str, Kind]:
         if kind.name in found:
             _PROBLEMS.append(f"run kind {kind.name!r} is defined twice ({name}); the first wins")
             continue
+        taken = [
+            f"{cls.type!r} (taken by {_EVENTS[cls.type].__module__})"
+            for cls in kind.events
+            if _EVENTS.get(cls.type, cls) is not cls
+        ]
+        if taken:
+            _PROBLEMS.append(f"run kind module {name}: event type {', '.join(taken)}")
+            continue
         found[kind.name] = kind
+        _EVENTS.update({cls.type: cls for cls in kind.events})
     return found
 
 
@@ -76,3 +91,24 @@ def get(name: str) -> Kind:
     if name not in kinds:
         raise KeyError(f"unknown run kind {name!r}; known: {', '.join(kinds) or 'none'}")
     return kinds[name]
+
+
+def event_types() -> dict[str, type[Event]]:
+    """Every event type a record may hold, by type word: the core's and each usable kind's."""
+    all_kinds()
+    return dict(_EVENTS)
+
+
+def tone(kind_name: str, word: str | None) -> str:
+    """The tone of a verdict word for a kind by name; an unknown kind's words are failures."""
+    kind = all_kinds().get(kind_name)
+    return kind.tone(word) if kind is not None else "fail"
+
+
+def load_preset(
+    path: str | os.PathLike[str],
+    overrides: list[str] | None = None,
+    options: frozenset[str] = frozenset(),
+) -> Preset:
+    """runners.presets.load_preset with every usable kind."""
+    return _load_preset(path, overrides, options, kinds=all_kinds())

@@ -74,13 +74,17 @@ class TraceBook:
     def apply(self, event: TraceBatch) -> bool:
         if not event.digest:
             return False
-        folder = event.file.rsplit("/", 1)[0]
-        if "serving" in event.digest:
-            self.latency.setdefault(folder, []).extend(v for _, v in event.digest["serving"])
-            return True
-        self.stream(event.file).apply(event.file, event.digest)
-        self._note(event.file, event.digest)
+        self.apply_data(event.file, event.digest)
         return True
+
+    def apply_data(self, file: str, digest: dict[str, Any]) -> None:
+        """Rebuild from a digest what feed() left."""
+        folder = file.rsplit("/", 1)[0]
+        if "serving" in digest:
+            self.latency.setdefault(folder, []).extend(v for _, v in digest["serving"])
+            return
+        self.stream(file).apply(file, digest)
+        self._note(file, digest)
 
     def learn(self, folder: str, engine: dict[str, Any]) -> list[str]:
         """summary.json appeared: the top-k it states judges the records that waited for it."""
@@ -156,11 +160,17 @@ class DsaJudge(Judge):
         dsa = ctx.preset.section("dsa")
         topk = dsa["topk"] or None
         self.book = TraceBook(topk, dsa["layers"] or None, "preset dsa.topk" if topk else "")
+        # The reader checks each record against the ones before it (its digests say what it
+        # found); the book, which the verdict reads, changes only by applying digests, live and
+        # on attach alike. (Checking on a copy of the book instead costs most of a feed again.)
+        self.reader = TraceBook(topk, dsa["layers"] or None, "preset dsa.topk" if topk else "")
+        self.read_ahead = 0  # digests the reader made itself and so need not apply again
 
     def digest(self, cell: int, file: str, lines: list[bytes], first_line: int) -> Digest:
-        stream = self.book.stream(file) if not file.endswith("/" + SERVING) else None
+        stream = self.reader.stream(file) if not file.endswith("/" + SERVING) else None
         had_first = stream is not None and stream.first is not None
-        data = self.book.feed(file, lines, first_line)
+        data = self.reader.feed(file, lines, first_line)
+        self.read_ahead += 1
         errors = []
         if stream is not None and not had_first and stream.first is not None:
             first = stream.first
@@ -168,8 +178,12 @@ class DsaJudge(Judge):
             errors.append((f"first invalid DSA record: {first['message']}", where))
         return Digest(data, errors)
 
-    def apply_digest(self, event: TraceBatch) -> None:
-        self.book.apply(event)
+    def apply_digest(self, cell: int, file: str, data: dict[str, Any]) -> None:
+        self.book.apply_data(file, data)
+        if self.read_ahead:
+            self.read_ahead -= 1
+        else:  # recorded before this console followed it: the reader goes on from there
+            self.reader.apply_data(file, data)
 
     def verdict(self, ending: Ending) -> RunFinished:
         base = super().verdict(ending)
@@ -182,8 +196,6 @@ class DsaJudge(Judge):
                     traces.append(_missing_dir(folder))
         ok = all(t["verdict"] == TRACE_OK for t in traces) and bool(traces)
         summary = {**base.summary, "traces": traces, **self.book.totals()}
-        if base.verdict == ENGINE_ERROR:
-            return RunFinished(verdict=ENGINE_ERROR, exit_code=EXIT_INFRA, summary=summary)
         ok = ok and base.exit_code == EXIT_PASS
         return RunFinished(
             verdict=TRACE_OK if ok else TRACE_INVALID,
@@ -396,11 +408,12 @@ def rejudge_run(run_dir: Path, args: argparse.Namespace) -> int:
     aggregates) folded again, then the end-of-trace checks and summary.json recomputed against
     them. Shards copied into the run directory (<dir>/<trace-out>/block<N>/) are judged whole
     from their records instead. Nothing in the run directory is written."""
+    from runners.kinds import event_types
     from runners.record import EVENTS, RunRecord, iter_events
 
     try:
         record = RunRecord.load(run_dir)
-        events = list(iter_events(run_dir / EVENTS))
+        events = list(iter_events(run_dir / EVENTS, event_types()))
     except (OSError, ValueError, TypeError) as exc:
         print(f"tracedeck: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -51,7 +51,7 @@ from analysis.logits import InputError
 from analysis.report import report_markdown
 from analysis.run_compare import Item
 from runners.atomic import write_atomic
-from runners.cells import CellState, cell_name
+from runners.cells import CellState, PlannedCell, cell_name
 from runners.events import (
     ArtifactFailed,
     ArtifactFetched,
@@ -67,7 +67,6 @@ from runners.events import (
 from runners.exits import EXIT_INFRA, EXIT_USAGE
 from runners.hosted.equivalence import write_pair_metrics
 from runners.kind import (
-    ENDINGS,
     Ending,
     HostJudging,
     Judge,
@@ -76,7 +75,7 @@ from runners.kind import (
     KindPrinter,
     failure_text,
 )
-from runners.plan import PlannedCell
+from runners.kinds import event_types
 from runners.presets import PresetError
 from runners.progress import Meter
 from runners.record import RUN_JSON, RunRecord, read_events
@@ -155,16 +154,32 @@ def write_summary(
     thresholds: dict[str, float],
     date: str,
     *,
-    ended: str | None = None,
     notes: list[str] | None = None,
     source: Path | None = None,
 ) -> dict[str, Any]:
     """Writes config.json, summary.json and the report into `root`; returns the summary.
 
-    `ended` is the word of a run cut short (CANCELLED, CRASHED): it is then the global verdict
-    of every file, as it is the run's. `source`: the tree judged, when the documents go
-    elsewhere (analyze --output); its config.json is the one carried over.
+    `source`: the tree judged, when the documents go elsewhere (analyze --output); its
+    config.json is the one carried over.
     """
+    summary = summarize(results, config_matrix, thresholds, date, unjudged)
+    if notes:
+        summary["notes"] = list(notes)
+    write_documents(root, summary, results, config_matrix, thresholds, date, source=source)
+    return summary
+
+
+def write_documents(
+    root: Path,
+    summary: dict[str, Any],
+    results: list[PairResult],
+    config_matrix: dict[str, Any],
+    thresholds: dict[str, float],
+    date: str,
+    *,
+    source: Path | None = None,
+) -> None:
+    """config.json, summary.json and the report of a judged tree, in `root`."""
     config = read_config(source or root) or {}
     config.update(
         {
@@ -174,12 +189,6 @@ def write_summary(
             "thresholds": thresholds,
         }
     )
-    summary = summarize(results, config_matrix, thresholds, date, unjudged)
-    if ended is not None:
-        summary["reason"] = f"the run ended {ended} before it was judged whole; {summary['reason']}"
-        summary["global_verdict"] = ended
-    if notes:
-        summary["notes"] = list(notes)
     _write_json(root / "config.json", config)
     _write_json(root / "summary.json", summary)
     write_atomic(root / REPORT_NAME, report_markdown(summary, results))
@@ -265,6 +274,10 @@ def threadsafe(call: Callable[[int, int], None]) -> Callable[[int, int], None]:
     return from_thread
 
 
+# Keys of the run's summary (the run_finished event) that are not the tree's summary.json.
+RUN_ONLY = ("errors", "error", "engine_errors")
+
+
 class EquivalenceJudge(Judge):
     """Judges each (kv_aligned, seed) pair as soon as both sides are home."""
 
@@ -279,6 +292,7 @@ class EquivalenceJudge(Judge):
         self.judged: dict[tuple[int, int], PairVerdict | PairUnjudged] = {}
         self.failed_artifacts: dict[int, list[ArtifactFailed]] = {}
         self.hosts: dict[int, str] = {}  # cell -> the fleet host that ran it
+        self.judged_pairs: tuple[list[PairResult], dict[str, Any]] = ([], {})
 
     @property
     def thresholds(self) -> dict[str, float]:
@@ -423,20 +437,19 @@ class EquivalenceJudge(Judge):
             "seeds": matrix["seed"],
             **{k: v for k, v in matrix.items() if k not in PAIR_KEYS},
         }
-        cut = ENDINGS.get(ending.how)
-        summary = write_summary(
-            self.ctx.local_dir,
-            results,
-            unjudged,
-            config_matrix,
-            self.thresholds,
-            self.ctx.date,
-            ended=cut[0] if cut else None,
-        )
-        summary["errors"] = [e.message for e in self.errors]
+        summary = summarize(results, config_matrix, self.thresholds, self.ctx.date, unjudged)
+        self.judged_pairs = (results, config_matrix)
         word = summary["global_verdict"]
-        code = cut[1] if cut else VERDICT_EXIT[word]
-        return RunFinished(verdict=word, exit_code=code, summary=summary)
+        summary["errors"] = [e.message for e in self.errors]
+        return RunFinished(verdict=word, exit_code=VERDICT_EXIT[word], summary=summary)
+
+    def keep(self, result: RunFinished) -> None:
+        results, config_matrix = self.judged_pairs
+        # the seed's summary.json: what the run's own summary adds (its errors) stays out
+        document = {k: v for k, v in result.summary.items() if k not in RUN_ONLY}
+        write_documents(
+            self.ctx.local_dir, document, results, config_matrix, self.thresholds, self.ctx.date
+        )
 
 
 # ---------------------------------------------------------------- headless lines
@@ -589,6 +602,9 @@ class EquivalenceKind(Kind):
     name = "equivalence"
     description = "B3.67 prefill-vs-decode guardrail: per-seed pair verdicts (seed 000)"
     judge_class = EquivalenceJudge
+    judges_items_apart = True
+    verdict_key = "global_verdict"
+    events = (PairVerdict, PairUnjudged)
     pass_word, fail_word = PASS_GUARDRAIL, FAIL_GUARDRAIL
     pass_words = frozenset({PASS_GUARDRAIL, PASS_EQUIV})
     # A loosened pass is the operator's choice, not the seed's guardrail: shown like drift.
@@ -834,7 +850,7 @@ def _held_on_host(root: Path) -> list[str]:
         return []
     try:
         target = RunRecord.load(root).target
-        events = read_events(root / "events.jsonl").events
+        events = read_events(root / "events.jsonl", event_types()).events
     except (OSError, ValueError, TypeError):
         return []
     held = {(e.cell, e.path) for e in events if isinstance(e, ArtifactHeld)}
@@ -849,7 +865,7 @@ def _engine_failures(root: Path, seeds: list[int] | None) -> list[Unjudged]:
         return []
     try:
         run_id = RunRecord.load(root).run_id
-        events = read_events(root / "events.jsonl").events
+        events = read_events(root / "events.jsonl", event_types()).events
     except (OSError, ValueError, TypeError):
         return []
     params = {c["index"]: c["params"] for e in events if isinstance(e, RunStarted) for c in e.cells}

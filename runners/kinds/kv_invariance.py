@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import sys
 from datetime import UTC, datetime
@@ -63,12 +64,10 @@ from runners.events import (
     Event,
     OutputLines,
     RunFinished,
-    TraceBatch,
     event,
 )
 from runners.exits import EXIT_USAGE
 from runners.kind import (
-    ENDINGS,
     Digest,
     Ending,
     Judge,
@@ -77,6 +76,7 @@ from runners.kind import (
     KindPrinter,
     failure_text,
 )
+from runners.kinds import event_types
 from runners.presets import PresetError
 from runners.record import EVENTS, RUN_JSON, RunRecord, read_events
 from runners.templates import TemplateError, render_plain, template_fields
@@ -179,15 +179,16 @@ class KvInvarianceJudge(Judge):
         if self.source != "llamacpp":
             return Digest()
         facts = []
-        for raw in lines:
+        book = copy.deepcopy(self.book)  # a few grid cells: each fact is checked against the
+        for raw in lines:  # facts before it, and the judge's own book changes only when applied
             fact = parse_line(raw.decode("utf-8", "replace"))
-            if fact is not None and self.book.wants(fact):
-                self.book.apply(fact)
+            if fact is not None and book.wants(fact):
+                book.apply(fact)
                 facts.append(fact)
         return Digest({"llamacpp": facts} if facts else None)
 
-    def apply_digest(self, event: TraceBatch) -> None:
-        for fact in (event.digest or {}).get("llamacpp", []):
+    def apply_digest(self, cell: int, file: str, data: dict[str, Any]) -> None:
+        for fact in data.get("llamacpp", []):
             self.book.apply(fact)
 
     # -- judging -------------------------------------------------------------------------------
@@ -306,16 +307,11 @@ class KvInvarianceJudge(Judge):
         if summary["global_verdict"] == PASS_INVARIANCE and errors:
             summary["global_verdict"] = FAIL_INVARIANCE
             summary["reason"] = f"every cell bitwise equal, but the run had errors: {errors[0]}"
-        cut = ENDINGS.get(ending.how)
-        if cut is not None:
-            summary["reason"] = f"the run ended {cut[0]} before it was judged whole; " + str(
-                summary["reason"]
-            )
-            summary["global_verdict"] = cut[0]
         word = summary["global_verdict"]
-        code = cut[1] if cut is not None else VERDICT_EXIT[word]
-        write_atomic(self.ctx.local_dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
-        return RunFinished(verdict=word, exit_code=code, summary=summary)
+        return RunFinished(verdict=word, exit_code=VERDICT_EXIT[word], summary=summary)
+
+    def keep(self, result: RunFinished) -> None:
+        write_atomic(self.ctx.local_dir / SUMMARY, json.dumps(result.summary, indent=2) + "\n")
 
 
 # ---------------------------------------------------------------- headless lines
@@ -370,6 +366,9 @@ class KvInvarianceKind(Kind):
         "03C KV-cache invariance: single-shot vs incremental vs chunked, bitwise (seed 002)"
     )
     judge_class = KvInvarianceJudge
+    judges_items_apart = True
+    verdict_key = "global_verdict"
+    events = (KvCellVerdict,)
     pass_word, fail_word = PASS_INVARIANCE, FAIL_INVARIANCE
     pass_words = frozenset({PASS_INVARIANCE, "BITWISE_EQUAL"})
 
@@ -609,7 +608,7 @@ def _planned_without_result(root: Path, found: list[CellResult]) -> list[CellRes
     cells = orjson.loads(plan.read_bytes()).get("cells") or []
     recorded: dict[int, list[KvCellVerdict]] = {}
     if (root / EVENTS).is_file():
-        for e in read_events(root / EVENTS).events:
+        for e in read_events(root / EVENTS, event_types()).events:
             if isinstance(e, KvCellVerdict):
                 recorded.setdefault(e.cell, []).append(e)
     have = {tuple(sorted(c.point.items())) for c in found if not c.source}

@@ -30,8 +30,8 @@ from analysis.readout import (
 from analysis.run_compare import Item
 from runners.cells import CellState
 from runners.events import ArtifactFetched, Error, Event, RunFinished, TraceBatch, event
-from runners.exits import EXIT_FAIL, EXIT_INFRA, EXIT_PASS, EXIT_USAGE
-from runners.kind import ENGINE_ERROR, Digest, Ending, Judge, JudgeContext, Kind, KindPrinter
+from runners.exits import EXIT_FAIL, EXIT_PASS, EXIT_USAGE
+from runners.kind import Digest, Ending, Judge, JudgeContext, Kind, KindPrinter
 from runners.presets import PresetError
 
 
@@ -63,10 +63,14 @@ class RowBook:
             return [key]
         if not isinstance(event, TraceBatch) or not event.digest:
             return []
-        table = self.table(event.file)
+        return self.apply_facts(event.file, event.digest.get("facts", []))
+
+    def apply_facts(self, file: str, facts: list[list[Any]]) -> list[str]:
+        """Fold a digest's facts into a file's table; returns the keys of the rows changed."""
+        table = self.table(file)
         changed: dict[int, None] = {}
-        for fact in event.digest.get("facts", []):
-            changed[table.apply(fact, event.file)] = None
+        for fact in facts:
+            changed[table.apply(fact, file)] = None
         return [row_key(table.row(i)) for i in changed]
 
     def rows(self) -> dict[str, dict[str, Any]]:
@@ -101,18 +105,18 @@ class ReadoutJudge(Judge):
         self.named: dict[str, int] = {}  # file -> prefill_last lines named so far
         self.opened: dict[int, int] = {}  # cell -> prefill_last lines it wrote (judged)
 
-    def name_for(self, cell: int, file: str) -> str | None:
-        """The preset's name for the next prompt of a file: [readout] prompts in order, else
+    def name_for(self, cell: int, n: int) -> str | None:
+        """The preset's name for a file's prompt n (from 0): [readout] prompts in order, else
         the cell's matrix value of prompt_key; None leaves the record's own or "prompt N"."""
-        n = self.named.get(file, 0)
-        self.named[file] = n + 1
         if n < len(self.prompt_names):
             return self.prompt_names[n]
         value = self.params.get(cell, {}).get(self.prompt_key)
         return None if value is None else str(value)
 
     def digest(self, cell: int, file: str, lines: list[bytes], first_line: int) -> Digest:
-        table = self.book.table(file)
+        known = self.book.tables.get(file)
+        table = known.scratch() if known is not None else ReadoutAggregator()
+        named = self.named.get(file, 0)
         facts: list[list[Any]] = []
         errors: list[tuple[str, str]] = []
         for n, raw in enumerate(lines, start=first_line):
@@ -122,7 +126,7 @@ class ReadoutJudge(Judge):
                 record = load_record(raw, n, file)
                 name = None
                 if isinstance(record, dict) and _is_prefill(record):
-                    name = self.name_for(cell, file)
+                    name = self.name_for(cell, named)
                 fact = table.fact(record, n, file, name)
             except orjson.JSONDecodeError as exc:
                 why = f"{file}:{n}: not valid JSON ({exc}); the engine wrote a bad trace line"
@@ -133,14 +137,14 @@ class ReadoutJudge(Judge):
                 continue
             table.apply(fact, file)
             facts.append(fact)
-            self.opened[cell] = self.opened.get(cell, 0) + (fact[0] == "p")
+            named += fact[0] == "p"
         return Digest({"facts": facts} if facts else None, errors)
 
-    def apply_digest(self, event: TraceBatch) -> None:
-        self.book.fold(event)
-        prefills = sum(1 for fact in (event.digest or {}).get("facts", []) if fact[0] == "p")
-        self.named[event.file] = self.named.get(event.file, 0) + prefills
-        self.opened[event.cell] = self.opened.get(event.cell, 0) + prefills
+    def apply_digest(self, cell: int, file: str, data: dict[str, Any]) -> None:
+        self.book.apply_facts(file, data.get("facts", []))
+        prefills = sum(1 for fact in data.get("facts", []) if fact[0] == "p")
+        self.named[file] = self.named.get(file, 0) + prefills
+        self.opened[cell] = self.opened.get(cell, 0) + prefills
 
     def silent_cells(self) -> list[str]:
         """Cells that passed without one prefill_last line judged: their prompts never were."""
@@ -181,10 +185,11 @@ class ReadoutJudge(Judge):
     def verdict(self, ending: Ending) -> RunFinished:
         rows = list(self.book.rows().values())
         verdict, reason = overall(rows)
-        engine = self.engine_errors()
-        # (a crashed cell's trace may never have been fetched again: its copy is not compared)
+        # A crashed cell's trace may never have been fetched again, so its kept copy is not
+        # compared (the run is ENGINE_ERROR anyway: Judge.finish).
+        crashed = bool(self.engine_errors())
         errors = [e.message for e in self.errors] + (
-            [] if engine else self.kept_problems() + self.silent_cells()
+            [] if crashed else self.kept_problems() + self.silent_cells()
         )
         ok = verdict == VERDICT_OK and self.cells_ok() and not errors
         if errors:
@@ -192,23 +197,8 @@ class ReadoutJudge(Judge):
         elif verdict == VERDICT_OK and not ok:
             reason = f"not every cell passed ({self.cell_states()}); rows: {reason}"
         word = VERDICT_OK if ok else VERDICT_NO_OK
-        if engine:
-            word, reason = ENGINE_ERROR, f"{engine[0]}; rows: {reason}"
         summary = {**to_json(rows, word, reason), "errors": errors}
-        if engine:
-            summary["engine_errors"] = engine
-            return RunFinished(verdict=ENGINE_ERROR, exit_code=EXIT_INFRA, summary=summary)
         return RunFinished(verdict=word, exit_code=EXIT_PASS if ok else EXIT_FAIL, summary=summary)
-
-    def finish(self, ending: Ending) -> RunFinished:
-        """The run's word in its summary too: a cut-short run never shows its rows' OK."""
-        result = super().finish(ending)
-        if result.summary.get("verdict") != result.verdict:
-            summary = dict(result.summary)
-            summary["reason"] = f"the run ended {result.verdict}; " + str(summary.get("reason"))
-            summary["verdict"] = result.verdict
-            result = RunFinished(result.verdict, result.exit_code, summary)
-        return result
 
 
 def kept_name(file: str, fetched: set[str]) -> str | None:
@@ -246,6 +236,8 @@ class ReadoutKind(Kind):
     name = "readout"
     description = "B3.11/B3.12 readout trace: prefill_last vs decode0 top-1 per prompt"
     judge_class = ReadoutJudge
+    verdict_key = "verdict"
+    events = (ReadoutRow,)
     pass_word, fail_word = VERDICT_OK, VERDICT_NO_OK
     pass_words = frozenset({VERDICT_OK})
     smoke = ("b3_11_readout", ('matrix.prompt=["p0_short", "p4_sys"]',))

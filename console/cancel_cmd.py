@@ -1,0 +1,45 @@
+"""Cancelling a run: what `tracedeck cancel` and the runs screen's cancel both do."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+
+async def cancel_run(local: Path, grace: float, printer) -> int:  # type: ignore[no-untyped-def]
+    """Kill every live process of the run, whatever its record says, then record its end
+    (unless the console that follows it does that)."""
+    from runners.record import RecordBusy
+    from runners.session import Session
+
+    session = Session.from_record(local, printer)
+    asked = time.time()
+    try:
+        await session.target.connect()
+        outcome = await session.cancel(grace)
+    finally:
+        await session.close()
+    word = outcome.removeprefix("TRACEDECK_").lower().replace("_", " ") or "sent"
+    run_id = session.record.run_id
+    try:
+        attached = Session.attach(local, printer, replay=printer.track)
+    except RecordBusy:
+        print(f"cancel: {word}; the console following run {run_id} records its end")
+        return 0
+    try:
+        if attached.finished is not None:
+            ended = attached.finished
+            if ended.t >= asked:  # the console that followed it recorded the cancel
+                print(f"cancel: {word}; run {run_id} ended {ended.verdict}")
+            elif outcome == "TRACEDECK_NOT_RUNNING":
+                print(f"cancel: nothing was running; run {run_id} had ended {ended.verdict}")
+            else:
+                print(
+                    f"cancel: {word} processes left over after run {run_id} ended {ended.verdict}"
+                )
+            return 0
+        result = await attached.follow()
+    finally:
+        await attached.close()
+    print(f"cancel: {word}; run {run_id} ended {result.verdict}")
+    return 0
