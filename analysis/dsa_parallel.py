@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from analysis import parallel
+from analysis.dsa_lines import READ_CHUNK, chunk_spans, read_span, torn_line
 from analysis.dsa_stream import Checked, TraceStream
-from analysis.dsa_tree import READ_CHUNK, chunk_spans, read_span, torn_line
 
 _FRAME = struct.Struct("<cQ")  # tag, payload length
 _CHUNK, _ERROR = b"C", b"E"

@@ -10,10 +10,10 @@ TRACE_OK, or TRACE_INVALID with the first invalid record.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from analysis.dsa_lines import READ_CHUNK, complete_lines, torn_line
 from analysis.dsa_record import Fail
 from analysis.dsa_stats import compare_summary, percentile
 from analysis.dsa_stream import (
@@ -28,7 +28,6 @@ from analysis.dsa_stream import (
 SERVING = "serving.jsonl"
 TRACE_OK = "TRACE_OK"
 TRACE_INVALID = "TRACE_INVALID"
-READ_CHUNK = 4 << 20
 
 
 class NotATrace(Exception):
@@ -221,52 +220,6 @@ def shard_name_problems(
     return out
 
 
-def complete_lines(path: Path, chunk: int = READ_CHUNK) -> Iterator[tuple[int, list[bytes], bool]]:
-    """A file's lines in bounded chunks: (first line's number, lines, torn); a last line with no
-    newline comes alone at the end with torn=True."""
-    line_no = 1
-    rest = b""
-    with open(path, "rb") as fh:
-        while data := fh.read(chunk):
-            data = rest + data
-            cut = data.rfind(b"\n")
-            if cut < 0:
-                rest = data
-                continue
-            lines = data[:cut].split(b"\n")
-            rest = data[cut + 1 :]
-            yield line_no, lines, False
-            line_no += len(lines)
-    if rest:
-        yield line_no, [rest], True
-
-
-def chunk_spans(path: Path, chunk: int = READ_CHUNK) -> Iterator[tuple[int, int, int, bool]]:
-    """complete_lines' chunks, found but not split: (byte offset, size without the last
-    newline, first line's number, torn). read_span gives the same lines."""
-    line_no = 1
-    start = at = 0  # the next chunk's first byte; the bytes read so far
-    with open(path, "rb") as fh:
-        while data := fh.read(chunk):
-            at += len(data)
-            cut = data.rfind(b"\n")
-            if cut < 0:
-                continue  # no newline yet: the chunk goes on (as complete_lines' rest)
-            end = at - len(data) + cut
-            yield start, end - start, line_no, False
-            line_no += data.count(b"\n", 0, cut) + 1  # the carried bytes hold no newline
-            start = end + 1
-    if at > start:
-        yield start, at - start, line_no, True
-
-
-def read_span(path: Path, offset: int, size: int) -> list[bytes]:
-    """The lines of one chunk_spans chunk."""
-    with open(path, "rb") as fh:
-        fh.seek(offset)
-        return fh.read(size).split(b"\n")
-
-
 def feed_file(stream: TraceStream, path: Path, chunk: int = READ_CHUNK) -> dict[str, Any] | None:
     """Stream one shard through the judge in bounded chunks; a torn last line is a problem."""
     for line_no, lines, torn in complete_lines(path, chunk):
@@ -275,21 +228,6 @@ def feed_file(stream: TraceStream, path: Path, chunk: int = READ_CHUNK) -> dict[
             continue
         return torn_line(stream, path, line_no, len(lines[0]))
     return None
-
-
-def torn_line(stream: TraceStream, path: Path, line_no: int, size: int) -> dict[str, Any]:
-    """A last line with no newline: one invalid record, and its problem."""
-    fail = Fail(
-        "record",
-        "a complete line ending in a newline",
-        f"{size} bytes with no newline (the writer stopped mid-line)",
-    )
-    stream.records += 1
-    stream.invalid += 1
-    found = problem(str(path), line_no, None, fail)
-    if stream.first is None:
-        stream.first = found
-    return found
 
 
 def read_summary(path: Path) -> tuple[dict[str, Any], str]:

@@ -10,16 +10,10 @@ from pathlib import Path
 import pytest
 from dsa_writer import write_trace
 
+from analysis.dsa_lines import chunk_spans, complete_lines, read_span
 from analysis.dsa_parallel import StreamCheck, WorkerError, Workers, feed_files
 from analysis.dsa_stream import TraceStream
-from analysis.dsa_tree import (
-    analyze_block,
-    chunk_spans,
-    complete_lines,
-    feed_file,
-    read_span,
-    shard_files,
-)
+from analysis.dsa_tree import analyze_block, feed_file, shard_files
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 3, 7, 64, 1 << 20])
