@@ -278,8 +278,9 @@ def _infra_error(exc: Exception) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from console.headless import Printer
+    from runners.placement import default_out_dir
     from runners.presets import PresetError, load_preset, resolve_preset
-    from runners.session import Session, default_out_dir
+    from runners.run import Run
     from runners.targets.base import TargetError
 
     try:
@@ -292,7 +293,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if interrupted():
             _err("interrupted before the launch: nothing was launched")
             return EXIT_INTERRUPT
-        session = Session.create(preset, target, out, Printer(json_lines=args.json))
+        session = Run.create(preset, target, out, Printer(json_lines=args.json))
     except (PresetError, ValueError) as exc:
         _err(str(exc))
         return EXIT_USAGE
@@ -313,8 +314,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from runners import dryrun
+    from runners.placement import default_out_dir
     from runners.presets import PresetError, load_preset, resolve_preset
-    from runners.session import default_out_dir
 
     try:
         preset = load_preset(resolve_preset(args.preset), args.overrides, chosen_options(args))
@@ -453,8 +454,8 @@ async def _follow_interruptible(session) -> int:  # type: ignore[no-untyped-def]
 
 def find_run(run: str, out: Path | None) -> Path:
     """A run directory as given, or the run with that id under the out dir (OUT/by-id/ID)."""
+    from runners.placement import default_out_dir
     from runners.record import find_local_run
-    from runners.session import default_out_dir
 
     path = Path(run)
     if (path / "run.json").exists():
@@ -489,13 +490,13 @@ async def _attach(local: Path, printer) -> int:  # type: ignore[no-untyped-def]
     """Follow a run as its record's writer; or, while another console writes it, read-only,
     taking the writing over if that console goes."""
     from runners.record import RecordBusy
-    from runners.session import Session
+    from runners.run import Run
     from runners.viewer import skipping, view
 
     shown = 0
     while True:
         try:
-            session = Session.attach(local, printer, replay=skipping(printer, shown))
+            session = Run.attach(local, printer, replay=skipping(printer, shown))
         except RecordBusy:
             if shown == 0:
                 _err(
@@ -527,19 +528,18 @@ async def _cancel(local: Path, grace: float, printer) -> int:  # type: ignore[no
     """Kill every live process of the run, whatever its record says, then record its end
     (unless the console that follows it does that)."""
     from runners.record import RecordBusy
-    from runners.session import Session
+    from runners.run import Run
 
-    session = Session.from_record(local, printer)
+    session = Run.from_record(local, printer)
     asked = time.time()
     try:
-        await session.target.connect()
         outcome = await session.cancel(grace)
     finally:
         await session.close()
     word = outcome.removeprefix("TRACEDECK_").lower().replace("_", " ") or "sent"
     run_id = session.record.run_id
     try:
-        attached = Session.attach(local, printer, replay=printer.track)
+        attached = Run.attach(local, printer, replay=printer.track)
     except RecordBusy:
         print(f"cancel: {word}; the console following run {run_id} records its end")
         return 0
@@ -587,7 +587,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 
 async def _fetch(local: Path, printer) -> int:  # type: ignore[no-untyped-def]
-    from runners.session import fetch_held_into
+    from runners.run import fetch_held_into
 
     count = await fetch_held_into(local, printer)
     if count == 0:
@@ -777,8 +777,8 @@ def cmd_presets(args: argparse.Namespace) -> int:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
+    from runners.placement import default_out_dir
     from runners.prune import parse_duration
-    from runners.session import default_out_dir
 
     if args.older_than is None and args.keep is None:
         _err("prune: say which runs go: --older-than AGE and/or --keep N")

@@ -14,7 +14,7 @@ from pathlib import Path
 from runners.events import Event, RunFinished
 from runners.follow import FileFollower
 from runners.record import EVENTS, decode_event, writer_present
-from runners.session import DISCONNECTED
+from runners.run import DISCONNECTED
 from runners.targets.local import LocalTarget
 
 POLL_S = 0.1
