@@ -7,10 +7,12 @@ cells back to the queue (`fleet.requeue`), or they are lost; each host's state i
 
 from __future__ import annotations
 
+import asyncio
 import math
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +25,23 @@ from runners.member import Member
 from runners.placement import Host, Placement
 from runners.plan import PlannedCell
 from runners.record import FLEET
-from runners.targets.base import Target
+from runners.targets.base import Target, TargetError
 
 CANCEL_MARK = "cancel"  # in the local run directory: `tracedeck cancel` asked; start nothing more
 # HostState words
 CONNECTING, WAITING, SKIPPED, RUNNING = "connecting", "waiting", "skipped", "running"
 IDLE, DONE, LOST, FAILED = "idle", "done", "lost", "failed"
 OUT = (LOST, FAILED, SKIPPED)  # a host in one of these states takes no more cells this run
+
+
+class Cancel(StrEnum):
+    """What a cancel did (the launchers' words)."""
+
+    CANCELLED = "TRACEDECK_CANCELLED"
+    KILLED = "TRACEDECK_KILLED"
+    STILL_ALIVE = "TRACEDECK_STILL_ALIVE"
+    NOT_RUNNING = "TRACEDECK_NOT_RUNNING"
+    SENT = ""  # the launcher said nothing
 
 
 @dataclass(slots=True)
@@ -213,6 +225,38 @@ class Scheduler:
         holder = who(parse_holder(result.stdout))
         self.set_state(slot, WAITING, f"lock {slot.place.lock} held by {holder}")
         return False
+
+    async def cancel_all(self, grace_s: float) -> Cancel:
+        """Cancel every batch that may run, on every host at once. A fleet host that cannot be
+        reached is named (an error when no host could be)."""
+
+        async def one(slot: Slot, member: Member) -> str | TargetError:
+            try:
+                return await member.cancel(grace_s)
+            except TargetError as exc:
+                if not self.fleet:
+                    raise
+                return TargetError(f"{slot.place.spec}: {exc}")
+
+        jobs = [
+            one(s, m) for s in self.slots.values() for m in s.members if not m.ended or m.started
+        ]
+        said = await asyncio.gather(*jobs)
+        unreachable = [str(w) for w in said if isinstance(w, TargetError)]
+        if unreachable and len(unreachable) == len(said):
+            raise TargetError("; ".join(unreachable))
+        for text in unreachable:
+            message = (
+                f"cancel could not reach {text}; its batch goes on there until it ends: cancel "
+                "again once the host is reachable"
+            )
+            self._emit(
+                None, Error(message=message, where=text.split(":", 1)[0], affects_verdict=False)
+            )
+        for word in (Cancel.STILL_ALIVE, Cancel.KILLED, Cancel.CANCELLED, Cancel.NOT_RUNNING):
+            if word in said:
+                return word
+        return Cancel.SENT
 
     # -- the end of a fleet run ------------------------------------------------------------------
 
