@@ -365,7 +365,7 @@ async def connect(run: Run, slot: Slot) -> bool:
     except ConnectionLost as exc:
         said = await reconnect(slot.target, run.attempts, slot_emit(run, slot), str(exc))
         if said is not None:
-            link_lost(slot, said)
+            link_lost(run, slot, said)
         return said is None
     except TargetError as exc:  # a host key or a login refused: no retry mends it
         if not run.fleet:
