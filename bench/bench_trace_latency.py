@@ -26,7 +26,7 @@ import orjson  # noqa: E402
 from runners import changes  # noqa: E402
 from runners.events import Event, TraceBatch  # noqa: E402
 from runners.kinds import load_preset  # noqa: E402
-from runners.session import Session  # noqa: E402
+from runners.run import Run  # noqa: E402
 
 WRITER = """
 import json, sys, time
@@ -79,7 +79,7 @@ async def measure(preset_path: Path, spec: str, out: Path) -> list[float]:
             offsets[event.file] = event.end_offset
             latencies.extend(now - orjson.loads(line)["t_written"] for line in data.splitlines())
 
-    session = Session.create(load_preset(preset_path), spec, out, consume)
+    session = Run.create(load_preset(preset_path), spec, out, consume)
     try:
         await session.launch()
         result = await session.follow()

@@ -10,19 +10,19 @@ async def cancel_run(local: Path, grace: float, printer) -> int:  # type: ignore
     """Kill every live process of the run, whatever its record says, then record its end
     (unless the console that follows it does that)."""
     from runners.record import RecordBusy
-    from runners.session import Session
+    from runners.run import Run
+    from runners.scheduler import Cancel
 
-    session = Session.from_record(local, printer)
+    session = Run.from_record(local, printer)
     asked = time.time()
     try:
-        await session.target.connect()
         outcome = await session.cancel(grace)
     finally:
         await session.close()
     word = outcome.removeprefix("TRACEDECK_").lower().replace("_", " ") or "sent"
     run_id = session.record.run_id
     try:
-        attached = Session.attach(local, printer, replay=printer.track)
+        attached = Run.attach(local, printer, replay=printer.track)
     except RecordBusy:
         print(f"cancel: {word}; the console following run {run_id} records its end")
         return 0
@@ -31,7 +31,7 @@ async def cancel_run(local: Path, grace: float, printer) -> int:  # type: ignore
             ended = attached.finished
             if ended.t >= asked:  # the console that followed it recorded the cancel
                 print(f"cancel: {word}; run {run_id} ended {ended.verdict}")
-            elif outcome == "TRACEDECK_NOT_RUNNING":
+            elif outcome == Cancel.NOT_RUNNING:
                 print(f"cancel: nothing was running; run {run_id} had ended {ended.verdict}")
             else:
                 print(

@@ -281,8 +281,9 @@ def _infra_error(exc: Exception) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from console.headless import Printer
     from runners.kinds import load_preset
+    from runners.placement import default_out_dir
     from runners.presets import PresetError, resolve_preset
-    from runners.session import Session, default_out_dir
+    from runners.run import Run
     from runners.targets.base import TargetError
 
     try:
@@ -295,7 +296,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if interrupted():
             _err("interrupted before the launch: nothing was launched")
             return EXIT_INTERRUPT
-        session = Session.create(preset, target, out, Printer(json_lines=args.json))
+        session = Run.create(preset, target, out, Printer(json_lines=args.json))
     except (PresetError, ValueError) as exc:
         _err(str(exc))
         return EXIT_USAGE
@@ -317,8 +318,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from runners import dryrun
     from runners.kinds import load_preset
+    from runners.placement import default_out_dir
     from runners.presets import PresetError, resolve_preset
-    from runners.session import default_out_dir
 
     try:
         preset = load_preset(resolve_preset(args.preset), args.overrides, chosen_options(args))
@@ -474,13 +475,13 @@ async def _attach(local: Path, printer) -> int:  # type: ignore[no-untyped-def]
     """Follow a run as its record's writer; or, while another console writes it, read-only,
     taking the writing over if that console goes."""
     from runners.record import RecordBusy
-    from runners.session import Session
+    from runners.run import Run
     from runners.viewer import skipping, view
 
     shown = 0
     while True:
         try:
-            session = Session.attach(local, printer, replay=skipping(printer, shown))
+            session = Run.attach(local, printer, replay=skipping(printer, shown))
         except RecordBusy:
             if shown == 0:
                 _err(
@@ -533,7 +534,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 
 async def _fetch(local: Path, printer) -> int:  # type: ignore[no-untyped-def]
-    from runners.session import fetch_held_into
+    from runners.run import fetch_held_into
 
     count = await fetch_held_into(local, printer)
     if count == 0:
@@ -736,8 +737,8 @@ def cmd_presets(args: argparse.Namespace) -> int:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
+    from runners.placement import default_out_dir
     from runners.prune import parse_duration
-    from runners.session import default_out_dir
 
     if args.older_than is None and args.keep is None:
         _err("prune: say which runs go: --older-than AGE and/or --keep N")

@@ -33,7 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from runners.doctor import check_here, check_target
     from runners.dryrun import check_lines, checked_document
-    from runners.session import default_out_dir
+    from runners.placement import default_out_dir
 
     out_dir = args.out or default_out_dir()
     here = check_here(out_dir, CONSOLE_PACKAGES)

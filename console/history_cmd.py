@@ -33,8 +33,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 def cmd_history(args: argparse.Namespace) -> int:
     from analysis.trends import trend_lines, trends
+    from runners.placement import default_out_dir
     from runners.run_history import preset_runs
-    from runners.session import default_out_dir
 
     if args.last < 1 or args.drift < 2:
         print("tracedeck: history: --last must be >= 1 and --drift >= 2", file=sys.stderr)

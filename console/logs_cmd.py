@@ -120,7 +120,7 @@ async def _follow(local: Path, printer: LogPrinter) -> int:
     """The record, then the run to its end: as its record's writer, or read-only while
     another console writes it (taking the writing over if that one goes)."""
     from runners.record import RecordBusy
-    from runners.session import Session
+    from runners.run import Run
     from runners.viewer import skipping, view
 
     loop = asyncio.get_running_loop()
@@ -140,7 +140,7 @@ async def _follow(local: Path, printer: LogPrinter) -> int:
     try:
         while True:
             try:
-                session = Session.attach(local, printer, replay=skipping(printer, shown))
+                session = Run.attach(local, printer, replay=skipping(printer, shown))
             except RecordBusy:
                 finished, shown = await view(local, skipping(printer, shown))
                 if finished is not None:

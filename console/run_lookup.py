@@ -7,8 +7,8 @@ from pathlib import Path
 
 def find_run(run: str, out: Path | None) -> Path:
     """A run directory as given, or the run with that id under the out dir (OUT/by-id/ID)."""
+    from runners.placement import default_out_dir
     from runners.record import find_local_run
-    from runners.session import default_out_dir
 
     path = Path(run)
     if (path / "run.json").exists():

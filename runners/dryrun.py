@@ -20,23 +20,24 @@ from typing import Any
 
 import orjson
 
-from runners.config import chosen_lock, fleet_hosts, run_lock
+from runners import kinds
+from runners.config import chosen_lock
 from runners.determinism import PROFILES
 from runners.launchers.detached import holder_path, parse_holder
-from runners.launchers.slurm import SlurmSettings, job_script, slurm_settings
-from runners.plan import (
-    PYTHON_RULE,
-    RunPlan,
-    build_plan,
-    cell_dir_name,
-    home_relative,
-    interpreter,
+from runners.launchers.slurm import SlurmSettings, job_script
+from runners.placement import (
+    CONSOLE,
+    Host,
+    Placement,
+    by_id_link,
+    decide,
+    local_dir_for,
+    new_run_id,
 )
+from runners.plan import PYTHON_RULE, RunPlan, cell_dir_name, home_relative, interpreter
 from runners.presets import Preset
-from runners.record import BY_ID
 from runners.targets.base import HostKeyMismatch, HostKeyUnknown, Target, TargetError
-from runners.targets.factory import parse_target
-from runners.templates import render_plain, template_fields
+from runners.templates import template_fields
 
 # The reference engine's imports (runners/reference): needed where it is shipped to run.
 ENGINE_PACKAGES = ("torch", "numpy")
@@ -52,37 +53,38 @@ HOME = "<home>"  # the target's login home, until `plan --check` reads it
 
 @dataclass(slots=True)
 class Preview:
-    """A run of `preset` on `target`, planned: nothing started, nothing written."""
+    """A run's placement rendered on its paths: nothing started, nothing written."""
 
-    preset: Preset
-    target: str  # as the operator wrote it
-    target_name: str  # as tracedeck names it (local, ssh://user@host:port)
+    placement: Placement
+    target_name: str  # as tracedeck names it (local, ssh://user@host:port, fleet a, b)
     python: str
-    workdir: str  # absolute, or ~/x while the target's home is unknown
+    workdir: str  # absolute, or <home>/x while the target's home is unknown
     runs: str
     run_id: str
-    lock: str
     local_dir: Path
     by_id: Path
     plan: RunPlan
     resolved: bool  # the remote paths are the target's real ones
-    hosts: list[str] = field(default_factory=list)  # a fleet's hosts; [] for one target
-    slurm: SlurmSettings | None = None  # the cells go to Slurm as one job array
+
+    preset = property(lambda self: self.placement.preset)
+    target = property(lambda self: self.placement.target)  # as the operator wrote it
+    lock = property(lambda self: self.placement.hosts[0].lock)
+    run_dir = property(lambda self: self.plan.run_dir)
+
+    @property
+    def hosts(self) -> list[str]:
+        """A fleet's hosts; [] for one target."""
+        return [h.spec for h in self.placement.hosts] if self.placement.fleet else []
+
+    @property
+    def slurm(self) -> SlurmSettings | None:
+        """Set when the cells go to Slurm as one job array."""
+        return None if self.placement.fleet else self.placement.hosts[0].slurm
 
     @property
     def groups(self) -> list[list[int]]:
         """How a fleet hands out the cells: each group runs on one host (a B3.67 pair)."""
-        from runners import kinds
-
-        cells = list(self.plan.cells)
-        together = None
-        if self.preset.section("fleet")["together"]:
-            together = kinds.get(self.preset.kind).together(cells)
-        return together or [[c.index] for c in cells]
-
-    @property
-    def run_dir(self) -> str:
-        return self.plan.run_dir
+        return [list(g) for g in self.placement.groups]
 
 
 @dataclass(slots=True)
@@ -124,91 +126,57 @@ def preview(
     *,
     home: str | None = None,
     run_id: str | None = None,
+    placement: Placement | None = None,
 ) -> Preview:
-    """The run's plan without connecting; ValueError for a target spec that is not one.
+    """The run's plan without connecting; ValueError for a target spec that is not one, or a
+    placement that cannot run (the reason).
 
     A fleet's cells are shown as its hosts run them: each host's batch in its own directory
     (`RUN_DIR/HOST-N`) under that host's own lock; a Slurm target's with the job's directives.
     """
-    from runners.session import _fresh_dir, new_run_id
-
+    placement = placement or decide(preset, target_spec)
+    first = placement.hosts[0]
     tgt = preset.section("target")
-    hosts = fleet_hosts(target_spec) or []
-    slurm = None if hosts else slurm_settings(target_spec, preset)
-    names = [parse_target(h).name for h in hosts] or [parse_target(target_spec).name]
-    local = all(name == "local" for name in names)
-    if home is None and local:
+    if home is None and placement.local:
         home = os.path.expanduser("~")  # what `cd` finds on this machine
-    workdir = _absolute(tgt["workdir"], home)
-    runs = _absolute(tgt["runs"], home)
+    workdir, runs = _absolute(tgt["workdir"], home), _absolute(tgt["runs"], home)
     run_id = run_id or new_run_id(preset.name)
-    run_dir = f"{runs}/{run_id}/{MEMBER}" if hosts else f"{runs}/{run_id}"
+    run_dir = f"{runs}/{run_id}/{MEMBER}" if placement.fleet else f"{runs}/{run_id}"
     date = dt.date.today().isoformat()
-    python = interpreter("local" if local else names[0], tgt["python"])
-    lock = run_lock(hosts[0] if hosts else target_spec, preset, target_spec)
-    ship = preset.section("engine")["ship_reference"]
-    plan = build_plan(
-        preset,
-        run_id=run_id,
-        run_dir=run_dir,
-        workdir=workdir,
-        python=python,
-        date=date,
-        lock=lock,
-        pythonpath=f"{run_dir}/pkg" if ship else "",
+    python = interpreter("local" if placement.local else first.name, tgt["python"])
+    plan = placement.plan(
+        run_id=run_id, run_dir=run_dir, workdir=workdir, python=python, date=date, lock=first.lock
     )
-    rel = render_plain(preset.section("artifacts")["dir"], {"date": date, "name": preset.name})
+    names = [h.name for h in placement.hosts]
     return Preview(
-        preset=preset,
-        target=target_spec,
-        target_name=f"fleet {', '.join(names)}" if hosts else names[0],
+        placement=placement,
+        target_name=f"fleet {', '.join(names)}" if placement.fleet else names[0],
         python=python,
         workdir=workdir,
         runs=runs,
         run_id=run_id,
-        lock=lock,
-        local_dir=_fresh_dir(Path(out_dir) / rel),
-        by_id=Path(out_dir) / BY_ID / run_id,
+        local_dir=local_dir_for(preset, Path(out_dir), date),
+        by_id=by_id_link(Path(out_dir), run_id),
         plan=plan,
         resolved=home is not None,
-        hosts=hosts,
-        slurm=slurm,
     )
 
 
 def judging(p: Preview) -> dict[str, Any] | None:
-    """Where the run is judged, as the launch decides it ([judge] on; runners.session), and
-    which artifacts then stay on the target; None for a kind that judges nothing there."""
-    from runners import kinds
-
-    spec = kinds.get(p.preset.kind).host_judging
-    if spec is None:
+    """Where the run is judged, as its placement says, and which artifacts then stay on the
+    target; None for a kind that judges nothing there."""
+    decided, spec = p.placement.judging, kinds.get(p.preset.kind).host_judging
+    if decided is None or spec is None:
         return None
     cfg = p.preset.section("judge")
-    python = cfg["python"] or p.python
-    needs = " and ".join(spec.requires) or "nothing more"
-    if cfg["on"] == "console":
-        where, why = "console", "[judge] on = console: every artifact is fetched"
-    elif cfg["on"] == "auto" and p.target_name == "local":
-        where, why = "console", "the data is already on this machine"
-    elif p.hosts:  # runners.fleet: the pairs' sides may be on different hosts
-        where, why = "console", "a fleet run brings every artifact home"
-    elif cfg["on"] == "host":
-        where, why = "host", f"[judge] on = host: with {python} there (it needs {needs})"
-    else:
-        where = "host if it can"
-        why = (
-            f"[judge] on = auto: on the host when {python} there has {needs} (`plan --check` "
-            "says), else on this console, fetching everything"
-        )
     held = sorted({rel for c in p.plan.cells for rel in c.artifacts if spec.held(rel)})
     return {
         "on": cfg["on"],
-        "where": where,
-        "why": why,
-        "python": python,
+        "where": decided.where,
+        "why": decided.why,
+        "python": decided.python or p.python,
         "requires": list(spec.requires),
-        "held": held if where != "console" else [],
+        "held": held if decided.where != CONSOLE else [],
         "fetch_held": cfg["fetch_held"],
     }
 
@@ -307,7 +275,7 @@ def _fleet_document(p: Preview) -> dict[str, Any] | None:
         return None
     fleet = p.preset.section("fleet")
     return {
-        "hosts": [{"host": h, "lock": run_lock(h, p.preset, p.target)} for h in p.hosts],
+        "hosts": [{"host": h.spec, "lock": h.lock} for h in p.placement.hosts],
         "busy": fleet["busy"],
         "requeue": fleet["requeue"],
         "groups": p.groups,
@@ -418,7 +386,7 @@ def plan_lines(p: Preview) -> list[str]:
 
 def _fleet_lines(p: Preview) -> list[str]:
     fleet = p.preset.section("fleet")
-    lines = [f"  host:        {h}  (lock {run_lock(h, p.preset, p.target)})" for h in p.hosts]
+    lines = [f"  host:        {h.spec}  (lock {h.lock})" for h in p.placement.hosts]
     busy = {
         "skip": "skipped for this run (fleet.busy = skip)",
         "wait": "waited for (fleet.busy = wait)",
@@ -458,28 +426,33 @@ async def _sh(target: Target, script: str) -> tuple[int, str, str]:
 async def check(p: Preview, target: Target | None = None) -> Checked:
     """Connect and read: reachability, host key, lock, space, interpreter, packages, paths.
     A fleet's hosts are each checked so (each finding names its host)."""
-    if p.hosts:
-        return await _check_fleet(p)
     out = Checked()
-    target = target or parse_target(p.target)
-    name = p.target_name
+    for host in p.placement.hosts:
+        one = Checked()
+        await _check_host(p, host, target or p.placement.connect(host), one)
+        prefix = f"{host.spec}: " if p.placement.fleet else ""
+        out.findings += [Finding(f.level, prefix + f.what, f.text) for f in one.findings]
+        out.preview = one.preview
+    return out
+
+
+async def _check_host(p: Preview, host: Host, target: Target, out: Checked) -> None:
     try:
         await target.connect()
     except (HostKeyUnknown, HostKeyMismatch) as exc:
         _add_host_key(out, target, exc)
-        return out
+        return
     except TargetError as exc:
         _add_host_key(out, target, exc)  # a key judged before the login failed is said too
         out.add(PROBLEM, "reachable", str(exc))
-        return out
+        return
     _add_host_key(out, target, None)
     try:
-        await _check_connected(p, target, out)
+        await _check_connected(p, host, target, out)
     except TargetError as exc:
-        out.add(PROBLEM, "reachable", f"{name}: {exc}")
+        out.add(PROBLEM, "reachable", f"{host.name}: {exc}")
     finally:
         await target.close()
-    return out
 
 
 def _add_host_key(out: Checked, target: Target, error: TargetError | None) -> None:
@@ -495,17 +468,8 @@ def _add_host_key(out: Checked, target: Target, error: TargetError | None) -> No
         out.add(PROBLEM, "host key", str(error))
 
 
-async def _check_fleet(p: Preview) -> Checked:
-    out = Checked()
-    for host in p.hosts:
-        one = await check(preview(p.preset, host, p.local_dir.parent, run_id=p.run_id))
-        for f in one.findings:
-            out.add(f.level, f"{host}: {f.what}", f.text)
-    return out
-
-
-async def _check_connected(p: Preview, target: Target, out: Checked) -> None:
-    name = p.target_name
+async def _check_connected(p: Preview, host: Host, target: Target, out: Checked) -> None:
+    name = host.name
     if name == "local":
         out.add(OK, "reachable", "this machine")
     else:
@@ -527,22 +491,31 @@ async def _check_connected(p: Preview, target: Target, out: Checked) -> None:
         )
     else:
         out.add(OK, "launcher", "sh, bash, flock and setsid are there")
-    if p.slurm is not None:
-        await _check_slurm(target, out, p.slurm)
+    if host.slurm is not None:
+        await _check_slurm(target, out, host.slurm)
     await _check_dir(target, out, "target.workdir", workdir)
     anchor = await _check_dir(target, out, "target.runs", runs)
     if anchor is not None:
         await _check_space(target, out, runs, anchor)
-    if p.slurm is None:
-        await _check_lock(target, out, p.lock)
+    if host.slurm is None:
+        await _check_lock(target, out, host.lock)
     else:  # the lock is the compute node's, taken by each task there: it waits, never refuses
-        out.add(OK, "lock", f"{p.lock} is taken on each node by the task Slurm runs there")
+        out.add(OK, "lock", f"{host.lock} is taken on each node by the task Slurm runs there")
+    python = interpreter(name, tgt["python"])
     if uses_python(p.preset):
-        await _check_python(target, out, p)
-    await _check_judging(target, out, p)
+        await _check_python(target, out, p, python, name)
+    await _check_judging(target, out, p, python)
     await _check_vars(target, out, p.preset)
-    out.preview = preview(p.preset, p.target, p.local_dir.parent, home=home, run_id=p.run_id)
-    out.preview = replace(out.preview, local_dir=p.local_dir, by_id=p.by_id)
+    if not p.placement.fleet:
+        again = preview(
+            p.preset,
+            p.target,
+            p.local_dir.parent,
+            home=home,
+            run_id=p.run_id,
+            placement=p.placement,
+        )
+        out.preview = replace(again, local_dir=p.local_dir, by_id=p.by_id)
 
 
 async def _check_slurm(target: Target, out: Checked, settings: SlurmSettings) -> None:
@@ -677,8 +650,7 @@ async def _check_lock(target: Target, out: Checked, lock: str) -> None:
         out.add(WARN, "lock", f"{lock}: could not tell ({said or 'no answer'})")
 
 
-async def _check_python(target: Target, out: Checked, p: Preview) -> None:
-    python = p.python
+async def _check_python(target: Target, out: Checked, p: Preview, python: str, name: str) -> None:
     probe = (
         "import importlib.util as u, sys; "
         "print(sys.version.split()[0]); "
@@ -692,8 +664,7 @@ async def _check_python(target: Target, out: Checked, p: Preview) -> None:
         out.add(
             PROBLEM,
             "python",
-            f"{python!r} ({PYTHON_RULE}): {why}; set target.python to an interpreter on "
-            f"{p.target_name}",
+            f"{python!r} ({PYTHON_RULE}): {why}; set target.python to an interpreter on {name}",
         )
         return
     lines = stdout.splitlines() + [""]
@@ -716,11 +687,12 @@ async def _check_python(target: Target, out: Checked, p: Preview) -> None:
         out.add(OK, "packages", f"{' and '.join(ENGINE_PACKAGES)} are there{note}")
 
 
-async def _check_judging(target: Target, out: Checked, p: Preview) -> None:
+async def _check_judging(target: Target, out: Checked, p: Preview, python: str) -> None:
     """Can the run be judged on the host, as [judge] on asks? (What its python must import.)"""
     judge = judging(p)
     if judge is None or judge["where"] == "console" or not judge["requires"]:
         return
+    judge["python"] = p.placement.judging.python or python  # type: ignore[union-attr]
     imports = ", ".join(judge["requires"])
     # -I: the judge runs isolated (runners/hosted/boot.py), so PYTHONPATH and ~/.local do not count
     code, _, err = await _sh(target, f"{_q(judge['python'])} -I -c {_q(f'import {imports}')}")

@@ -231,6 +231,7 @@ class HostAssigned(Event):
     lock: str
     workdir: str
     python: str
+    judge_python: str = ""  # judged on the host with this python; "": on the console
 
 
 @event

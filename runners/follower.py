@@ -441,7 +441,7 @@ class RunFollower:
                 track.plan,
                 self.local_dir,
                 done,
-                self.judge.holds,
+                lambda rel, cell=track.plan.index: self.judge.holds(rel, cell),
                 self.on_progress,
             ):
                 self.emit(event)

@@ -68,8 +68,14 @@ class JudgeContext:
     cells: list[PlannedCell] = field(default_factory=list)
     # The target, for a kind that judges there (runners.remote_judge.RemoteJudge); None: here.
     host: Any = None
+    # Per cell, the host that judges it (a fleet's batches each judge their own cells).
+    hosts: dict[int, Any] = field(default_factory=dict)
     # Progress events of long judging (runners.progress.Meter): shown live, never recorded.
     progress: Callable[[Event], None] | None = None
+
+    def host_of(self, cell: int) -> Any:
+        """Where a cell's results are judged: its host's RemoteJudge, or None for here."""
+        return self.hosts.get(cell, self.host)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,10 +150,12 @@ class Judge:
     def on_event(self, event: Event) -> None:
         """A kind's own reaction to an event (its verdict events)."""
 
-    def holds(self, rel: str) -> bool:
-        """Does this artifact stay on the target (judged there, fetched only when asked)?"""
+    def holds(self, rel: str, cell: int | None = None) -> bool:
+        """Does this artifact (of that cell) stay on the target (judged there, fetched only
+        when asked)?"""
         spec = self.kind.host_judging
-        return self.ctx.host is not None and spec is not None and spec.held(rel)
+        host = self.ctx.host if cell is None else self.ctx.host_of(cell)
+        return host is not None and spec is not None and spec.held(rel)
 
     def home(self, cell: int, wanted: set[str]) -> bool:
         """Is every artifact of the cell either fetched or held on the target for judging?"""

@@ -219,7 +219,7 @@ def drop_torn_tail(path: str | os.PathLike[str]) -> None:
 
 
 BY_ID = "by-id"
-FLEET = "fleet"  # run.json extra key of a fleet run (runners/fleet.py): its hosts, batches
+FLEET = "fleet"  # run.json extra key of a fleet run (runners/run.py): its hosts, batches
 
 
 def local_runs(out_dir: str | os.PathLike[str]) -> list[Path]:

@@ -94,20 +94,21 @@ def rejudge(run_dir: Path, feed: Callable[[Judge, list[Event]], None]) -> Rejudg
     they raised (feed raises them again from the same lines), nor the kind's own verdict
     events (advance judges again). ValueError when the record cannot be read or rebuilt.
     """
-    from runners.session import Session
+    from runners.run import Run
 
     events = (
         read_events(run_dir / EVENTS, event_types()).events if (run_dir / EVENTS).is_file() else []
     )
     emitted: list[Event] = []
     try:
-        session = Session.from_record(run_dir, emitted.append)
+        session = Run.from_record(run_dir, emitted.append)
     except (OSError, KeyError, TypeError) as exc:
         raise ValueError(f"{run_dir}: the run's record cannot be rebuilt ({exc})") from None
     judge = getattr(session, "judge", None)
     if judge is None:
         raise ValueError(f"{run_dir}: this run's record holds no judge to run again")
     judge.ctx.host = None  # judged here, from what the run kept
+    judge.ctx.hosts.clear()
     followed = {e.file for e in events if isinstance(e, TraceBatch)}
     recorded: RunFinished | None = None
     for e in events:

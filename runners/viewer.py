@@ -15,7 +15,7 @@ from runners.events import Event, RunFinished
 from runners.follow import FileFollower
 from runners.kinds import event_types
 from runners.record import EVENTS, decode_event, writer_present
-from runners.session import DISCONNECTED
+from runners.run import DISCONNECTED
 from runners.targets.local import LocalTarget
 
 POLL_S = 0.1

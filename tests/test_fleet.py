@@ -495,7 +495,8 @@ def test_plan_of_a_fleet_shows_each_host_and_checks_each_one(fleet: Fleet, tmp_p
     doc = json.loads(done.stdout)
     assert [h["host"] for h in doc["fleet"]["hosts"]] == ["gpu-a", "gpu-b"]
     assert doc["fleet"]["groups"] == [[0, 1], [2, 3]]  # a pair's sides on one host
-    assert doc["judge"]["where"] == "console" and doc["slurm"] is None
+    # judged on each host: a pair's sides run on one host (issue 22)
+    assert doc["judge"]["where"] == "host if it can" and doc["slurm"] is None
     assert doc["run_dir"].endswith(f"{doc['run_id']}/HOST-N")
     text = tracedeck(*argv, env=env).stdout
     assert (

@@ -15,7 +15,7 @@ from runners.events import Progress, RunFinished
 from runners.kinds import load_preset
 from runners.kinds.equivalence import analyze_tree
 from runners.progress import Meter, ProgressLines, progress_text
-from runners.session import Session
+from runners.run import Run
 
 
 class Clock:
@@ -123,7 +123,7 @@ def run_session(preset_path: Path, out: Path, overrides: list[str] | None = None
 
     async def go() -> None:
         preset = load_preset(preset_path, overrides or [])
-        session = Session.create(preset, "local", out, seen.append)
+        session = Run.create(preset, "local", out, seen.append)
         await session.launch()
         await session.follow()
         await session.close()

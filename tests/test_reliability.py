@@ -360,7 +360,7 @@ import asyncio, sys
 from pathlib import Path
 from runners.launchers.detached import DetachedLauncher
 from runners.kinds import load_preset
-from runners.session import Session
+from runners.run import Run
 
 started = sys.argv[3] == "after"
 real_start = DetachedLauncher.start
@@ -374,7 +374,7 @@ async def start(self, plan):
 DetachedLauncher.start = start
 
 async def main():
-    session = Session.create(load_preset(sys.argv[1]), "local", Path(sys.argv[2]), lambda e: None)
+    session = Run.create(load_preset(sys.argv[1]), "local", Path(sys.argv[2]), lambda e: None)
     await session.launch()
 
 asyncio.run(main())

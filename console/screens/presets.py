@@ -26,7 +26,7 @@ from runners.dryrun import preview
 from runners.events import Event
 from runners.kinds import load_preset
 from runners.presets import SHIPPED_DIR, Preset, PresetError, user_dir
-from runners.session import Session
+from runners.run import Run
 from runners.targets.base import HostKeyUnknown, TargetError
 from runners.targets.factory import ssh_config_aliases
 from runners.trust import trust_host
@@ -103,7 +103,7 @@ class PresetsScreen(Screen[None]):
     ]
 
     class Launched(Message):
-        def __init__(self, session: Session, buffer: deque[Event], target: str) -> None:
+        def __init__(self, session: Run, buffer: deque[Event], target: str) -> None:
             super().__init__()
             self.session, self.buffer, self.target = session, buffer, target
 
@@ -413,7 +413,7 @@ class PresetsScreen(Screen[None]):
         """Create and launch the session; only posts messages back."""
         buffer: deque[Event] = deque()
         try:
-            session = Session.create(preset, target, self.out_dir, buffer.append)
+            session = Run.create(preset, target, self.out_dir, buffer.append)
         except (PresetError, ValueError, OSError) as exc:
             self.post_message(self.LaunchFailed(str(exc)))
             return

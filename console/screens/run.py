@@ -39,7 +39,7 @@ from runners.events import Error, Event
 from runners.kinds import event_types
 from runners.presets import PresetError
 from runners.record import RecordBusy, recorded_count
-from runners.session import Session, fetch_held_into
+from runners.run import Run, fetch_held_into
 from runners.targets.base import HostKeyUnknown, TargetError
 from runners.trust import trust_host
 from runners.viewer import skipping, view
@@ -86,7 +86,7 @@ class RunScreen(Screen[None]):
         self.source = source
         self.model = RunModel()
         self.buffer: deque[Event] = source.buffer if isinstance(source, LiveSource) else deque()
-        self.session: Session | None = source.session if isinstance(source, LiveSource) else None
+        self.session: Run | None = source.session if isinstance(source, LiveSource) else None
         self.clock = ReplayClock()
         self.ticks: list[tuple[float, float]] = []  # (start, end) of each drain, for the bench
         self.record_ticks = False
@@ -139,7 +139,7 @@ class RunScreen(Screen[None]):
 
     # -- workers: they only append to the buffer or post messages ------------------------------
 
-    async def _feed_follow(self, session: Session, offer_trust: bool = False) -> None:
+    async def _feed_follow(self, session: Run, offer_trust: bool = False) -> None:
         # Backpressure: the session reads no further while this many events wait to be drawn.
         session.pressure = lambda: len(self.buffer) > BUFFER_HIGH
         try:
@@ -148,9 +148,9 @@ class RunScreen(Screen[None]):
             if offer_trust:
                 self.post_message(self.HostKeyNeeded(exc))
             else:
-                self.buffer.append(Error(message=str(exc), where=session.target.name))
+                self.buffer.append(Error(message=str(exc), where=session.target_name))
         except TargetError as exc:
-            self.buffer.append(Error(message=str(exc), where=session.target.name))
+            self.buffer.append(Error(message=str(exc), where=session.target_name))
         finally:
             with contextlib.suppress(Exception):
                 await session.close()
@@ -163,7 +163,7 @@ class RunScreen(Screen[None]):
         while True:
             try:
                 session = await asyncio.to_thread(
-                    Session.attach,
+                    Run.attach,
                     local_dir,
                     self.buffer.append,
                     skipping(self.buffer.append, shown),
@@ -201,7 +201,7 @@ class RunScreen(Screen[None]):
             # The first attempt already replayed the record into the model.
             await self._feed_attach(self.source.local_dir, replay=False)
 
-    async def _cancel(self, session: Session) -> None:
+    async def _cancel(self, session: Run) -> None:
         try:
             outcome = await session.cancel()
         except TargetError as exc:
@@ -353,7 +353,7 @@ class RunScreen(Screen[None]):
         if session is None or self.model.finished is not None:
             return
         question = (
-            f"Cancel run {session.record.run_id} on {session.target.name}? Its processes "
+            f"Cancel run {session.record.run_id} on {session.target_name}? Its processes "
             f"get TERM, then KILL after a grace period (a Slurm job: scancel)."
         )
 

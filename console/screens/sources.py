@@ -17,7 +17,7 @@ import orjson
 from runners.events import Error, Event
 from runners.kinds import event_types
 from runners.record import EVENTS, RUN_JSON, decode_event, split_lines
-from runners.session import Session
+from runners.run import Run
 
 # A speed at or above this (or 0) replays as fast as the screen can take it.
 FAST_SPEED = 1e6
@@ -28,7 +28,7 @@ CHUNK = 1000
 class LiveSource:
     """A session that launch() started; `buffer` already holds what the launch emitted."""
 
-    session: Session
+    session: Run
     buffer: deque[Event] = field(default_factory=deque)
     mode: str = "LIVE"
 

@@ -327,8 +327,9 @@ class EquivalenceJudge(Judge):
             on_token = threadsafe(meter.update)
 
             try:
-                if self.ctx.host is not None:
-                    result = await self._judge_on_host(kv, seed, hosts)
+                host = self.ctx.host_of(next(iter(sides.values())))
+                if host is not None:
+                    result = await self._judge_on_host(host, kv, seed, hosts)
                 else:
                     result = await asyncio.to_thread(self._judge, kv, seed, hosts, on_token)
             except ConnectionLost:
@@ -390,11 +391,12 @@ class EquivalenceJudge(Judge):
         write_pair(self.ctx.local_dir, result, hosts)
         return result
 
-    async def _judge_on_host(self, kv: int, seed: int, hosts: dict[str, str]) -> PairResult:
+    async def _judge_on_host(
+        self, host: Any, kv: int, seed: int, hosts: dict[str, str]
+    ) -> PairResult:
         """The pair judged where its logits are. Its metrics come back on the judge's stdout;
         they are checked against this run's thresholds and the metadata fetched here, and
         every verdict word is recomputed (ClaimError, naming the pair, where they disagree)."""
-        host = self.ctx.host
         said = await host.run(
             HOST_JUDGING,
             ["--kv", str(kv), "--seed", str(seed), "--thresholds", json.dumps(self.thresholds)],
