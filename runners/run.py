@@ -395,7 +395,7 @@ def attach(local_dir: Path, emit: Callable[[Event], None], replay: Callable[[Eve
         events_path = Path(local_dir) / EVENTS
         if events_path.exists():
             drop_torn_tail(events_path)
-            for event in iter_events(events_path):
+            for event in iter_events(events_path, kinds.event_types()):
                 if isinstance(event, RunFinished) and event.verdict == DISCONNECTED:
                     continue  # the console gave up following; the run itself went on
                 run._fold(event)
