@@ -49,6 +49,7 @@ from runners.follower import RunFollower
 from runners.kind import Ending, JudgeContext
 from runners.launchers.base import LockBusyError, NotStartedError
 from runners.launchers.detached import DetachedLauncher, parse_holder
+from runners.leftovers import report_leftovers
 from runners.plan import RunPlan, build_plan, cell_scripts, interpreter, plan_document
 from runners.presets import Preset
 from runners.record import (
@@ -779,6 +780,13 @@ class FleetSession(Session):
                     where=path,
                 ),
             )
+        await report_leftovers(
+            host.target,
+            member.launcher,
+            member.plan,
+            self.local_dir,
+            lambda e: self._host_emit(host, e),
+        )
         await self._advance()
         if how == "crashed":
             self._set_state(host, FAILED, "its run ended without finishing")

@@ -45,6 +45,7 @@ from runners.kind import Ending, Judge, JudgeContext
 from runners.launchers.base import Launcher, LockBusyError, NotStartedError
 from runners.launchers.detached import DetachedLauncher
 from runners.launchers.slurm import SlurmLauncher, slurm_settings
+from runners.leftovers import report_leftovers
 from runners.plan import (
     RunPlan,
     build_plan,
@@ -746,6 +747,7 @@ class Session:
                     where=path,
                 )
             )
+        await report_leftovers(self.target, self.launcher, self.plan, self.local_dir, self.emit)
         await self.judge.advance()
         if self.preset.section("judge")["fetch_held"]:
             await follower.fetch_held()
