@@ -15,6 +15,8 @@ from faults import assert_nothing_left
 
 from console.cli import main
 
+pytestmark = pytest.mark.fault  # after each: the hosts scanned (conftest.py)
+
 GOOD = """
 [preset]
 name = "t"

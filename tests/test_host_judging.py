@@ -20,6 +20,8 @@ from sshd import CuttableProxy, SshHome
 
 from runners.presets import load_preset, resolve_preset
 
+pytestmark = pytest.mark.fault  # after each: the hosts scanned (conftest.py)
+
 FAILING = ["--set", "matrix.seed=[0]", "--set", 'matrix.inject=["readout_offset"]']
 
 

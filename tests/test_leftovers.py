@@ -122,7 +122,7 @@ def test_a_clean_run_says_nothing_is_left(where: Where, tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     local = run_dirs(tmp_path / "o")[0]
-    assert [e for e in events(local) if e["type"] == "error"] == []
+    assert [e["message"] for e in events(local) if e["type"] == "error"] == []
     assert "error:" not in done.stdout
     assert_run_gone(local)
 

@@ -32,6 +32,8 @@ from runhelp import (
 )
 from sshd import PROXY_ALIAS, CuttableProxy, SshHome, SshServer
 
+pytestmark = pytest.mark.fault  # after each: the hosts scanned (conftest.py)
+
 SAMPLE = ROOT / "presets" / "samples" / "b3_12_mi300x.jsonl"
 
 

@@ -12,6 +12,8 @@ from dsa_writer import write_trace
 from faults import assert_run_gone
 from runhelp import cli_env, run_dirs, tracedeck
 
+pytestmark = pytest.mark.fault  # after each: the hosts scanned (conftest.py)
+
 DEEP = b"[" * 200_000 + b"]" * 200_000
 
 

@@ -12,6 +12,8 @@ from runhelp import cli_env, events, run_dirs, tracedeck
 from analysis.equivalence import VERDICT_EXIT
 from runners.presets import PresetError, load_preset, resolve_preset
 
+pytestmark = pytest.mark.fault  # after each: the hosts scanned (conftest.py)
+
 SMALL = ["matrix.seed=[0]", "matrix.prompt_len=[16]", "matrix.gen_len=[4]", "matrix.vocab=[512]"]
 SIDE = "runs/kv_aligned_{kv_aligned}/seed_{seed}/{mode}"
 
