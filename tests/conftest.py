@@ -159,6 +159,12 @@ def _fault_scenario_leaves_nothing(request: pytest.FixtureRequest) -> Iterator[N
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    tried = faults.INPUTS
+    if tried["tried"]:
+        terminalreporter.write_line(
+            f"bad inputs: {tried['tried']} tried, {tried['handled']} handled, "
+            f"{tried['tracebacks']} tracebacks"
+        )
     tally = faults.TALLY
     if tally["scenarios"]:
         terminalreporter.write_line(

@@ -152,6 +152,21 @@ DEFAULT_LOCK = "/tmp/tracedeck.lock"
 
 # What the scenarios checked after them found, for the summary at the end of the session.
 TALLY = {"scenarios": 0, "processes_left": 0, "locks_held": 0}
+# The bad inputs tried (test_bad_inputs, test_run_bad_traces), how many were handled (the right
+# exit, the located message), and how many printed a traceback.
+INPUTS = {"tried": 0, "handled": 0, "tracebacks": 0}
+
+
+def bad_input(text: str) -> Callable[[], None]:
+    """Count a bad input tried and whether its output holds a traceback; call what it returns
+    once every check of its handling passed."""
+    INPUTS["tried"] += 1
+    INPUTS["tracebacks"] += "Traceback" in text
+
+    def handled() -> None:
+        INPUTS["handled"] += 1
+
+    return handled
 
 
 def host_path(host: str, path: str) -> str:

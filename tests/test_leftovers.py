@@ -16,6 +16,7 @@ import pytest
 from conftest import Where
 from faults import assert_run_gone, record_of
 from runhelp import cli_env, events, pid_alive, run_dirs, tracedeck, wait_for, write_lines_preset
+from sshd import Fleet
 
 from runners.events import Error, Event
 from runners.leftovers import report_leftovers
@@ -177,3 +178,45 @@ def test_a_lock_still_held_for_the_run_is_named_with_who_has_it_open(
     asyncio.run(check())
     assert said == []  # the lock free again: nothing to say
     assert_run_gone(local)
+
+
+@pytest.mark.ssh
+def test_a_fleet_hosts_leftover_is_named_with_its_host(fleet: Fleet, tmp_path: Path) -> None:
+    """The same check ends each host's batch of a fleet run: said for that host, by pid."""
+    from test_fleet import lines_preset
+
+    fifo, pids = tmp_path / "spawn.fifo", tmp_path / "spawned.pids"
+    spawner = subprocess.Popen(
+        [sys.executable, "-c", SPAWNER, str(fifo), str(pids), str(tmp_path / "spawner.log")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    leak = tmp_path / "leak.sh"
+    leak.write_text('[ "$1" = 1 ] || exit 0\n' + LEAK.format(fifo=fifo, pids=pids, rc=0))
+    preset = lines_preset(tmp_path, cells=2, lines=1, pause=0)
+    env = cli_env(fleet.home.path)
+    out = tmp_path / "out"
+    try:
+        assert spawner.stdout is not None and spawner.stdout.readline().strip() == "ready"
+        done = tracedeck(
+            "run", str(preset), "--target", "gpu-a,gpu-b", "--out", str(out),
+            "--set", f"engine.command='sh {leak} {{n}}'", env=env,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        leaked = int(pids.read_text().split()[0])
+        [local] = run_dirs(out)
+        evts = events(local)
+        host = next(e["host"] for e in evts if e["type"] == "cell_finished" and e["cell"] == 0)
+        errors = [e for e in evts if e["type"] == "error" and "after it ended" in e["message"]]
+        assert [e["host"] for e in errors] == [host], errors
+        assert f"still alive after it ended: pid {leaked} (sleep 3001" in errors[0]["message"]
+        assert errors[0]["affects_verdict"] is False
+        cancel = tracedeck("cancel", str(local), "--grace", "1", env=env)
+        assert cancel.returncode == 0, cancel.stdout + cancel.stderr
+        wait_for(lambda: not pid_alive(leaked), what=f"the leftover {leaked} to be stopped")
+        assert_run_gone(local)
+    finally:
+        spawner.kill()
+        spawner.wait()
+        for pid in pids.read_text().split() if pids.exists() else []:
+            _kill(int(pid))
