@@ -148,12 +148,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 @pytest.fixture(autouse=True)
 def _fault_scenario_leaves_nothing(request: pytest.FixtureRequest) -> Iterator[None]:
-    """After a test marked `fault` passed (and after its own fixtures ended): scan the hosts,
-    this one and every fleet host in its own mount namespace, for anything of its runs still
-    alive or any lock still held (tests/faults.py after_scenario)."""
+    """After a test marked `fault` ran, passed or failed (and after its own fixtures ended): scan
+    the hosts, this one and every fleet host in its own mount namespace, for anything of its
+    runs still alive or any lock still held (tests/faults.py after_scenario)."""
     yield
     report = getattr(request.node, "report_call", None)
-    if request.node.get_closest_marker("fault") is None or report is None or not report.passed:
+    if request.node.get_closest_marker("fault") is None or report is None or report.skipped:
         return
     faults.after_scenario(request.node.funcargs.get("tmp_path"))
 
