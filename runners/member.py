@@ -21,6 +21,7 @@ from runners.events import CellFinished, Connection, Error, Event
 from runners.follower import RunFollower
 from runners.kind import Ending, HostJudging, Judge
 from runners.launchers.base import Launcher, Started
+from runners.leftovers import report_leftovers
 from runners.placement import Host
 from runners.plan import RunPlan, cell_scripts, plan_document
 from runners.presets import Preset
@@ -82,7 +83,7 @@ class Member:
         pressure: Callable[[], bool],
     ) -> None:
         self.host, self.target, self.plan, self.launcher = host, target, plan, launcher
-        self.emit = emit
+        self.emit, self.local_dir = emit, local_dir
         self.attempts = attempts
         self.pressure = pressure
         self.label = host.spec if host.slug else target.name  # how errors name where it runs
@@ -235,6 +236,7 @@ class Member:
                     where=path,
                 )
             )
+        await report_leftovers(self.target, self.launcher, self.plan, self.local_dir, self.emit)
         return [] if cut else left
 
     async def cancel(self, grace_s: float) -> str:

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import faults
 import pytest
 import slurm
 from sshd import (
@@ -97,9 +98,11 @@ def fleet_servers(
     try:
         for name in FLEET_HOSTS:
             servers[name] = start_host(tmp_path_factory.mktemp(name), sshd, base)
+            faults.HOSTS[name] = servers[name].pid  # scanned after every fault scenario
         yield servers
     finally:
-        for server in servers.values():
+        for name, server in servers.items():
+            faults.HOSTS.pop(name, None)
             server.stop()
 
 
@@ -133,3 +136,39 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[slurm.Sl
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Keep each phase's report on the test, for the fault check to know how the test went."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    setattr(item, f"report_{report.when}", report)
+
+
+@pytest.fixture(autouse=True)
+def _fault_scenario_leaves_nothing(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a test marked `fault` ran, passed or failed (and after its own fixtures ended): scan
+    the hosts, this one and every fleet host in its own mount namespace, for anything of its
+    runs still alive or any lock still held (tests/faults.py after_scenario)."""
+    yield
+    report = getattr(request.node, "report_call", None)
+    if request.node.get_closest_marker("fault") is None or report is None or report.skipped:
+        return
+    faults.after_scenario(request.node.funcargs.get("tmp_path"))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    tried = faults.INPUTS
+    if tried["tried"]:
+        terminalreporter.write_line(
+            f"bad inputs: {tried['tried']} tried, {tried['handled']} handled, "
+            f"{tried['tracebacks']} tracebacks"
+        )
+    tally = faults.TALLY
+    if tally["scenarios"]:
+        terminalreporter.write_line(
+            f"fault harness: {tally['scenarios']} scenarios ended with their hosts scanned; "
+            f"processes left alive: {tally['processes_left']}; locks left held: "
+            f"{tally['locks_held']}"
+        )

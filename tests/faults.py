@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import orjson
-from runhelp import notifier_alive, run_alive
+from runhelp import live_processes, notifier_alive, run_alive
 
 
 def record_of(local_dir: Path) -> dict:
@@ -145,44 +145,154 @@ def stray_processes(record: dict, locks: list[str]) -> list[str]:
     return found
 
 
-def assert_nothing_left(tmp: Path, locks: tuple[str, ...] = ("/tmp/tracedeck.lock",)) -> None:
-    """After a scenario that may or may not have launched: every run recorded under `tmp` is
-    gone (assert_run_gone), no process uses a path under `tmp` or holds one of `locks` (or a
-    lock file under tmp) open, and those locks are free. Checked on the host (/proc, flock)."""
-    for path in sorted(tmp.glob("**/run.json")):
-        try:
-            record = orjson.loads(path.read_bytes())
-        except orjson.JSONDecodeError:
-            continue  # a hand-made broken record (a bad-input case): no run behind it
-        if isinstance(record, dict) and {"run_id", "lock", "started_at"} <= record.keys():
-            assert_run_gone(path.parent)
+# The fleet "hosts" of the tests (sshd.start_host): name -> pid of its sshd, whose mount namespace
+# (its own /tmp, so its own default lock) is that host's. Filled by the fleet_servers fixture.
+HOSTS: dict[str, int] = {}
+DEFAULT_LOCK = "/tmp/tracedeck.lock"
+
+# What the scenarios checked after them found, for the summary at the end of the session.
+TALLY = {"scenarios": 0, "processes_left": 0, "locks_held": 0}
+# The bad inputs tried (test_bad_inputs, test_run_bad_traces), how many were handled (the right
+# exit, the located message), and how many printed a traceback.
+INPUTS = {"tried": 0, "handled": 0, "tracebacks": 0}
+
+
+def bad_input(text: str) -> Callable[[], None]:
+    """Count a bad input tried and whether its output holds a traceback; call what it returns
+    once every check of its handling passed."""
+    INPUTS["tried"] += 1
+    INPUTS["tracebacks"] += "Traceback" in text
+
+    def handled() -> None:
+        INPUTS["handled"] += 1
+
+    return handled
+
+
+def host_path(host: str, path: str) -> str:
+    """`path` as the fleet host `host` sees it (through its sshd's root); as is elsewhere."""
+    pid = HOSTS.get(host.removesuffix("-direct"))
+    return f"/proc/{pid}/root{path}" if pid and path.startswith("/") else path
+
+
+def host_strays(pid: int) -> list[str]:
+    """Live processes in the mount namespace of `pid` (a fleet host's sshd) other than sshd's own
+    (the listener, a session not yet closed): after a scenario, anything else there is left."""
+    try:
+        ns = os.readlink(f"/proc/{pid}/ns/mnt")
+    except OSError:
+        return []  # the host is down: nothing of it can be left
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            if os.readlink(entry / "ns/mnt") != ns:
+                continue
+            stat = (entry / "stat").read_bytes()
+            if stat[stat.rfind(b")") + 2 :].split()[0] == b"Z" or b"(sshd)" in stat[:64]:
+                continue
+            found.append(f"{entry.name}: {(entry / 'cmdline').read_bytes()[:120]!r}")
+    return found
+
+
+def _using(tmp: Path, locks: tuple[str, ...]) -> list[str]:
+    """Processes of this mount namespace (this test's own aside) with a working directory or an
+    open file under `tmp`, or one of `locks` open."""
     root = str(tmp.resolve())
     mine = _own_lineage()
     here = os.readlink("/proc/self/ns/mnt")
-
-    def strays() -> list[str]:
-        found = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit() or int(entry.name) in mine:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) in mine:
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            stat = (entry / "stat").read_bytes()
+            if stat[stat.rfind(b")") + 2 :].split()[0] == b"Z":
                 continue
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                stat = (entry / "stat").read_bytes()
-                if stat[stat.rfind(b")") + 2 :].split()[0] == b"Z":
-                    continue
-                if os.readlink(entry / "ns/mnt") != here:
-                    continue  # another mount namespace: same path names, other files
-                paths = [os.readlink(entry / "cwd")]
-                with contextlib.suppress(OSError):
-                    paths += [os.readlink(fd) for fd in (entry / "fd").iterdir()]
-                if any(p in locks or p == root or p.startswith(root + "/") for p in paths):
-                    found.append(f"{entry.name}: {(entry / 'cmdline').read_bytes()[:120]!r}")
-        return found
+            if os.readlink(entry / "ns/mnt") != here:
+                continue  # another mount namespace: same path names, other files
+            paths = [os.readlink(entry / "cwd")]
+            with contextlib.suppress(OSError):
+                paths += [os.readlink(fd) for fd in (entry / "fd").iterdir()]
+            if any(p in locks or p == root or p.startswith(root + "/") for p in paths):
+                found.append(f"{entry.name}: {(entry / 'cmdline').read_bytes()[:120]!r}")
+    return found
 
-    deadline = time.monotonic() + 15
-    while (strays() or not all(lock_free(lock) for lock in locks)) and time.monotonic() < deadline:
+
+def _records(tmp: Path) -> list[dict]:
+    """The run records under tmp (a hand-made broken record, a bad-input case, has no run)."""
+    out = []
+    for path in sorted(tmp.glob("**/run.json")):
+        with contextlib.suppress(OSError, orjson.JSONDecodeError):
+            record = orjson.loads(path.read_bytes())
+            if isinstance(record, dict) and {"run_id", "lock", "started_at"} <= record.keys():
+                out.append(record)
+    return out
+
+
+def _marked(marker: str) -> list[str]:
+    mark = f"TRACEDECK_RUN_ID={marker}"
+    return [f"{pid}: marked {mark}" for pid, _, env in live_processes() if mark in env]
+
+
+def scan_left(tmp: Path | None, locks: tuple[str, ...] = (DEFAULT_LOCK,)) -> tuple[list, list]:
+    """One look at the hosts: (processes left, locks held). Every run recorded under `tmp`: its
+    processes by marker, change notifier, lock open or directory used (stray_processes), its
+    lock on each of its hosts; any process using a path under `tmp` or holding one of `locks`;
+    those locks; and on every fleet host (its own mount namespace), any process but sshd's and
+    its default lock."""
+    procs: list[str] = []
+    held: list[str] = []
+    for record in _records(tmp) if tmp is not None else []:
+        markers, parts = run_parts(record)
+        for marker in markers:
+            procs += _marked(marker)
+            if notifier_alive(marker):
+                procs.append(f"the change notifier of {marker}")
+        procs += stray_processes(record, [lock for _, lock in parts])
+        held += [f"{h or 'here'}:{lock}" for h, lock in parts if not lock_free(host_path(h, lock))]
+    if tmp is not None:
+        procs += _using(tmp, locks)
+    held += [lock for lock in locks if not lock_free(lock)]
+    for name, pid in sorted(HOSTS.items()):
+        procs += [f"on {name}: {p}" for p in host_strays(pid)]
+        if not lock_free(host_path(name, DEFAULT_LOCK)):
+            held.append(f"{name}:{DEFAULT_LOCK}")
+    return sorted(set(procs)), sorted(set(held))
+
+
+def left_after(
+    tmp: Path | None, locks: tuple[str, ...] = (DEFAULT_LOCK,), timeout: float = 15.0
+) -> tuple[list, list]:
+    """scan_left until nothing is left (its last processes may take a moment to exit), or the
+    timeout: what is left then."""
+    deadline = time.monotonic() + timeout
+    procs, held = scan_left(tmp, locks)
+    while (procs or held) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not strays(), f"processes left using {tmp}: {strays()}"
-    assert all(lock_free(lock) for lock in locks), f"a lock is still held: {locks}"
+        procs, held = scan_left(tmp, locks)
+    return procs, held
+
+
+def after_scenario(tmp: Path | None) -> None:
+    """The check every fault scenario ends with (conftest.py runs it after each test marked
+    `fault`): nothing of any run left alive, no lock held, on this host and every fleet host;
+    counted in TALLY for the session's summary."""
+    procs, held = left_after(tmp)
+    TALLY["scenarios"] += 1
+    TALLY["processes_left"] += len(procs)
+    TALLY["locks_held"] += len(held)
+    assert not procs and not held, f"left after the scenario: processes {procs}, locks {held}"
+
+
+def assert_nothing_left(tmp: Path, locks: tuple[str, ...] = (DEFAULT_LOCK,)) -> None:
+    """After a scenario that may or may not have launched: every run recorded under `tmp` is
+    gone, no process uses a path under `tmp` or holds one of `locks` (or a lock file under tmp)
+    open, and those locks are free. Checked on the hosts (/proc, flock)."""
+    procs, held = left_after(tmp, locks)
+    assert not procs, f"processes left using {tmp}: {procs}"
+    assert not held, f"a lock is still held: {held}"
 
 
 def run_parts(record: dict) -> tuple[list[str], list[tuple[str, str]]]:
@@ -215,7 +325,7 @@ def assert_run_gone(
     record = record_of(local_dir)
     markers, locks = run_parts(record)
     jobs = slurm_jobs(record)
-    free = lock_free_on or (lambda host, lock: lock_free(lock))
+    free = lock_free_on or (lambda host, lock: lock_free(host_path(host, lock)))
 
     def queued() -> list[str]:
         if not jobs:

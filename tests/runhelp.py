@@ -56,6 +56,22 @@ def write_lines_preset(
     return path
 
 
+HELD_ENGINE = """i=1
+while [ $i -le 5 ]; do echo "cell $1 line $i"; i=$((i+1)); done
+while [ ! -e {release} ]; do sleep 0.05; done
+echo "cell $1 released"
+"""
+
+
+def held_engine(tmp: Path) -> tuple[list[str], Path]:
+    """--set options making each cell print five lines, then wait until the test creates the
+    returned release file (so a run goes on exactly as long as the test needs it to)."""
+    release = tmp / "release"
+    script = tmp / "held.sh"
+    script.write_text(HELD_ENGINE.format(release=release))
+    return ["--set", f"engine.command='sh {script} {{n}}'"], release
+
+
 def cli_env(home: Path, **extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(HOME=str(home), TRACEDECK_HOME=str(home / "td"), PYTHONUNBUFFERED="1", **extra)

@@ -26,6 +26,8 @@ from analysis.readout import TraceError, parse_line
 from runners.kind import HostJudging
 from runners.remote_judge import BOOT, manifest
 
+pytestmark = pytest.mark.fault  # after each: the hosts scanned (conftest.py)
+
 # ---------------------------------------------------------------- llama.cpp's log
 
 

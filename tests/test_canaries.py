@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 from runhelp import ROOT, cli_env, tracedeck
 
+pytestmark = pytest.mark.fault  # after each: the hosts scanned (conftest.py)
+
 PAIRED = {"mode"}
 
 

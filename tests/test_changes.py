@@ -24,6 +24,8 @@ from runners.changes import Changes
 from runners.targets.base import Target
 from runners.targets.factory import parse_target
 
+pytestmark = pytest.mark.fault  # after each: the hosts scanned (conftest.py)
+
 
 @pytest.fixture(params=["local", "ssh"])
 async def target(request: pytest.FixtureRequest) -> Target:

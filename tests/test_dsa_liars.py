@@ -18,6 +18,8 @@ import pytest
 from dsa_writer import write_trace
 from runhelp import cli_env, spawn, tracedeck, wait_for
 
+pytestmark = pytest.mark.fault  # after each: the hosts scanned (conftest.py)
+
 
 def analyze(path: Path, tmp_path: Path, *extra: str) -> tuple[int, dict[str, Any]]:
     done = tracedeck("analyze", str(path), "--json", *extra, env=cli_env(_home(tmp_path)))

@@ -28,6 +28,8 @@ from runners.kinds.equivalence import HOST_JUDGING
 from runners.remote_judge import RemoteJudge
 from runners.targets.local import LocalTarget
 
+pytestmark = pytest.mark.fault  # after each: the hosts scanned (conftest.py)
+
 PAIRS = {"pass": (1, 0), "fail": (1, 1), "drift": (0, 0)}
 # Planted where the engine writes (the judge's working directory) and on PYTHONPATH: any of
 # them imported leaves its mark, and the judge's word is then a lie.

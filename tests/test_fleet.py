@@ -22,7 +22,7 @@ from faults import assert_run_gone, record_of
 from runhelp import cli_env, events, live_processes, run_dirs, spawn, tracedeck, wait_for
 from sshd import Fleet, SshServer
 
-pytestmark = pytest.mark.ssh
+pytestmark = [pytest.mark.ssh, pytest.mark.fault]  # fault: hosts scanned after each
 
 LINES = """
 [preset]

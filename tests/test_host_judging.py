@@ -21,6 +21,8 @@ from sshd import CuttableProxy, SshHome
 from runners.kinds import load_preset
 from runners.presets import resolve_preset
 
+pytestmark = pytest.mark.fault  # after each: the hosts scanned (conftest.py)
+
 FAILING = ["--set", "matrix.seed=[0]", "--set", 'matrix.inject=["readout_offset"]']
 
 

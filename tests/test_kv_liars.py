@@ -28,6 +28,8 @@ from analysis.kv_invariance import (
 )
 from analysis.kv_invariance_llamacpp import GRID, read_log
 
+pytestmark = pytest.mark.fault  # after each: the hosts scanned (conftest.py)
+
 DATA = Path(__file__).resolve().parent / "data" / "kv_invariance_llamacpp"
 # A reference engine's honest result.json fields on top of write_cell's (H=3, gqa=1, mask on)
 HONEST: dict[str, Any] = {

@@ -19,6 +19,8 @@ from analysis.readout import TraceError, analyze_trace, gap_tolerance
 from runners.events import RunFinished
 from runners.kinds.readout import ReadoutPrinter
 
+pytestmark = pytest.mark.fault  # after each: the hosts scanned (conftest.py)
+
 SAMPLE = ROOT / "presets" / "samples" / "b3_12_mi300x.jsonl"
 Line = dict[str, Any]
 

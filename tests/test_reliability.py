@@ -21,6 +21,7 @@ from runhelp import (
     ROOT,
     cli_env,
     events,
+    held_engine,
     pid_alive,
     run_alive,
     run_dirs,
@@ -30,6 +31,8 @@ from runhelp import (
     write_lines_preset,
 )
 from sshd import PROXY_ALIAS, CuttableProxy, SshHome, SshServer
+
+pytestmark = pytest.mark.fault  # after each: the hosts scanned (conftest.py)
 
 SAMPLE = ROOT / "presets" / "samples" / "b3_12_mi300x.jsonl"
 
@@ -213,9 +216,12 @@ def test_zombies_are_not_alive_and_are_not_killed(tmp_path: Path) -> None:
 
 def test_lock_busy_names_the_holders_process_group(where: Where, tmp_path: Path) -> None:
     lock = tmp_path / "gpu.lock"
-    slow = write_lines_preset(tmp_path, lines=40, pause=0.05, lock=lock)
+    slow = write_lines_preset(tmp_path, lines=1, pause=0, lock=lock)
+    held, release = held_engine(tmp_path)  # the first run holds the lock until released
     env = cli_env(where.home)
-    first = spawn("run", str(slow), "--target", where.spec, "--out", str(tmp_path / "a"), env=env)
+    first = spawn(
+        "run", str(slow), "--target", where.spec, "--out", str(tmp_path / "a"), *held, env=env
+    )
     try:
         local_a = wait_for(lambda: run_dirs(tmp_path / "a"), what="first run dir")[0]
         wait_for(lambda: any(e["type"] == "lock_acquired" for e in events(local_a)), what="lock")
@@ -223,11 +229,12 @@ def test_lock_busy_names_the_holders_process_group(where: Where, tmp_path: Path)
         second = tracedeck(
             "run", str(slow), "--target", where.spec, "--out", str(tmp_path / "b"), env=env
         )
-        assert second.returncode == 3
+        assert second.returncode == 3, second.stdout + second.stderr
         assert f"pgid={pgid}" in second.stderr and "pgid=None" not in second.stderr
-        assert not run_dirs(tmp_path / "b") or True
     finally:
-        first.communicate(timeout=120)
+        release.touch()
+        out1, err1 = first.communicate(timeout=120)
+    assert first.returncode == 0, out1 + err1
     assert_run_gone(local_a)
 
 
@@ -237,26 +244,42 @@ def test_lock_busy_names_the_holders_process_group(where: Where, tmp_path: Path)
 def test_a_second_console_views_read_only_and_the_record_has_one_writer(
     where: Where, tmp_path: Path
 ) -> None:
-    preset = write_lines_preset(tmp_path, lines=30, pause=0.05)
+    preset = write_lines_preset(tmp_path, lines=1, pause=0)
+    held, release = held_engine(tmp_path)  # the run goes on until the second console is in
     env = cli_env(where.home)
     out = tmp_path / "out"
-    first = spawn("run", str(preset), "--target", where.spec, "--out", str(out), env=env)
+    first = spawn("run", str(preset), "--target", where.spec, "--out", str(out), *held, env=env)
+    said = tmp_path / "second.err"
+    second = None
     try:
         local = wait_for(lambda: run_dirs(out), what="run dir")[0]
         wait_for(lambda: any(e["type"] == "output" for e in events(local)), what="output")
-        second = tracedeck("attach", str(local), env=env, timeout=120)
+        with said.open("w") as err:
+            second = subprocess.Popen(
+                [sys.executable, "-m", "console.cli", "attach", str(local)],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+            )
+        wait_for(lambda: "read-only" in said.read_text(), what="the second console to view")
+        release.touch()
         out1, err1 = first.communicate(timeout=120)
+        out2, _ = second.communicate(timeout=120)
     finally:
-        if first.poll() is None:
-            first.kill()
+        release.touch()
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
     assert first.returncode == 0, out1 + err1
-    assert second.returncode == 0, second.stdout + second.stderr
-    assert "read-only" in second.stderr
+    assert second.returncode == 0, out2 + said.read_text()
     evts = events(local)
     assert [e["type"] for e in evts].count("run_finished") == 1
     lines = [tuple(e["lines"]) + (e["end_offset"],) for e in evts if e["type"] == "output"]
     assert len(lines) == len(set(lines)), "an output batch was recorded twice"
-    assert "RESULT: PASS (exit 0)" in second.stdout
+    assert "RESULT: PASS (exit 0)" in out2
     assert_run_gone(local)
 
 

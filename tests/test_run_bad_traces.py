@@ -9,8 +9,10 @@ from pathlib import Path
 import orjson
 import pytest
 from dsa_writer import write_trace
-from faults import assert_run_gone
+from faults import assert_run_gone, bad_input
 from runhelp import cli_env, run_dirs, tracedeck
+
+pytestmark = pytest.mark.fault  # after each: the hosts scanned (conftest.py)
 
 DEEP = b"[" * 200_000 + b"]" * 200_000
 
@@ -66,6 +68,7 @@ follow = ["dsa/block16/trace_steps_*.jsonl"]
         timeout=300,
     )
     said = done.stdout + done.stderr
+    handled = bad_input(said)
     assert done.returncode == 1, said
     assert "Traceback" not in said
     assert "TRACE_INVALID" in said and "trace_steps_0_2.jsonl:1:" in said, said
@@ -77,3 +80,4 @@ follow = ["dsa/block16/trace_steps_*.jsonl"]
     ]
     assert len(ends) == 1 and ends[0]["verdict"] == "TRACE_INVALID", ends
     assert_run_gone(local)
+    handled()

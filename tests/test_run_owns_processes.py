@@ -10,9 +10,11 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import Where
 from faults import assert_run_gone, lock_free, record_of
 from runhelp import (
@@ -25,6 +27,8 @@ from runhelp import (
     wait_for,
     write_lines_preset,
 )
+
+pytestmark = pytest.mark.fault  # after each: the hosts scanned (conftest.py)
 
 # Scrubs its environment, leaves the session, double-forks, closes every inherited fd (the lock's
 # too) and leaves the run's directories: only its descent from the runner tells it apart.
@@ -182,3 +186,41 @@ def test_cancel_finds_a_scrubbed_lock_holder_after_the_runner_died(tmp_path: Pat
         if console.poll() is None:
             console.kill()
             console.communicate()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a mount namespace of its own needs root")
+def test_a_lock_of_the_same_name_in_another_mount_namespace_is_not_the_runs(
+    tmp_path: Path,
+) -> None:
+    """A container's (another mount namespace's) /tmp/tracedeck.lock has the run's lock's name
+    but is another file: its holders are another run's, never found, let alone killed, as this
+    run's (they were: every ssh test run's reap killed other test sessions' runs)."""
+    from runners.launchers.detached import pids_command
+
+    shared = tmp_path / "d"
+    shared.mkdir()
+    lock = shared / "lock"
+    lock.touch()
+    run_id = "ns-check"
+    (shared / "lock.json").write_text(f'{{"run_id":"{run_id}"}}')
+    other = subprocess.Popen(
+        ["unshare", "-m", "sh", "-c",
+         f"mount -t tmpfs other {shared} && exec 9>>{lock} && echo held && exec sleep 3009"],
+        stdout=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    ours = subprocess.Popen(
+        ["sh", "-c", f"exec 9>>{lock} && echo held && exec sleep 3010"],
+        stdout=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert other.stdout is not None and other.stdout.readline().strip() == "held"
+        assert ours.stdout is not None and ours.stdout.readline().strip() == "held"
+        assert os.readlink(f"/proc/{other.pid}/fd/9") == os.readlink(f"/proc/{ours.pid}/fd/9")
+        listed = subprocess.run(
+            ["sh", "-c", pids_command(run_id, "", str(lock))], capture_output=True, text=True
+        )
+        assert listed.stdout.split() == [str(ours.pid)], listed.stdout + listed.stderr
+    finally:
+        for proc in (other, ours):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

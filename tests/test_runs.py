@@ -24,6 +24,8 @@ from runhelp import (
 )
 from sshd import CuttableProxy, SshHome, SshServer
 
+pytestmark = pytest.mark.fault  # after each: the hosts scanned (conftest.py)
+
 
 def expected_lines(lines: int) -> list[str]:
     return [f"cell {n} line {i}" for n in (1, 2, 3) for i in range(1, lines + 1)]

@@ -18,6 +18,8 @@ import pytest
 from faults import assert_run_gone, lock_free
 from runhelp import cli_env, run_dirs, spawn, wait_for, write_lines_preset
 
+pytestmark = pytest.mark.fault  # after each: the hosts scanned (conftest.py)
+
 
 def started_python(pid: int) -> bool:
     try:

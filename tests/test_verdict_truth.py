@@ -13,6 +13,8 @@ from analysis.equivalence import VERDICT_EXIT
 from runners.kinds import load_preset
 from runners.presets import PresetError, resolve_preset
 
+pytestmark = pytest.mark.fault  # after each: the hosts scanned (conftest.py)
+
 SMALL = ["matrix.seed=[0]", "matrix.prompt_len=[16]", "matrix.gen_len=[4]", "matrix.vocab=[512]"]
 SIDE = "runs/kv_aligned_{kv_aligned}/seed_{seed}/{mode}"
 

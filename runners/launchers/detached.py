@@ -29,7 +29,9 @@ LOCK_BUSY = 75
 # leaves it found: TRACEDECK_RUN_ID (TRACEDECK_CELL for a cell) in its environment; descent from
 # the runner, which is a child subreaper (PR_SET_CHILD_SUBREAPER, set before run.sh is exec'd), so
 # a double-forked orphan reparents to it rather than to PID 1; and the lock file held open while
-# the holder sidecar names the run (once another run holds the lock, its holders are its own).
+# the holder sidecar names the run (once another run holds the lock, its holders are its own);
+# the file itself, by device and inode, not its name: a container's or another mount namespace's
+# /tmp/tracedeck.lock has the same name and is another host's lock, whose processes are not ours.
 # Zombies (a host whose PID 1 does not reap) are never counted. When the scan runs inside the
 # runner's tree (reap_cell), the scan's own processes and the runner itself are left out.
 #   run_pids MARKER [ROOT] [LOCK] [RUN_ID]
@@ -48,6 +50,7 @@ run_pids() {
     grep -lszxF -- "$1" /proc/[0-9]*/environ | sed -n 's#^/proc/\([0-9]*\)/environ$#M \1#p'
     if [ -n "$_lk" ]; then
       find /proc/[0-9]*/fd -mindepth 1 -maxdepth 1 -lname "$_lk" 2>/dev/null |
+        while read -r _f; do [ "$_f" -ef "$3" ] && echo "$_f"; done |
         sed -n 's#^/proc/\([0-9]*\)/fd/.*#M \1#p'
     fi
     cat /proc/[0-9]*/stat 2>/dev/null
