@@ -20,7 +20,7 @@ from sshd import Fleet
 
 from runners.events import Error, Event
 from runners.leftovers import report_leftovers
-from runners.session import Session
+from runners.run import Run
 
 pytestmark = pytest.mark.fault
 
@@ -152,14 +152,13 @@ def test_a_lock_still_held_for_the_run_is_named_with_who_has_it_open(
     said: list[Event] = []
 
     async def check() -> None:
-        session = Session.from_record(local, said.append)
+        run = Run.from_record(local, said.append)
+        member = run.only.members[-1]
         try:
-            await session.target.connect()
-            await report_leftovers(
-                session.target, session.launcher, session.plan, local, said.append
-            )
+            await member.target.connect()
+            await report_leftovers(member.target, member.launcher, member.plan, local, said.append)
         finally:
-            await session.close()
+            await run.close()
 
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
