@@ -309,12 +309,16 @@ class Progress(Event):
 
 def event_from_dict(data: dict[str, Any]) -> Event:
     """Rebuild an event from its recorded form; raises ValueError for an unknown type."""
-    from runners.kinds import all_kinds
-
-    all_kinds()  # kind modules define (and so register) their own event types
     data = dict(data)
     kind = data.pop("type", None)
     cls = EVENT_TYPES.get(kind)  # type: ignore[arg-type]
+    if cls is None:
+        # Kind modules define (and so register) their own event types: load them once a word
+        # is not known yet (not per event: decoding a long record is the console's hot path).
+        from runners.kinds import all_kinds
+
+        all_kinds()
+        cls = EVENT_TYPES.get(kind)  # type: ignore[arg-type]
     if cls is None:
         raise ValueError(f"unknown event type {kind!r}")
     return cls(**data)

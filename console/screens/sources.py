@@ -15,7 +15,7 @@ from pathlib import Path
 import orjson
 
 from runners.events import Error, Event
-from runners.record import EVENTS, RUN_JSON, decode_event, split_lines
+from runners.record import EVENTS, RUN_JSON, decode_lines, split_lines
 from runners.session import Session
 
 # A speed at or above this (or 0) replays as fast as the screen can take it.
@@ -112,8 +112,8 @@ async def replay_events(
 ) -> None:
     """Feed a run's recorded events to `sink`, paced by their recorded times over `speed`.
 
-    Lines are parsed in chunks on the event loop, so the first events show at once and no
-    thread competes with the screen for the interpreter.
+    Lines are parsed in chunks on the event loop (the collector paused for each chunk), so the
+    first events show at once and no thread competes with the screen for the interpreter.
     """
     path = Path(local_dir) / EVENTS
     try:
@@ -134,20 +134,8 @@ async def replay_events(
     wall0 = loop.time()
     last_t: float | None = None
     for start in range(0, len(lines), CHUNK):
-        for number, line in enumerate(lines[start : start + CHUNK], start=start + 1):
-            if not line.strip():
-                continue
-            try:
-                event = decode_event(path, number, line)
-            except ValueError as exc:
-                sink(
-                    Error(
-                        message=f"cannot replay further: {exc}",
-                        where=f"{path}:{number}",
-                        t=last_t if last_t is not None else time.time(),
-                    )
-                )
-                return
+        events, bad = decode_lines(path, start + 1, lines[start : start + CHUNK])
+        for event in events:
             if t0 is None:
                 t0 = event.t
                 if clock is not None and not fast:
@@ -158,6 +146,16 @@ async def replay_events(
                     await asyncio.sleep(delay)
             last_t = event.t
             sink(event)
+        if bad is not None:
+            number, exc = bad
+            sink(
+                Error(
+                    message=f"cannot replay further: {exc}",
+                    where=f"{path}:{number}",
+                    t=last_t if last_t is not None else time.time(),
+                )
+            )
+            return
         await asyncio.sleep(0)  # let the screen's timer run between chunks
     if last_t is None:
         sink(Error(message=f"{path}: the file holds no events", where=str(path)))
