@@ -96,8 +96,7 @@ class RunScreen(Screen[None]):
         self._feed_ended = False
         self._stopped = False
         self._status = ""
-        self._detail = False
-        self._held = False
+        self._bindings_shown: tuple[bool | None, ...] = ()
         self.panel: KindPanel = panel_for(source.kind)
 
     # -- layout -----------------------------------------------------------------------------
@@ -258,15 +257,11 @@ class RunScreen(Screen[None]):
         if changes.cells or changes.finished or status != self._status:
             self._status = status
             self.query_one("#banner", VerdictBanner).show(model, status)
-        held = bool(model.held)
-        if (
-            changes.finished
-            or changes.header
-            or self.panel.has_detail() != self._detail
-            or held != self._held
-        ):
-            self._detail, self._held = self.panel.has_detail(), held
-            # cancel goes away at the end; details come with the panel; fetch with held files
+        # cancel goes away at the end; details come with the panel; fetch with held files. The
+        # footer is rebuilt (tens of ms) only when what it shows changes.
+        shown = self._bindings_state()
+        if shown != self._bindings_shown:
+            self._bindings_shown = shown
             self.refresh_bindings()
         if self._feed_ended and not self.buffer and model.finished is None and not self._stopped:
             self._stopped = True
@@ -311,6 +306,10 @@ class RunScreen(Screen[None]):
     def run_goes_on(self) -> bool:
         """Whether leaving this screen leaves a run going that this console follows."""
         return not isinstance(self.source, ReplaySource) and self.model.finished is None
+
+    def _bindings_state(self) -> tuple[bool | None, ...]:
+        """Which of the screen's actions the footer offers now."""
+        return tuple(self.check_action(b.action, ()) for b in self.BINDINGS)  # type: ignore[union-attr]
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "leave":
