@@ -34,6 +34,7 @@ from analysis.dsa_tree import (
     trace_verdict,
 )
 from analysis.run_compare import Item
+from runners.dsa_worker import BookFeeder
 from runners.events import CellFinished, Event, RunFinished, TraceBatch
 from runners.exits import EXIT_FAIL, EXIT_INFRA, EXIT_PASS, EXIT_USAGE
 from runners.kind import ENGINE_ERROR, Digest, Ending, Judge, JudgeContext, Kind, KindPrinter
@@ -74,13 +75,17 @@ class TraceBook:
     def apply(self, event: TraceBatch) -> bool:
         if not event.digest:
             return False
-        folder = event.file.rsplit("/", 1)[0]
-        if "serving" in event.digest:
-            self.latency.setdefault(folder, []).extend(v for _, v in event.digest["serving"])
-            return True
-        self.stream(event.file).apply(event.file, event.digest)
-        self._note(event.file, event.digest)
+        self.take(event.file, event.digest)
         return True
+
+    def take(self, file: str, digest: dict[str, Any]) -> None:
+        """Fold a batch's digest (recorded, or made by a judging process) as feed() left it."""
+        folder = file.rsplit("/", 1)[0]
+        if "serving" in digest:
+            self.latency.setdefault(folder, []).extend(v for _, v in digest["serving"])
+            return
+        self.stream(file).apply(file, digest)
+        self._note(file, digest)
 
     def learn(self, folder: str, engine: dict[str, Any]) -> list[str]:
         """summary.json appeared: the top-k it states judges the records that waited for it."""
@@ -156,11 +161,14 @@ class DsaJudge(Judge):
         dsa = ctx.preset.section("dsa")
         topk = dsa["topk"] or None
         self.book = TraceBook(topk, dsa["layers"] or None, "preset dsa.topk" if topk else "")
+        # batches are judged in a helper process (parsing holds the interpreter): the console
+        # drawing this run keeps its core, and the judge gets one of its own
+        self.feeder = BookFeeder(self.book)
 
     def digest(self, cell: int, file: str, lines: list[bytes], first_line: int) -> Digest:
         stream = self.book.stream(file) if not file.endswith("/" + SERVING) else None
         had_first = stream is not None and stream.first is not None
-        data = self.book.feed(file, lines, first_line)
+        data = self.feeder.feed(file, lines, first_line)
         errors = []
         if stream is not None and not had_first and stream.first is not None:
             first = stream.first
@@ -172,6 +180,7 @@ class DsaJudge(Judge):
         self.book.apply(event)
 
     def verdict(self, ending: Ending) -> RunFinished:
+        self.feeder.close()
         base = super().verdict(ending)
         traces = [self._judge_dir(folder, s) for folder, s in sorted(self.book.streams.items())]
         for cell in self.ctx.cells:
