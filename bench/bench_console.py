@@ -20,7 +20,10 @@ from pathlib import Path
 
 import orjson
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from loopwatch import LoopWatch  # noqa: E402
 
 from console.app import create_app  # noqa: E402
 from console.run_model import RunModel  # noqa: E402
@@ -132,22 +135,19 @@ def model_only(folder: Path) -> tuple[int, float]:
 
 async def through_app(folder: Path, size: tuple[int, int], speed: float = 0) -> dict[str, float]:
     app = create_app(out_dir=folder / "out", replay_dir=folder, speed=speed)
-    stalls: list[float] = []
+    watch = LoopWatch()
     async with app.run_test(size=size) as pilot:
         start = time.perf_counter()
         while not isinstance(app.screen, RunScreen):
             await asyncio.sleep(0.001)
+        watch.start()
         screen = app.screen
         screen.record_ticks = True
         banner = screen.query_one("#banner", VerdictBanner)
-        loop = asyncio.get_running_loop()
-        last = loop.time()
         while banner.verdict is None or screen.buffer:
             await asyncio.sleep(0.01)
-            now = loop.time()
-            stalls.append(now - last - 0.01)
-            last = now
         elapsed = time.perf_counter() - start
+        watch.stop()
         await pilot.pause()
         ticks = screen.ticks
         gaps = [b[0] - a[0] for a, b in zip(ticks, ticks[1:], strict=False)]
@@ -158,7 +158,9 @@ async def through_app(folder: Path, size: tuple[int, int], speed: float = 0) -> 
             "ticks": float(len(ticks)),
             "worst_tick_gap": max(gaps) if gaps else float("nan"),
             "mean_tick_gap": sum(gaps) / len(gaps) if gaps else float("nan"),
-            "worst_stall": max(stalls) if stalls else 0.0,
+            "worst_stall": watch.worst_stall,
+            "worst_callback_cpu": watch.worst_callback_cpu,
+            "worst_callback": watch.worst_callback,  # type: ignore[dict-item]
             "worst_drain": max(work) if work else float("nan"),
             "log_lines": float(screen.model.log_total),
         }
@@ -170,7 +172,8 @@ def report(label: str, result: dict[str, float]) -> None:
         f"mean gap {result['mean_tick_gap'] * 1000:.0f} ms, "
         f"worst gap {result['worst_tick_gap'] * 1000:.0f} ms; "
         f"longest drain {result['worst_drain'] * 1000:.0f} ms; "
-        f"worst event-loop stall {result['worst_stall'] * 1000:.0f} ms"
+        f"worst event-loop stall {result['worst_stall'] * 1000:.0f} ms, longest callback "
+        f"{result['worst_callback_cpu'] * 1000:.0f} ms of CPU ({result['worst_callback']})"
     )
 
 

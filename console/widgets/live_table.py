@@ -3,19 +3,109 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 from rich.text import Text
 from textual.widgets import DataTable
+from textual.widgets.data_table import ColumnKey, RowKey
+
+CELL_CACHE = 4096  # rendered cells kept; far more than a screen shows
 
 
 class LiveTable(DataTable):
-    """Subclasses name their COLUMNS as (label, key); rows are keyed by the caller's key."""
+    """Subclasses name their COLUMNS as (label, key); rows are keyed by the caller's key.
+
+    A DataTable renders every visible cell again after any one changes (its caches are keyed
+    by a counter every update bumps): a run's tables change a few times a second, and drawing
+    them was most of a frame. Here a rendered cell is kept until its own value changes (or the
+    table's shape, width or styles do), so a frame renders only the cells that changed."""
 
     COLUMNS: ClassVar[tuple[tuple[str, str], ...]] = ()
+    _row_refresh_only = False  # set while update_cell runs (DataTable refreshes in __init__)
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id, cursor_type="row", zebra_stripes=True)
+        self._cell_versions: dict[tuple[Any, Any], int] = {}
+        self._kept_cells: dict[tuple[Any, ...], Any] = {}
+
+    def _render_cell(
+        self,
+        row_index: int,
+        column_index: int,
+        base_style: Any,
+        width: int,
+        cursor: bool = False,
+        hover: bool = False,
+    ) -> Any:
+        if row_index < 0 or column_index < 0:  # the header and row labels: as DataTable does
+            return super()._render_cell(row_index, column_index, base_style, width, cursor, hover)
+        row_key = self._row_locations.get_key(row_index)
+        column_key = self._column_locations.get_key(column_index)
+        key = (
+            row_key,
+            column_key,
+            self._cell_versions.get((row_key, column_key), 0),
+            row_index,
+            column_index,
+            base_style,
+            width,
+            cursor,
+            hover,
+            self.show_cursor,
+            self._show_hover_cursor,
+            self._pseudo_class_state,
+            self.cell_padding,
+        )
+        lines = self._kept_cells.get(key)
+        if lines is None:
+            if len(self._kept_cells) >= CELL_CACHE:
+                self._kept_cells.clear()
+            lines = super()._render_cell(row_index, column_index, base_style, width, cursor, hover)
+            self._kept_cells[key] = lines
+        return lines
+
+    def _forget_cells(self) -> None:
+        self._kept_cells.clear()
+        self._cell_versions.clear()
+
+    def update_cell(
+        self, row_key: Any, column_key: Any, value: Any, *, update_width: bool = False
+    ) -> None:
+        """DataTable's update_cell, repainting the cell's row only (not the whole table)."""
+        row = RowKey(row_key) if isinstance(row_key, str) else row_key
+        column = ColumnKey(column_key) if isinstance(column_key, str) else column_key
+        self._cell_versions[(row, column)] = self._cell_versions.get((row, column), 0) + 1
+        self._row_refresh_only = True
+        try:
+            super().update_cell(row_key, column_key, value, update_width=update_width)
+        finally:
+            self._row_refresh_only = False
+        self.refresh_row(self._row_locations.get(row))
+
+    def refresh(self, *regions: Any, **kwargs: Any) -> Self:
+        if self._row_refresh_only and not regions and not kwargs:
+            return self  # update_cell's repaint of everything: its row is repainted instead
+        return super().refresh(*regions, **kwargs)
+
+    def notify_style_update(self) -> None:
+        self._kept_cells.clear()
+        super().notify_style_update()
+
+    def clear(self, columns: bool = False) -> Self:
+        self._forget_cells()
+        return super().clear(columns)
+
+    def remove_row(self, row_key: Any) -> None:
+        self._forget_cells()
+        super().remove_row(row_key)
+
+    def remove_column(self, column_key: Any) -> None:
+        self._forget_cells()
+        super().remove_column(column_key)
+
+    def sort(self, *columns: Any, key: Any = None, reverse: bool = False) -> Self:
+        self._forget_cells()
+        return super().sort(*columns, key=key, reverse=reverse)
 
     def on_mount(self) -> None:
         for label, key in self.COLUMNS:
