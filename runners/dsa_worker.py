@@ -32,6 +32,8 @@ _LEN = struct.Struct("<Q")
 _OK, _RAISED = "ok", "raised"
 _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 _CHILD = "from runners.dsa_worker import serve; serve()"
+# False: every judge feeds its book in this process (bench/bench_dsa_console.py's baseline).
+USE_HELPER = True
 
 
 def _send(stream: IO[bytes], message: Any) -> None:
@@ -122,10 +124,10 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 class BookFeeder:
     """Feeds a TraceBook's batches through a helper process (started at the first batch)."""
 
-    def __init__(self, book: TraceBook, use_helper: bool = True) -> None:
+    def __init__(self, book: TraceBook, use_helper: bool | None = None) -> None:
         self.book = book
         self._helper: _Helper | None = None
-        self._use_helper = use_helper
+        self._use_helper = USE_HELPER if use_helper is None else use_helper
         self._lock = threading.Lock()  # one batch at a time, in order
         self.helper_error = ""  # why judging went on in-process, when it did
 
