@@ -16,6 +16,7 @@ from textual.screen import Screen
 from textual.widgets import Footer
 from textual.worker import Worker, WorkerState
 
+from console.heap import freeze_screen, thaw_screen
 from console.panel import KindPanel
 from console.panels import panel_for
 from console.run_model import RunModel
@@ -116,6 +117,10 @@ class RunScreen(Screen[None]):
         self.set_interval(1 / TICK_HZ, self.drain)
         self.query_one("#cells", CellsTable).focus()
         self._start_feed()
+        self.call_after_refresh(freeze_screen)
+
+    def on_unmount(self) -> None:
+        thaw_screen()
 
     def _start_feed(self) -> None:
         source = self.source

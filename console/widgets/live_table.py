@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar, Self
 
 from rich.text import Text
+from textual.cache import LRUCache
 from textual.widgets import DataTable
 from textual.widgets.data_table import ColumnKey, RowKey
 
-CELL_CACHE = 4096  # rendered cells kept; far more than a screen shows
+CELL_CACHE = 1024  # rendered cells kept; more than a screen shows
+RENDER_CACHE = 200  # rendered rows and lines kept
+REPAINT_ROWS = 8  # more rows updated at once than this: the whole table is repainted
 
 
 class LiveTable(DataTable):
@@ -22,11 +26,20 @@ class LiveTable(DataTable):
 
     COLUMNS: ClassVar[tuple[tuple[str, str], ...]] = ()
     _row_refresh_only = False  # set while update_cell runs (DataTable refreshes in __init__)
+    _repaint: set[Any] | None = None  # rows to repaint at the end of updating()
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id, cursor_type="row", zebra_stripes=True)
         self._cell_versions: dict[tuple[Any, Any], int] = {}
         self._kept_cells: dict[tuple[Any, ...], Any] = {}
+        # DataTable keeps 1,000 rows and lines and 10,000 cells per table, keyed by its update
+        # count: a table updated a few times a second fills them with stale renders, tens of
+        # thousands of objects every full garbage collection walks (a stalled frame). A screen
+        # shows a few dozen rows.
+        self._row_render_cache = LRUCache(RENDER_CACHE)
+        self._row_renderable_cache = LRUCache(RENDER_CACHE)
+        self._line_cache = LRUCache(RENDER_CACHE)
+        self._cell_render_cache = LRUCache(CELL_CACHE)
 
     def _render_cell(
         self,
@@ -80,7 +93,27 @@ class LiveTable(DataTable):
             super().update_cell(row_key, column_key, value, update_width=update_width)
         finally:
             self._row_refresh_only = False
-        self.refresh_row(self._row_locations.get(row))
+        if self._repaint is not None:
+            self._repaint.add(row)  # repainted once when the row's update is done
+        else:
+            self.refresh_row(self._row_locations.get(row))
+
+    @contextlib.contextmanager
+    def updating(self) -> Iterator[None]:
+        """Update cells, then repaint each row they are in once (or the table, for many)."""
+        if self._repaint is not None:  # within an outer updating(): it repaints
+            yield
+            return
+        self._repaint = set()
+        try:
+            yield
+        finally:
+            rows, self._repaint = self._repaint, None
+            if len(rows) > REPAINT_ROWS:
+                super().refresh()
+            else:
+                for row in rows:
+                    self.refresh_row(self._row_locations.get(row))
 
     def refresh(self, *regions: Any, **kwargs: Any) -> Self:
         if self._row_refresh_only and not regions and not kwargs:
@@ -114,8 +147,9 @@ class LiveTable(DataTable):
     def upsert(self, key: str, values: Sequence[Any]) -> None:
         """Rewrite an existing row cell by cell (no full redraw), or add it."""
         if key in self.rows:
-            for (_, column), value in zip(self.COLUMNS, values, strict=True):
-                self.set_cell(key, column, value)
+            with self.updating():
+                for (_, column), value in zip(self.COLUMNS, values, strict=True):
+                    self.set_cell(key, column, value)
         else:
             self.add_row(*values, key=key)
 
