@@ -309,7 +309,11 @@ class Progress(Event):
 
 def event_from_dict(data: dict[str, Any]) -> Event:
     """Rebuild an event from its recorded form; raises ValueError for an unknown type."""
-    data = dict(data)
+    return event_from_owned(dict(data))
+
+
+def event_from_owned(data: dict[str, Any]) -> Event:
+    """event_from_dict for a dict nobody else holds (just parsed): it is consumed, not copied."""
     kind = data.pop("type", None)
     cls = EVENT_TYPES.get(kind)  # type: ignore[arg-type]
     if cls is None:

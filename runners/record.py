@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 
 from runners.atomic import write_atomic
-from runners.events import Event, event_from_dict
+from runners.events import Event, event_from_owned
 from runners.targets.base import TargetError
 
 RUN_JSON = "run.json"
@@ -167,7 +167,10 @@ def split_lines(data: bytes) -> tuple[list[bytes], bytes]:
 def decode_event(path: str | os.PathLike[str], number: int, line: bytes) -> Event:
     """One recorded line as an event; ValueError naming the file and line when it is not one."""
     try:
-        return event_from_dict(orjson.loads(line))
+        data = orjson.loads(line)
+        if not isinstance(data, dict):
+            raise TypeError(f"a JSON {type(data).__name__}, not an object")
+        return event_from_owned(data)
     except (orjson.JSONDecodeError, TypeError, ValueError) as exc:
         raise ValueError(f"{path}:{number}: not a tracedeck event ({exc})") from None
 
