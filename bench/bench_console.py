@@ -7,6 +7,16 @@ folding it into a RunModel with no UI), the mean and worst gap between the scree
 engine being followed) shows the same figures for live-like load.
 
     python bench/bench_console.py [--cells 100] [--events 100000] [--size 120x40]
+
+Where the time went (issue 23, cProfile/pyinstrument and a per-callback CPU clock,
+bench/loopwatch.py): the model fold was never the cost (~2M events/s); decoding was (an import
+statement per event in event_from_dict; cyclic-GC passes over the events decoded so far, about
+half of read_events). The stalls were not the drain either: they were the screen's repaint
+(Screen._on_timer_update: 70-190 ms of CPU) re-rendering every visible DataTable cell after any
+one changed (DataTable keys its caches by one update counter), full garbage collections walking
+the run screen's widgets and DataTable's 1,000-line/10,000-cell caches of stale renders (50-100 ms
+each), the footer rebuilt (tens of ms) on drain ticks where nothing it shows changed, and a
+thread Textual's Log starts per write to measure line widths (holding the interpreter).
 """
 
 from __future__ import annotations

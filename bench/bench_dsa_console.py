@@ -21,6 +21,13 @@ the judge's helper process.
 
     python bench/bench_dsa_console.py [--mode run|watch|backlog|live|all] [--rate 20000]
                                       [--seconds 10]
+
+Where the live run's time went (issue 23): judging a batch (TraceStream.feed: parsing the
+2048-position records and the checks, about 7,000-10,000 records/s on one core here) ran in a
+thread beside the screen's event loop, holding the interpreter the loop needs; folding the
+digests (TraceBook.apply) is ~100x cheaper. The judge now feeds a helper process
+(runners/dsa_worker.py) and folds its digests back; one core still judges one stream, so a
+single shard faster than a core can parse is judged behind the writer (its rate is printed).
 """
 
 from __future__ import annotations
