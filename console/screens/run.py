@@ -50,6 +50,8 @@ TICK_HZ = 15
 BUDGET_S = 0.035
 TABLES_EVERY_S = 0.25
 BUFFER_HIGH = 20_000
+# A replay decodes this far ahead of the screen (a few ticks' worth), not the whole record.
+REPLAY_AHEAD = 10_000
 
 
 class RunScreen(Screen[None]):
@@ -192,7 +194,13 @@ class RunScreen(Screen[None]):
         await self._feed_follow(session, offer_trust=True)
 
     async def _feed_replay(self, source: ReplaySource) -> None:
-        await replay_events(source.local_dir, self.buffer.append, source.speed, self.clock)
+        await replay_events(
+            source.local_dir,
+            self.buffer.append,
+            source.speed,
+            self.clock,
+            pressure=lambda: len(self.buffer) > REPLAY_AHEAD,
+        )
 
     async def _trust_and_follow(self, error: HostKeyUnknown) -> None:
         try:

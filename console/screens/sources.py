@@ -21,6 +21,7 @@ from runners.session import Session
 # A speed at or above this (or 0) replays as fast as the screen can take it.
 FAST_SPEED = 1e6
 CHUNK = 1000
+PRESSURE_WAIT_S = 0.01
 
 
 @dataclass(slots=True)
@@ -109,11 +110,14 @@ async def replay_events(
     sink: Callable[[Event], None],
     speed: float,
     clock: ReplayClock | None = None,
+    pressure: Callable[[], bool] | None = None,
 ) -> None:
     """Feed a run's recorded events to `sink`, paced by their recorded times over `speed`.
 
     Lines are parsed in chunks on the event loop (the collector paused for each chunk), so the
-    first events show at once and no thread competes with the screen for the interpreter.
+    first events show at once and no thread competes with the screen for the interpreter. While
+    `pressure()` says the sink holds enough, no further chunk is parsed (a fast replay of a long
+    record would otherwise hold all of it decoded, for every full collection to walk).
     """
     path = Path(local_dir) / EVENTS
     try:
@@ -134,6 +138,8 @@ async def replay_events(
     wall0 = loop.time()
     last_t: float | None = None
     for start in range(0, len(lines), CHUNK):
+        while pressure is not None and pressure():
+            await asyncio.sleep(PRESSURE_WAIT_S)
         events, bad = decode_lines(path, start + 1, lines[start : start + CHUNK])
         for event in events:
             if t0 is None:
