@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import signal
 import struct
 import subprocess
 import sys
@@ -60,6 +61,8 @@ def serve() -> None:
     order and its digest (or what it raised) sent back; ends when the parent closes the pipe."""
     from runners.kinds.dsa_trace import TraceBook
 
+    # Ctrl-C is the parent's to handle: it closes the pipe, and this process ends with it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     try:
         topk, layers, topk_source = _receive(inp)
