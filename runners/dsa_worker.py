@@ -2,8 +2,9 @@
 
 Judging a batch (parsing 2048-position records, the checks) holds the interpreter: in a thread
 beside the console's event loop it starves the screen, and it gets one core at most. The helper
-holds its own TraceBook and feeds it every batch in order; this process folds each digest into
-its book the way an attach does (TraceBook.take), so the two books hold the same state, the
+starts from a copy of the judge's TraceBook (an attach has folded the recorded digests into it)
+and feeds it every batch in order; this process folds each digest into its book the way an
+attach does (TraceBook.take), so the two books hold the same state, the
 verdict is computed from this one, and the digests recorded are the helper's, byte for byte
 what an in-process feed makes. Should the helper fail (it cannot start, it dies), judging goes
 on here from this book, which already holds every batch judged so far.
@@ -57,7 +58,7 @@ def _receive(stream: IO[bytes]) -> Any:
 
 
 def serve() -> None:
-    """In the helper: a TraceBook made from the first message, then each batch fed to it in
+    """In the helper: the parent's TraceBook (the first message), then each batch fed to it in
     order and its digest (or what it raised) sent back; ends when the parent closes the pipe."""
     from runners.kinds.dsa_trace import TraceBook
 
@@ -65,8 +66,9 @@ def serve() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     try:
-        topk, layers, topk_source = _receive(inp)
-        book = TraceBook(topk, layers, topk_source)
+        book = _receive(inp)
+        if not isinstance(book, TraceBook):
+            raise EOFError  # not from a parent of ours
         while True:
             file, lines, first_line = _receive(inp)
             try:
@@ -98,7 +100,9 @@ class _Helper:
         )
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
-        _send(self.stdin, (book.topk, book.layers, book.topk_source))
+        # the book as it is (an attach has folded the recorded digests into it): the helper
+        # goes on from the same state
+        _send(self.stdin, book)
 
     def feed(self, file: str, lines: list[bytes], first_line: int) -> dict[str, Any]:
         try:
@@ -153,7 +157,7 @@ class BookFeeder:
             self._use_helper = False  # one helper per book: its state cannot be rebuilt
             try:
                 self._helper = _Helper(self.book)
-            except OSError as exc:
+            except (OSError, pickle.PicklingError, TypeError, AttributeError) as exc:
                 self.helper_error = f"the judging process could not start ({exc})"
                 return None
             weakref.finalize(self, _stop, self._helper.proc)

@@ -91,3 +91,27 @@ def test_a_helper_that_dies_leaves_the_judging_here_with_the_same_results(tmp_pa
     assert feeder._helper is None
     mine, theirs = _verdict(here, folder), _verdict(there, folder)
     assert theirs == mine and theirs["verdict"] == "TRACE_OK"
+
+
+def test_after_an_attach_the_helper_goes_on_from_the_recorded_state(tmp_path: Path) -> None:
+    """A reattached judge's book holds the recorded digests (folded, not fed): the helper
+    starts from that book, so the batches after it are judged as one unbroken stream."""
+    folder = _lying_trace(tmp_path)
+    batches = _batches(folder)
+    here = TraceBook(32)
+    recorded = [(file, here.feed(file, lines, first)) for file, lines, first in batches[:2]]
+    recorded = [(file, orjson.loads(orjson.dumps(d))) for file, d in recorded]  # as recorded
+    attached = TraceBook(32)
+    for file, digest in recorded:
+        attached.take(file, digest)
+    feeder = BookFeeder(attached)
+    try:
+        for file, lines, first in batches[2:]:  # from the middle of request 1
+            assert orjson.dumps(feeder.feed(file, lines, first)) == orjson.dumps(
+                here.feed(file, lines, first)
+            )
+        assert feeder.helper_error == "" and feeder._helper is not None
+    finally:
+        feeder.close()
+    assert attached.totals() == here.totals()
+    assert _verdict(attached, folder) == _verdict(here, folder)
