@@ -343,7 +343,11 @@ CORE_EVENTS: dict[str, type[Event]] = type_table(
 def event_from_dict(data: dict[str, Any], types: Mapping[str, type[Event]]) -> Event:
     """Rebuild an event from its recorded form with a table of types (runners.kinds.
     event_types()); raises ValueError for a type the table does not hold."""
-    data = dict(data)
+    return event_from_owned(dict(data), types)
+
+
+def event_from_owned(data: dict[str, Any], types: Mapping[str, type[Event]]) -> Event:
+    """event_from_dict for a dict nobody else holds (just parsed): it is consumed, not copied."""
     kind = data.pop("type", None)
     cls = types.get(kind) if isinstance(kind, str) else None
     if cls is None:

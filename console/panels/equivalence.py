@@ -106,8 +106,9 @@ class VerdictTable(LiveTable):
         )
 
     def show(self, view: EquivalenceView, changed: list[tuple[int, int]]) -> None:
-        for key in changed:
-            self.upsert(row_key(key), self.cells(view.verdicts[key]))
+        with self.updating():
+            for key in changed:
+                self.upsert(row_key(key), self.cells(view.verdicts[key]))
 
 
 SIDES = ("prefill", "decode")

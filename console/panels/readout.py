@@ -69,8 +69,9 @@ class ReadoutTable(LiveTable):
         )
 
     def show(self, rows: dict[str, dict[str, Any]], changed: Iterable[str]) -> None:
-        for key in changed:
-            self.upsert(key, self.cells(rows[key]))
+        with self.updating():
+            for key in changed:
+                self.upsert(key, self.cells(rows[key]))
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
         if event.row_key.value is not None:

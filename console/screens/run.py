@@ -16,6 +16,7 @@ from textual.screen import Screen
 from textual.widgets import Footer
 from textual.worker import Worker, WorkerState
 
+from console.heap import freeze_screen, thaw_screen
 from console.panel import KindPanel
 from console.panels import panel_for
 from console.run_model import RunModel
@@ -50,6 +51,8 @@ TICK_HZ = 15
 BUDGET_S = 0.035
 TABLES_EVERY_S = 0.25
 BUFFER_HIGH = 20_000
+# A replay decodes this far ahead of the screen (a few ticks' worth), not the whole record.
+REPLAY_AHEAD = 10_000
 
 
 class RunScreen(Screen[None]):
@@ -97,8 +100,7 @@ class RunScreen(Screen[None]):
         self._feed_ended = False
         self._stopped = False
         self._status = ""
-        self._detail = False
-        self._held = False
+        self._bindings_shown: tuple[bool | None, ...] = ()
         self.panel: KindPanel = panel_for(source.kind)
 
     # -- layout -----------------------------------------------------------------------------
@@ -118,6 +120,10 @@ class RunScreen(Screen[None]):
         self.set_interval(1 / TICK_HZ, self.drain)
         self.query_one("#cells", CellsTable).focus()
         self._start_feed()
+        self.call_after_refresh(freeze_screen)
+
+    def on_unmount(self) -> None:
+        thaw_screen()
 
     def _start_feed(self) -> None:
         source = self.source
@@ -189,7 +195,13 @@ class RunScreen(Screen[None]):
         await self._feed_follow(session, offer_trust=True)
 
     async def _feed_replay(self, source: ReplaySource) -> None:
-        await replay_events(source.local_dir, self.buffer.append, source.speed, self.clock)
+        await replay_events(
+            source.local_dir,
+            self.buffer.append,
+            source.speed,
+            self.clock,
+            pressure=lambda: len(self.buffer) > REPLAY_AHEAD,
+        )
 
     async def _trust_and_follow(self, error: HostKeyUnknown) -> None:
         try:
@@ -259,15 +271,11 @@ class RunScreen(Screen[None]):
         if changes.cells or changes.finished or status != self._status:
             self._status = status
             self.query_one("#banner", VerdictBanner).show(model, status)
-        held = bool(model.held)
-        if (
-            changes.finished
-            or changes.header
-            or self.panel.has_detail() != self._detail
-            or held != self._held
-        ):
-            self._detail, self._held = self.panel.has_detail(), held
-            # cancel goes away at the end; details come with the panel; fetch with held files
+        # cancel goes away at the end; details come with the panel; fetch with held files. The
+        # footer is rebuilt (tens of ms) only when what it shows changes.
+        shown = self._bindings_state()
+        if shown != self._bindings_shown:
+            self._bindings_shown = shown
             self.refresh_bindings()
         if self._feed_ended and not self.buffer and model.finished is None and not self._stopped:
             self._stopped = True
@@ -312,6 +320,10 @@ class RunScreen(Screen[None]):
     def run_goes_on(self) -> bool:
         """Whether leaving this screen leaves a run going that this console follows."""
         return not isinstance(self.source, ReplaySource) and self.model.finished is None
+
+    def _bindings_state(self) -> tuple[bool | None, ...]:
+        """Which of the screen's actions the footer offers now."""
+        return tuple(self.check_action(b.action, ()) for b in self.BINDINGS)  # type: ignore[union-attr]
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "leave":

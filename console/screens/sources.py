@@ -16,12 +16,13 @@ import orjson
 
 from runners.events import Error, Event
 from runners.kinds import event_types
-from runners.record import EVENTS, RUN_JSON, decode_event, split_lines
+from runners.record import EVENTS, RUN_JSON, decode_lines, split_lines
 from runners.run import Run
 
 # A speed at or above this (or 0) replays as fast as the screen can take it.
 FAST_SPEED = 1e6
 CHUNK = 1000
+PRESSURE_WAIT_S = 0.01
 
 
 @dataclass(slots=True)
@@ -110,11 +111,14 @@ async def replay_events(
     sink: Callable[[Event], None],
     speed: float,
     clock: ReplayClock | None = None,
+    pressure: Callable[[], bool] | None = None,
 ) -> None:
     """Feed a run's recorded events to `sink`, paced by their recorded times over `speed`.
 
-    Lines are parsed in chunks on the event loop, so the first events show at once and no
-    thread competes with the screen for the interpreter.
+    Lines are parsed in chunks on the event loop (the collector paused for each chunk), so the
+    first events show at once and no thread competes with the screen for the interpreter. While
+    `pressure()` says the sink holds enough, no further chunk is parsed (a fast replay of a long
+    record would otherwise hold all of it decoded, for every full collection to walk).
     """
     path = Path(local_dir) / EVENTS
     try:
@@ -136,20 +140,10 @@ async def replay_events(
     wall0 = loop.time()
     last_t: float | None = None
     for start in range(0, len(lines), CHUNK):
-        for number, line in enumerate(lines[start : start + CHUNK], start=start + 1):
-            if not line.strip():
-                continue
-            try:
-                event = decode_event(path, number, line, types)
-            except ValueError as exc:
-                sink(
-                    Error(
-                        message=f"cannot replay further: {exc}",
-                        where=f"{path}:{number}",
-                        t=last_t if last_t is not None else time.time(),
-                    )
-                )
-                return
+        while pressure is not None and pressure():
+            await asyncio.sleep(PRESSURE_WAIT_S)
+        events, bad = decode_lines(path, start + 1, lines[start : start + CHUNK], types)
+        for event in events:
             if t0 is None:
                 t0 = event.t
                 if clock is not None and not fast:
@@ -160,6 +154,16 @@ async def replay_events(
                     await asyncio.sleep(delay)
             last_t = event.t
             sink(event)
+        if bad is not None:
+            number, exc = bad
+            sink(
+                Error(
+                    message=f"cannot replay further: {exc}",
+                    where=f"{path}:{number}",
+                    t=last_t if last_t is not None else time.time(),
+                )
+            )
+            return
         await asyncio.sleep(0)  # let the screen's timer run between chunks
     if last_t is None:
         sink(Error(message=f"{path}: the file holds no events", where=str(path)))

@@ -43,12 +43,13 @@ class CellsTable(LiveTable):
 
     def upsert(self, key: str, values: Sequence[Any]) -> None:
         if key in self.rows:
-            for (_, column), value in zip(self.shown, values, strict=True):
-                # the host and scheduler words change length as the cell goes on
-                if column in (HOST_COLUMN[1], SCHED_COLUMN[1]):
-                    self.update_cell(key, column, value, update_width=True)
-                else:
-                    self.set_cell(key, column, value)
+            with self.updating():
+                for (_, column), value in zip(self.shown, values, strict=True):
+                    # the host and scheduler words change length as the cell goes on
+                    if column in (HOST_COLUMN[1], SCHED_COLUMN[1]):
+                        self.update_cell(key, column, value, update_width=True)
+                    else:
+                        self.set_cell(key, column, value)
         else:
             self.add_row(*values, key=key)
 
@@ -111,8 +112,9 @@ class CellsTable(LiveTable):
             self._cell_count = len(model.cells)
             self._varying = varying_keys(r.params for r in model.cells.values() if r.index >= 0)
             changed |= {index for index in model.cells if str(index) in self.rows}
-        for index in sorted(changed):
-            row = model.cells[index]
-            key = str(index)
-            values = self.cells(row)
-            self.upsert(key, values)
+        with self.updating():
+            for index in sorted(changed):
+                row = model.cells[index]
+                key = str(index)
+                values = self.cells(row)
+                self.upsert(key, values)

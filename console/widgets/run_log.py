@@ -30,8 +30,13 @@ CONTINUATION = "    "  # the start of a wrapped line's continuation rows
 
 def wrap_line(line: str, width: int) -> list[str]:
     """One log line as rows of at most `width` cells: the first as is, the rest indented."""
-    line = line.expandtabs()
-    if width <= len(CONTINUATION) + 8 or cell_len(line) <= width:
+    if "\t" in line:
+        line = line.expandtabs()
+    # An ASCII line is as wide as it is long (Log shows a control code as one cell): most
+    # engine output is, and measuring every line was most of a busy log's cost.
+    if width <= len(CONTINUATION) + 8 or (
+        len(line) <= width if line.isascii() else cell_len(line) <= width
+    ):
         return [line]
     first, *rest = chop_cells(line, width)
     rows = [first]
@@ -49,6 +54,28 @@ def format_line(cell: int, stream: str, line: str) -> str:
     else:
         tag = f"[{cell + 1}]"
     return f"{tag} {MARKS.get(stream, '*')} {line}"
+
+
+class LogLines(Log):
+    """A Log that measures what it is given where it is written.
+
+    Textual's Log measures every write in a new worker thread, whose measuring holds the
+    interpreter while the screen draws and whose answer comes back as one more message; an
+    ASCII line's width is its length (a control code shows as one cell), so the measure is
+    cheap enough to take here."""
+
+    def _update_size(self, updates: int, lines: list[str]) -> None:  # type: ignore[override]
+        if not lines:
+            return
+        widest = 0
+        for line in lines:
+            if line.isascii() and "\t" not in line:
+                size = len(line)
+            else:
+                size = cell_len(self._process_line(line))
+            if size > widest:
+                widest = size
+        self._update_maximum_width(updates, widest)
 
 
 class RunLog(Vertical):
@@ -80,7 +107,7 @@ class RunLog(Vertical):
     def compose(self) -> ComposeResult:
         yield Select([], prompt="log: all cells", allow_blank=True, id="log-filter", compact=True)
         yield Input(placeholder="search the log (Enter; then n / N)", id="log-search")
-        yield Log(max_lines=self.max_lines, id="log-lines")
+        yield LogLines(max_lines=self.max_lines, id="log-lines")
 
     @property
     def log_widget(self) -> Log:

@@ -34,6 +34,7 @@ from analysis.dsa_tree import (
     trace_verdict,
 )
 from analysis.run_compare import Item
+from runners.dsa_worker import BookFeeder
 from runners.events import CellFinished, Event, RunFinished, TraceBatch
 from runners.exits import EXIT_FAIL, EXIT_INFRA, EXIT_PASS, EXIT_USAGE
 from runners.kind import ENGINE_ERROR, Digest, Ending, Judge, JudgeContext, Kind, KindPrinter
@@ -165,11 +166,15 @@ class DsaJudge(Judge):
         # on attach alike. (Checking on a copy of the book instead costs most of a feed again.)
         self.reader = TraceBook(topk, dsa["layers"] or None, "preset dsa.topk" if topk else "")
         self.read_ahead = 0  # digests the reader made itself and so need not apply again
+        # batches are judged in a helper process (parsing holds the interpreter): the console
+        # drawing this run keeps its core, and the judge gets one of its own; it folds each
+        # digest into the reader as the reader's own feed would
+        self.feeder = BookFeeder(self.reader)
 
     def digest(self, cell: int, file: str, lines: list[bytes], first_line: int) -> Digest:
         stream = self.reader.stream(file) if not file.endswith("/" + SERVING) else None
         had_first = stream is not None and stream.first is not None
-        data = self.reader.feed(file, lines, first_line)
+        data = self.feeder.feed(file, lines, first_line)
         self.read_ahead += 1
         errors = []
         if stream is not None and not had_first and stream.first is not None:
@@ -186,6 +191,7 @@ class DsaJudge(Judge):
             self.reader.apply_data(file, data)
 
     def verdict(self, ending: Ending) -> RunFinished:
+        self.feeder.close()
         base = super().verdict(ending)
         traces = [self._judge_dir(folder, s) for folder, s in sorted(self.book.streams.items())]
         for cell in self.ctx.cells:

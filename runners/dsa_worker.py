@@ -1,0 +1,175 @@
+"""A DSA judge's trace batches judged in a helper process, its digests folded back here.
+
+Judging a batch (parsing 2048-position records, the checks) holds the interpreter: in a thread
+beside the console's event loop it starves the screen, and it gets one core at most. The helper
+starts from a copy of the judge's TraceBook (an attach has folded the recorded digests into it)
+and feeds it every batch in order; this process folds each digest into its book the way an
+attach does (TraceBook.take), so the two books hold the same state, the
+verdict is computed from this one, and the digests recorded are the helper's, byte for byte
+what an in-process feed makes. Should the helper fail (it cannot start, it dies), judging goes
+on here from this book, which already holds every batch judged so far.
+
+The helper is a plain `python -c` child, as in analysis.parallel: no multiprocessing (its
+resource tracker cannot start inside a Textual app, whose stderr has no file descriptor).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import weakref
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from runners.kinds.dsa_trace import TraceBook
+
+_LEN = struct.Struct("<Q")
+_OK, _RAISED = "ok", "raised"
+_PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
+_CHILD = "from runners.dsa_worker import serve; serve()"
+# False: every judge feeds its book in this process (bench/bench_dsa_console.py's baseline).
+USE_HELPER = True
+
+
+def _send(stream: IO[bytes], message: Any) -> None:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(_LEN.pack(len(data)))
+    stream.write(data)
+    stream.flush()
+
+
+def _receive(stream: IO[bytes]) -> Any:
+    """The next message, or EOFError when the other side has gone."""
+    head = stream.read(_LEN.size)
+    if len(head) != _LEN.size:
+        raise EOFError
+    (size,) = _LEN.unpack(head)
+    data = stream.read(size)
+    if len(data) != size:
+        raise EOFError
+    return pickle.loads(data)
+
+
+def serve() -> None:
+    """In the helper: the parent's TraceBook (the first message), then each batch fed to it in
+    order and its digest (or what it raised) sent back; ends when the parent closes the pipe."""
+    from runners.kinds.dsa_trace import TraceBook
+
+    # Ctrl-C is the parent's to handle: it closes the pipe, and this process ends with it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    inp, out = sys.stdin.buffer, sys.stdout.buffer
+    try:
+        book = _receive(inp)
+        if not isinstance(book, TraceBook):
+            raise EOFError  # not from a parent of ours
+        while True:
+            file, lines, first_line = _receive(inp)
+            try:
+                reply: tuple[str, Any] = (_OK, book.feed(file, lines, first_line))
+            except Exception as exc:  # the in-process feed would have raised it: so does this
+                reply = (_RAISED, exc)
+            try:
+                _send(out, reply)
+            except (pickle.PicklingError, TypeError, AttributeError):
+                _send(out, (_RAISED, RuntimeError(repr(reply[1]))))
+    except (EOFError, BrokenPipeError):
+        return
+
+
+class HelperGone(Exception):
+    """The helper did not answer (it could not start, or it died): judge here instead."""
+
+
+class _Helper:
+    def __init__(self, book: TraceBook) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _CHILD],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+        )
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
+        # the book as it is (an attach has folded the recorded digests into it): the helper
+        # goes on from the same state
+        _send(self.stdin, book)
+
+    def feed(self, file: str, lines: list[bytes], first_line: int) -> dict[str, Any]:
+        try:
+            _send(self.stdin, (file, lines, first_line))
+            tag, value = _receive(self.stdout)
+        except (EOFError, OSError, pickle.UnpicklingError) as exc:
+            raise HelperGone(str(exc) or type(exc).__name__) from exc
+        if tag == _RAISED:
+            raise value
+        return value  # type: ignore[no-any-return]
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+        if stream is not None:
+            with contextlib.suppress(OSError):
+                stream.close()
+    if proc.poll() is None:
+        try:
+            proc.wait(timeout=2)  # its stdin closed: it ends by itself
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class BookFeeder:
+    """Feeds a TraceBook's batches through a helper process (started at the first batch)."""
+
+    def __init__(self, book: TraceBook, use_helper: bool | None = None) -> None:
+        self.book = book
+        self._helper: _Helper | None = None
+        self._use_helper = USE_HELPER if use_helper is None else use_helper
+        self._lock = threading.Lock()  # one batch at a time, in order
+        self.helper_error = ""  # why judging went on in-process, when it did
+
+    def feed(self, file: str, lines: list[bytes], first_line: int) -> dict[str, Any]:
+        """The batch's digest, as book.feed(...) gives it; the book has it folded in."""
+        with self._lock:
+            helper = self._start()
+            if helper is not None:
+                try:
+                    digest = helper.feed(file, lines, first_line)
+                except HelperGone as exc:
+                    self._give_up(f"the judging process stopped ({exc})")
+                else:
+                    self.book.apply_data(file, digest)
+                    return digest
+            return self.book.feed(file, lines, first_line)
+
+    def _start(self) -> _Helper | None:
+        if self._helper is None and self._use_helper:
+            self._use_helper = False  # one helper per book: its state cannot be rebuilt
+            try:
+                self._helper = _Helper(self.book)
+            except (OSError, pickle.PicklingError, TypeError, AttributeError) as exc:
+                self.helper_error = f"the judging process could not start ({exc})"
+                return None
+            weakref.finalize(self, _stop, self._helper.proc)
+        return self._helper
+
+    def _give_up(self, why: str) -> None:
+        helper, self._helper = self._helper, None
+        self.helper_error = why
+        if helper is not None:
+            _stop(helper.proc)
+
+    def close(self) -> None:
+        """Stop the helper; later batches (if any) are judged in this process."""
+        with self._lock:
+            self._give_up("closed")
