@@ -25,10 +25,17 @@ import sys
 import threading
 import weakref
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any, Protocol
 
-if TYPE_CHECKING:
-    from runners.kinds.dsa_trace import TraceBook
+
+class TraceBook(Protocol):
+    """What a helper needs of runners.kinds.dsa_trace.TraceBook (named here, not imported: that
+    module uses this one)."""
+
+    def feed(self, file: str, lines: list[bytes], first_line: int) -> dict[str, Any]: ...
+
+    def apply_data(self, file: str, digest: dict[str, Any]) -> None: ...
+
 
 _LEN = struct.Struct("<Q")
 _OK, _RAISED = "ok", "raised"
@@ -36,6 +43,7 @@ _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 _CHILD = "from runners.dsa_worker import serve; serve()"
 # False: every judge feeds its book in this process (bench/bench_dsa_console.py's baseline).
 USE_HELPER = True
+BOOK_CLASS = "runners.kinds.dsa_trace.TraceBook"
 
 
 def _send(stream: IO[bytes], message: Any) -> None:
@@ -60,14 +68,13 @@ def _receive(stream: IO[bytes]) -> Any:
 def serve() -> None:
     """In the helper: the parent's TraceBook (the first message), then each batch fed to it in
     order and its digest (or what it raised) sent back; ends when the parent closes the pipe."""
-    from runners.kinds.dsa_trace import TraceBook
-
     # Ctrl-C is the parent's to handle: it closes the pipe, and this process ends with it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     try:
         book = _receive(inp)
-        if not isinstance(book, TraceBook):
+        # unpickling it imported its class; only runners.kinds.dsa_trace's book is served
+        if f"{type(book).__module__}.{type(book).__qualname__}" != BOOK_CLASS:
             raise EOFError  # not from a parent of ours
         while True:
             file, lines, first_line = _receive(inp)
