@@ -133,3 +133,29 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[slurm.Sl
         yield cluster
     finally:
         cluster.stop()
+
+
+# Fixtures that start real servers or clusters: a test using one is end-to-end.
+E2E_FIXTURES = frozenset(
+    {
+        "sshd",
+        "impostor",
+        "ssh_home",
+        "ssh_proxy",
+        "where",
+        "fleet",
+        "fleet_servers",
+        "slurm_cluster",
+    }
+)
+E2E_MARKS = frozenset({"slow", "ssh", "slurm"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark e2e every test that starts a real server or is marked slow/ssh/slurm, so the fast
+    tier (`-m "not e2e"`) selects itself."""
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        marks = {m.name for m in item.iter_markers()}
+        if fixtures & E2E_FIXTURES or marks & E2E_MARKS:
+            item.add_marker(pytest.mark.e2e)
