@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,7 +136,7 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[slurm.Sl
         cluster.stop()
 
 
-# Fixtures that start real servers or clusters: a test using one is end-to-end.
+# Fixtures that start real servers or clusters, or draw the console: a test using one is e2e.
 E2E_FIXTURES = frozenset(
     {
         "sshd",
@@ -146,16 +147,65 @@ E2E_FIXTURES = frozenset(
         "fleet",
         "fleet_servers",
         "slurm_cluster",
+        "snap_compare",
     }
 )
 E2E_MARKS = frozenset({"slow", "ssh", "slurm"})
+# Calls that start a process or an app: the CLI (runhelp's tracedeck/spawn), any subprocess,
+# a Textual app under Pilot, a preset started from the console.
+LAUNCHERS = frozenset({"tracedeck", "spawn", "Popen", "run_test", "start_preset"})
 
 
+def _launching(path: Path) -> set[str]:
+    """Names of the module's functions that start a process or an app, directly or through
+    another function of the module (async functions count: they drive the console)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    funcs = {
+        n.name: n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+    }
+    calls: dict[str, set[str]] = {}
+    direct: set[str] = set()
+    for name, fn in funcs.items():
+        names: set[str] = set()
+        for node in ast.walk(fn):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            if isinstance(func, ast.Attribute):
+                names.add(func.attr)
+                if isinstance(func.value, ast.Name) and func.value.id == "subprocess":
+                    direct.add(name)
+            elif isinstance(func, ast.Name):
+                names.add(func.id)
+        calls[name] = names
+        if names & LAUNCHERS or isinstance(fn, ast.AsyncFunctionDef):
+            direct.add(name)
+    found = set(direct)
+    grew = True
+    while grew:
+        grew = False
+        for name, names in calls.items():
+            if name not in found and names & found:
+                found.add(name)
+                grew = True
+    return found
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark e2e every test that starts a real server or is marked slow/ssh/slurm, so the fast
-    tier (`-m "not e2e"`) selects itself."""
+    """Mark e2e every test that starts a real server, a process or the console app, or is
+    marked slow/ssh/slurm, so the fast tier (`-m "not e2e"`) selects itself; put the Slurm
+    tests on one worker (one cluster per machine: --dist loadgroup keeps an xdist_group
+    together)."""
+    launching: dict[Path, set[str]] = {}
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         marks = {m.name for m in item.iter_markers()}
-        if fixtures & E2E_FIXTURES or marks & E2E_MARKS:
+        path = Path(str(item.fspath))
+        if path not in launching:
+            launching[path] = _launching(path) if path.suffix == ".py" else set()
+        name = getattr(item, "originalname", item.name)
+        if fixtures & E2E_FIXTURES or marks & E2E_MARKS or name in launching[path]:
             item.add_marker(pytest.mark.e2e)
+        if "slurm_cluster" in fixtures or "slurm" in marks:
+            item.add_marker(pytest.mark.xdist_group("slurm"))
