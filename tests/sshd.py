@@ -197,7 +197,7 @@ def start_impostor(d: Path, trusted: SshServer) -> SshServer:
 _OWN_TMP = r"""set -e
 keep=/run/tracedeck-ns-$$
 mkdir -p "$keep"
-mount --bind /tmp "$keep"
+mount --rbind /tmp "$keep"  # with what is mounted below it (a worker's pytest root)
 mount -t tmpfs -o size=256m tracedeck-tmp /tmp
 while [ "$1" != -- ]; do
   case "$1" in /tmp/*)
