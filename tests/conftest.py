@@ -205,7 +205,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if path not in launching:
             launching[path] = _launching(path) if path.suffix == ".py" else set()
         name = getattr(item, "originalname", item.name)
-        if fixtures & E2E_FIXTURES or marks & E2E_MARKS or name in launching[path]:
+        started = launching[path]  # by the test itself, or by a fixture of its module
+        if fixtures & E2E_FIXTURES or marks & E2E_MARKS or ({name} | fixtures) & started:
             item.add_marker(pytest.mark.e2e)
         if "slurm_cluster" in fixtures or "slurm" in marks:
             item.add_marker(pytest.mark.xdist_group("slurm"))
