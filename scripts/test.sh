@@ -23,4 +23,17 @@ fi
 bash scripts/install.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# In parallel where each worker can have a /tmp of its own (a mount namespace: root or
+# CAP_SYS_ADMIN), so no two tests share /tmp/tracedeck.lock; one at a time otherwise.
+# TRACEDECK_TEST_WORKERS=N sets the number of workers (1: one at a time).
+parallel=()
+workers="${TRACEDECK_TEST_WORKERS:-$(($(nproc) * 2 > 4 ? $(nproc) * 2 : 4))}"
+if [ "$workers" -gt 1 ] && unshare -m --propagation private true 2>/dev/null; then
+  wrap="$PWD/scripts/own_tmp_python.sh $PWD/.venv/bin/python"
+  parallel=(--dist loadgroup --tx "$workers*popen//python=$wrap")
+  echo "tests: $workers parallel workers, each with its own /tmp" >&2
+elif [ "$workers" -gt 1 ]; then
+  echo "tests: one at a time (a private /tmp per worker needs unshare -m, i.e. root;" \
+    "the tests need their own /tmp: run them as root or in a container)" >&2
+fi
+.venv/bin/python -m pytest -q -p no:cacheprovider "${parallel[@]}" "$@"

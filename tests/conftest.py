@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,6 +159,22 @@ def _fault_scenario_leaves_nothing(request: pytest.FixtureRequest) -> Iterator[N
     faults.after_scenario(request.node.funcargs.get("tmp_path"))
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """On an xdist worker: hand its fault tallies to the main process (pytest_testnodedown)."""
+    out = getattr(session.config, "workeroutput", None)
+    if out is not None:
+        out["fault_tally"] = dict(faults.TALLY)
+        out["fault_inputs"] = dict(faults.INPUTS)
+
+
+def pytest_testnodedown(node: object, error: object) -> None:
+    """In the main process: add a finished worker's fault tallies to this process's."""
+    out = getattr(node, "workeroutput", {})
+    for mine, theirs in ((faults.TALLY, out.get("fault_tally")), (faults.INPUTS, out.get("fault_inputs"))):  # fmt: skip
+        for key, value in (theirs or {}).items():
+            mine[key] += value
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     tried = faults.INPUTS
     if tried["tried"]:
@@ -172,3 +189,79 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             f"processes left alive: {tally['processes_left']}; locks left held: "
             f"{tally['locks_held']}"
         )
+
+
+# Fixtures that start real servers or clusters, or draw the console: a test using one is e2e.
+E2E_FIXTURES = frozenset(
+    {
+        "sshd",
+        "impostor",
+        "ssh_home",
+        "ssh_proxy",
+        "where",
+        "fleet",
+        "fleet_servers",
+        "slurm_cluster",
+        "snap_compare",
+    }
+)
+E2E_MARKS = frozenset({"slow", "ssh", "slurm"})
+# Calls that start a process or an app: the CLI (runhelp's tracedeck/spawn), any subprocess,
+# a Textual app under Pilot, a preset started from the console.
+LAUNCHERS = frozenset({"tracedeck", "spawn", "Popen", "run_test", "start_preset"})
+
+
+def _launching(path: Path) -> set[str]:
+    """Names of the module's functions that start a process or an app, directly or through
+    another function of the module (async functions count: they drive the console)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    funcs = {
+        n.name: n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+    }
+    calls: dict[str, set[str]] = {}
+    direct: set[str] = set()
+    for name, fn in funcs.items():
+        names: set[str] = set()
+        for node in ast.walk(fn):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            if isinstance(func, ast.Attribute):
+                names.add(func.attr)
+                if isinstance(func.value, ast.Name) and func.value.id == "subprocess":
+                    direct.add(name)
+            elif isinstance(func, ast.Name):
+                names.add(func.id)
+        calls[name] = names
+        if names & LAUNCHERS or isinstance(fn, ast.AsyncFunctionDef):
+            direct.add(name)
+    found = set(direct)
+    grew = True
+    while grew:
+        grew = False
+        for name, names in calls.items():
+            if name not in found and names & found:
+                found.add(name)
+                grew = True
+    return found
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark e2e every test that starts a real server, a process or the console app, or is
+    marked slow/ssh/slurm, so the fast tier (`-m "not e2e"`) selects itself; put the Slurm
+    tests on one worker (one cluster per machine: --dist loadgroup keeps an xdist_group
+    together)."""
+    launching: dict[Path, set[str]] = {}
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        marks = {m.name for m in item.iter_markers()}
+        path = Path(str(item.fspath))
+        if path not in launching:
+            launching[path] = _launching(path) if path.suffix == ".py" else set()
+        name = getattr(item, "originalname", item.name)
+        started = launching[path]  # by the test itself, or by a fixture of its module
+        if fixtures & E2E_FIXTURES or marks & E2E_MARKS or ({name} | fixtures) & started:
+            item.add_marker(pytest.mark.e2e)
+        if "slurm_cluster" in fixtures or "slurm" in marks:
+            item.add_marker(pytest.mark.xdist_group("slurm"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -182,3 +183,26 @@ def notifier_alive(run_id: str) -> bool:
 def kill_group(pgid: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
+
+
+TOY_ENGINE = ROOT / "tests" / "engines" / "toy.py"
+
+
+def toy_command(preset: str) -> str:
+    """A shipped preset's engine.command with the torch reference engine swapped for the toy
+    engine (tests/engines/toy.py: the same flags, the same files, no torch)."""
+    from runners.presets import load_preset, resolve_preset
+
+    command = load_preset(resolve_preset(preset)).section("engine")["command"]
+    assert "-m runners.reference " in command, f"{preset} does not run the reference engine"
+    return command.replace("-m runners.reference ", f"{TOY_ENGINE} ")
+
+
+def toy_override(preset: str) -> str:
+    """The override (key=TOML value) that runs a shipped preset on the toy engine."""
+    return f"engine.command={json.dumps(toy_command(preset))}"
+
+
+def toy_engine(preset: str) -> list[str]:
+    """--set arguments that run a shipped preset on the toy engine."""
+    return ["--set", toy_override(preset)]

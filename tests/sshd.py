@@ -196,18 +196,27 @@ def start_impostor(d: Path, trusted: SshServer) -> SshServer:
 # the directory $1 (under the real /tmp: the tests' files, the shared home) bound back in.
 _OWN_TMP = r"""set -e
 keep=/run/tracedeck-ns-$$
-mkdir -p "$keep"
-mount --bind /tmp "$keep"
+i=0
+for p in "$@"; do  # each path kept, bound by itself (it may lie on a mount below /tmp)
+  [ "$p" = -- ] && break
+  case "$p" in /tmp/*)
+    i=$((i+1))
+    mkdir -p "$keep/$i"
+    mount --bind "$p" "$keep/$i";;
+  esac
+done
 mount -t tmpfs -o size=256m tracedeck-tmp /tmp
+i=0
 while [ "$1" != -- ]; do
   case "$1" in /tmp/*)
+    i=$((i+1))
     mkdir -p "$1"
-    mount --bind "$keep${1#/tmp}" "$1";;
+    mount --bind "$keep/$i" "$1"
+    umount -l "$keep/$i";;
   esac
   shift
 done
-umount -l "$keep"
-rmdir "$keep" 2>/dev/null || true
+rmdir "$keep"/* "$keep" 2>/dev/null || true
 shift
 exec "$@"
 """

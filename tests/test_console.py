@@ -13,7 +13,7 @@ from pathlib import Path
 
 import orjson
 import pytest
-from runhelp import wait_until_held
+from runhelp import toy_override, wait_until_held
 from textual import events
 from textual.pilot import Pilot
 from textual.screen import Screen
@@ -640,7 +640,9 @@ def test_errors_in_the_model_are_logged_plainly() -> None:
 async def test_b3_67_smoke_from_presets_to_banner(home: Path) -> None:
     app = create_app(out_dir=out_dir(home))
     async with app.run_test(size=SIZE) as pilot:
-        await start_preset(pilot, "b3_67_smoke", run_overrides(home))
+        await start_preset(
+            pilot, "b3_67_smoke", [*run_overrides(home), toy_override("b3_67_smoke")]
+        )
         screen = await wait_for_banner(pilot, timeout=240)
         verdicts = screen.query_one("#verdicts", VerdictTable).contents()
         assert [(r[0], r[1], r[-1]) for r in verdicts] == [

@@ -251,6 +251,7 @@ def _on_a_terminal(args: list[str], env: dict[str, str], quit_when: bytes) -> tu
     return os.waitstatus_to_exitcode(status), out
 
 
+@pytest.mark.e2e  # runs the engine or a process: out of the fast tier
 def test_watch_on_a_terminal_opens_the_console_and_headless_prints(tmp_path: Path) -> None:
     write_trace(tmp_path / "t")
     env = {**cli_env(tmp_path), "TERM": "xterm-256color", "COLUMNS": "120", "LINES": "40"}

@@ -100,6 +100,7 @@ def test_indexer_topk_is_the_formula_on_random_tensors() -> None:
     assert set(idx[0, 0].tolist()) == set(np.argsort(-score)[:5].tolist())
 
 
+@pytest.mark.e2e  # runs the engine or a process: out of the fast tier
 def test_prefill_writes_no_records_and_decode_one_per_layer() -> None:
     torch = pytest.importorskip("torch")
     from runners.reference.dsa_model import DSAConfig, DSAModel

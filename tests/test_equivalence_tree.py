@@ -473,6 +473,7 @@ def test_an_early_stop_recorded_on_both_sides_is_judged(root: Path) -> None:
 # ---------------------------------------------------------------- across processes
 
 
+@pytest.mark.e2e  # runs the engine or a process: out of the fast tier
 def test_judging_across_processes_gives_the_same_results_and_errors(root: Path) -> None:
     """A tree's pairs in a pool, and one pair's sides in two processes, judge exactly as one
     process does: the same metrics, first fails and located errors, in the same order."""

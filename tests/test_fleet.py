@@ -19,7 +19,16 @@ from pathlib import Path
 import orjson
 import pytest
 from faults import assert_run_gone, record_of
-from runhelp import cli_env, events, live_processes, run_dirs, spawn, tracedeck, wait_for
+from runhelp import (
+    cli_env,
+    events,
+    live_processes,
+    run_dirs,
+    spawn,
+    toy_engine,
+    tracedeck,
+    wait_for,
+)
 from sshd import Fleet, SshServer
 
 pytestmark = [pytest.mark.ssh, pytest.mark.fault]  # fault: hosts scanned after each
@@ -194,7 +203,7 @@ def test_b3_67_smoke_over_two_hosts_judges_as_one_host_with_each_pair_host(
     fleet: Fleet, tmp_path: Path
 ) -> None:
     env = cli_env(fleet.home.path)
-    seeds = ["--set", "matrix.seed=[0]"]
+    seeds = ["--set", "matrix.seed=[0]", *toy_engine("b3_67_smoke")]
     done = tracedeck(
         "run",
         "b3_67_smoke",

@@ -15,11 +15,8 @@ from pathlib import Path
 
 import pytest
 from faults import assert_run_gone, record_of
-from runhelp import cli_env, events, run_dirs, tracedeck, wait_for
+from runhelp import cli_env, events, run_dirs, toy_command, toy_engine, tracedeck, wait_for
 from sshd import CuttableProxy, SshHome
-
-from runners.kinds import load_preset
-from runners.presets import resolve_preset
 
 pytestmark = pytest.mark.fault  # after each: the hosts scanned (conftest.py)
 
@@ -42,6 +39,7 @@ def smoke(
         f'target.runs="{tmp}/remote"',
         "--set",
         f'target.lock="{tmp}/lock"',
+        *toy_engine("b3_67_smoke"),
         *extra,
         env=cli_env(home.path),
         timeout=300,
@@ -166,7 +164,8 @@ def test_a_link_cut_while_the_host_judges_loses_no_verdict(
         [sys.executable, "-m", "console.cli", "run", "b3_67_smoke", "--target", ssh_proxy.spec]
         + ["--out", str(tmp_path / "out"), "--set", f'target.python="{sys.executable}"']
         + ["--set", f'target.runs="{tmp_path}/remote"', "--set", f'target.lock="{tmp_path}/lock"']
-        + ["--set", "matrix.seed=[0]", "--set", f'judge.python="{slow}"'],
+        + ["--set", "matrix.seed=[0]", "--set", f'judge.python="{slow}"']
+        + toy_engine("b3_67_smoke"),
         cwd=Path(__file__).resolve().parent.parent,
         env=cli_env(ssh_home.path),
         stdout=subprocess.PIPE,
@@ -189,7 +188,7 @@ def test_a_link_cut_while_the_host_judges_loses_no_verdict(
 
 
 # ---------------------------------------------------------------- issue 20: a judge the engine
-# cannot touch or impersonate. The engine is the reference engine with its readout_offset canary
+# cannot touch or impersonate. The engine is the toy engine (tests/engines) with its readout_offset canary
 # (it fails honestly), wrapped in a script that attacks the judging after it wrote its logits.
 
 # A judge impersonated, for the old protocol (a metrics file, its path on stdout) and the new
@@ -221,7 +220,7 @@ def hostile_engine(tmp: Path, attack: str) -> list[str]:
     fake.write_text(FAKE_JUDGE)
     script = tmp / "hostile.sh"
     script.write_text(f'#!/bin/sh\nout="$1"; shift\n"$@" || exit $?\nfake={fake}\n{attack}\n')
-    command = load_preset(resolve_preset("b3_67_smoke")).section("engine")["command"]
+    command = toy_command("b3_67_smoke")
     return ["--set", f'engine.command="sh {script} {{out}} {command}"', *FAILING]
 
 

@@ -30,6 +30,8 @@ from runners.reference.kv_attention import (
     check_policy,
 )
 
+pytestmark = pytest.mark.e2e  # the torch engine's own tests, in process: out of the fast tier
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

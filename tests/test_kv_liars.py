@@ -282,6 +282,7 @@ def liar_engine(tmp_path: Path, lie: str, kv: int, inject: str = "none") -> list
     return fake_engine(real)
 
 
+@pytest.mark.e2e  # runs the engine or a process: out of the fast tier
 def test_issue_12_a_run_whose_engine_claims_kv_300_fails(tmp_path: Path) -> None:
     done, _, _ = run(tmp_path, *liar_engine(tmp_path, "kv300", 256), "--set", "matrix.kv=[300]")
     assert done.returncode != 0, done.stdout + done.stderr
@@ -289,6 +290,7 @@ def test_issue_12_a_run_whose_engine_claims_kv_300_fails(tmp_path: Path) -> None
     assert "PASS_INVARIANCE" not in done.stdout
 
 
+@pytest.mark.e2e  # runs the engine or a process: out of the fast tier
 def test_issue_12_a_run_whose_engine_hides_heads_fails(tmp_path: Path) -> None:
     args = liar_engine(tmp_path, "one_head", 256, inject="split_reduction")
     done, _, _ = run(tmp_path, *args)
