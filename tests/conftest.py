@@ -167,6 +167,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         out["fault_inputs"] = dict(faults.INPUTS)
 
 
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: absent without xdist
 def pytest_testnodedown(node: object, error: object) -> None:
     """In the main process: add a finished worker's fault tallies to this process's."""
     out = getattr(node, "workeroutput", {})
