@@ -25,9 +25,10 @@ bash scripts/install.sh
 .venv/bin/ruff format --check .
 # In parallel where each worker can have a /tmp of its own (a mount namespace: root or
 # CAP_SYS_ADMIN), so no two tests share /tmp/tracedeck.lock; one at a time otherwise.
-# TRACEDECK_TEST_WORKERS=N sets the number of workers (1: one at a time).
+# TRACEDECK_TEST_WORKERS=N sets the number of workers; one at a time unless set, until the
+# lock/cancel tests of test_reliability/test_runs pass on parallel workers too.
 parallel=()
-workers="${TRACEDECK_TEST_WORKERS:-$(($(nproc) * 2 > 4 ? $(nproc) * 2 : 4))}"
+workers="${TRACEDECK_TEST_WORKERS:-1}"
 if [ "$workers" -gt 1 ] && unshare -m --propagation private true 2>/dev/null; then
   wrap="$PWD/scripts/own_tmp_python.sh $PWD/.venv/bin/python"
   parallel=(--dist loadgroup --tx "$workers*popen//python=$wrap")
