@@ -191,7 +191,8 @@ TOY_ENGINE = ROOT / "tests" / "engines" / "toy.py"
 def toy_command(preset: str) -> str:
     """A shipped preset's engine.command with the torch reference engine swapped for the toy
     engine (tests/engines/toy.py: the same flags, the same files, no torch)."""
-    from runners.presets import load_preset, resolve_preset
+    from runners.kinds import load_preset
+    from runners.presets import resolve_preset
 
     command = load_preset(resolve_preset(preset)).section("engine")["command"]
     assert "-m runners.reference " in command, f"{preset} does not run the reference engine"
