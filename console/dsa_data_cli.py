@@ -32,7 +32,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     export.add_argument(
         "--workers",
         type=int,
-        help="processes reading the trace (default: as many as cores and memory allow)",
+        help="processes reading the trace (default 1: more are slower here, see bench_dsa_analyze)",
     )
 
     dsa = sub.add_parser("dsa", help="DSA trace data tools: block-size what-if, KV-tier simulator")
@@ -49,7 +49,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     whatif.add_argument(
         "--workers",
         type=int,
-        help="processes reading the trace (default: as many as cores and memory allow)",
+        help="processes reading the trace (default 1: more are slower here, see bench_dsa_analyze)",
     )
 
     tiers = tools.add_parser(
@@ -86,7 +86,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     tiers.add_argument(
         "--workers",
         type=int,
-        help="processes reading the trace (default: as many as cores and memory allow)",
+        help="processes reading the trace (default 1: more are slower here, see bench_dsa_analyze)",
     )
 
 
@@ -138,7 +138,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     3: a worker process died."""
     from analysis.dsa_parallel import WorkerError
     from analysis.dsa_scan import trace_info
-    from runners.resources import judge_workers
+    from runners.resources import dsa_workers
 
     folders = _folders(args.dir)
     if folders is None:
@@ -154,7 +154,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             return EXIT_USAGE
         try:
             info = trace_info(folder, args.topk)
-            records, invalid = export_block(info, out, args.format, judge_workers(args.workers))
+            records, invalid = export_block(info, out, args.format, dsa_workers(args.workers))
         except WorkerError as exc:
             _err(f"{folder}: not exported: {exc}")
             return EXIT_INFRA
@@ -247,7 +247,7 @@ def cmd_dsa(args: argparse.Namespace) -> int:
 
 def cmd_whatif(args: argparse.Namespace) -> int:
     from analysis.dsa_whatif import format_whatif, whatif_dir
-    from runners.resources import judge_workers
+    from runners.resources import dsa_workers
 
     try:
         sizes = sizes_of(args.block_sizes)
@@ -256,7 +256,7 @@ def cmd_whatif(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     return _each_folder(
         args,
-        lambda folder: whatif_dir(str(folder), sizes, args.topk, judge_workers(args.workers)),
+        lambda folder: whatif_dir(str(folder), sizes, args.topk, dsa_workers(args.workers)),
         format_whatif,
         "no valid dsa_topk record to recompute from",
     )
@@ -309,7 +309,7 @@ def capacities_of(text: str, sweep: bool) -> list[int]:
 def cmd_tiers(args: argparse.Namespace) -> int:
     from analysis.dsa_scan import trace_info
     from analysis.dsa_tiers import format_tiers, tiers_dir
-    from runners.resources import judge_workers
+    from runners.resources import dsa_workers
 
     try:
         caps = capacities_of(args.hbm_blocks, args.sweep)
@@ -332,7 +332,7 @@ def cmd_tiers(args: argparse.Namespace) -> int:
             bytes_per_token=args.kv_bytes_per_token,
             remote_latency_us=args.remote_latency_us,
             bandwidth_gbs=args.bandwidth_gbs,
-            workers=judge_workers(args.workers),
+            workers=dsa_workers(args.workers),
         ),
         format_tiers,
         "no valid dsa_topk record to replay",

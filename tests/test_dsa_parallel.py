@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from dsa_writer import write_trace
+from runhelp import wait_for
 
 from analysis.dsa_lines import chunk_spans, complete_lines, read_span
 from analysis.dsa_parallel import StreamCheck, WorkerError, Workers, feed_files
@@ -176,8 +177,14 @@ def test_beside_other_threads_the_workers_are_spawned_and_judge_the_same(tmp_pat
     try:
         with Workers(1, StreamCheck({})) as pool:
             [pid] = pool.pids
-            with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                assert b"analysis.dsa_parallel" in fh.read()  # a fresh interpreter, not a fork
+            ours = Path("/proc/self/cmdline").read_bytes()
+
+            def execed() -> bytes:  # empty, or ours, until the child's exec is done
+                line = Path(f"/proc/{pid}/cmdline").read_bytes()
+                return line if line and line != ours else b""
+
+            # a fresh interpreter, not a fork (a fork keeps this process's command line)
+            assert b"analysis.dsa_parallel" in wait_for(execed, what="the worker's exec")
         assert analyze_block(folder, None, None, 2, chunk=4000) == one
     finally:
         stop.set()

@@ -383,9 +383,9 @@ class DsaTraceKind(Kind):
                 file=sys.stderr,
             )
         from analysis.dsa_parallel import WorkerError
-        from runners.resources import judge_workers
+        from runners.resources import dsa_workers
 
-        workers = judge_workers(getattr(args, "workers", None))
+        workers = dsa_workers(getattr(args, "workers", None))
         try:
             result = analyze_dir(path, args.dsa_topk, args.dsa_layers, workers)
         except (NotATrace, OSError) as exc:

@@ -699,8 +699,8 @@ class EquivalenceKind(Kind):
         parser.add_argument(
             "--workers",
             type=_positive_int,
-            help="B3.67 and DSA: processes judging at once (default: as many as cores and "
-            "memory allow)",
+            help="processes judging at once (B3.67 default: as many as cores and memory allow; "
+            "DSA default 1: more were slower in bench/bench_dsa_analyze.py)",
         )
 
     def analyze(self, path: Path, args: argparse.Namespace) -> int:
