@@ -218,10 +218,14 @@ def test_a_worker_killed_mid_trace_stops_analyze_with_an_error(tmp_path: Path) -
     folder = _planted(tmp_path / "t")
     killed: list[int] = []
     done = threading.Event()
+    # children this process had before (a session's sshd fixture is one): never the target
+    before = set(_children(os.getpid()))
 
     def kill_first_worker() -> None:  # beside this thread the workers are spawned: slow to
         while not done.is_set() and not killed:  # start, so the kill comes before their answers
             for child in _children(os.getpid()):
+                if child in before:
+                    continue
                 os.kill(child, signal.SIGKILL)
                 killed.append(child)
                 break
