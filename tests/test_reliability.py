@@ -164,8 +164,14 @@ def test_killing_the_group_leader_leaves_a_run_that_cancel_still_stops(
         local = wait_for(lambda: run_dirs(out), what="run dir")[0]
         wait_for(lambda: any(e["type"] == "output" for e in events(local)), what="output")
         pgid = int((Path(record_of(local)["remote_dir"]) / "pgid").read_text())
+        seen = sum(e["type"] == "output" for e in events(local))
         os.kill(pgid, signal.SIGKILL)  # run.sh dies; the engine (its child) goes on
-        time.sleep(2.5)
+        # 60 more lines at 0.05 s each: the console kept following past its next alive check
+        # (every 2 s), which must not take the lost leader for the run's end.
+        wait_for(
+            lambda: sum(e["type"] == "output" for e in events(local)) >= seen + 60,
+            what="60 more output lines after the leader was killed",
+        )
         assert run_alive(record_of(local)["run_id"])
         assert console.poll() is None
         cancel = tracedeck("cancel", str(local), "--grace", "1", env=env)
