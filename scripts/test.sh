@@ -25,10 +25,12 @@ bash scripts/install.sh
 .venv/bin/ruff format --check .
 # In parallel where each worker can have a /tmp of its own (a mount namespace: root or
 # CAP_SYS_ADMIN), so no two tests share /tmp/tracedeck.lock; one at a time otherwise.
-# TRACEDECK_TEST_WORKERS=N sets the number of workers; one at a time unless set, until the
-# lock/cancel tests of test_reliability/test_runs pass on parallel workers too.
+# TRACEDECK_TEST_WORKERS=N sets the number of workers (1: one at a time); by default twice the
+# cores, at most 4: most of a test's time is spent waiting on a run, an ssh link or a child.
 parallel=()
-workers="${TRACEDECK_TEST_WORKERS:-1}"
+cores="$(nproc 2>/dev/null || echo 1)"
+default_workers=$((cores * 2 > 4 ? 4 : cores * 2))
+workers="${TRACEDECK_TEST_WORKERS:-$default_workers}"
 if [ "$workers" -gt 1 ] && unshare -m --propagation private true 2>/dev/null; then
   wrap="$PWD/scripts/own_tmp_python.sh $PWD/.venv/bin/python"
   parallel=(--dist loadgroup --tx "$workers*popen//python=$wrap")

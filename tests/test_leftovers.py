@@ -141,7 +141,8 @@ def test_a_lock_still_held_for_the_run_is_named_with_who_has_it_open(
     assert done.returncode == 0, done.stdout + done.stderr
     local = run_dirs(tmp_path / "o")[0]
     lock = Path(record_of(local)["lock"])
-    other_name = tmp_path / "same-lock-file"
+    # Beside the lock: a hard link cannot cross file systems (a test worker's /tmp is its own).
+    other_name = lock.with_name(f"{lock.name}.other-name-{os.getpid()}")
     os.link(lock, other_name)
     holder = subprocess.Popen(
         ["flock", str(other_name), "sh", "-c", "echo held; exec sleep 3002"],
@@ -173,6 +174,7 @@ def test_a_lock_still_held_for_the_run_is_named_with_who_has_it_open(
     finally:
         os.killpg(holder.pid, signal.SIGKILL)
         holder.wait()
+        other_name.unlink()
     said.clear()
     asyncio.run(check())
     assert said == []  # the lock free again: nothing to say
