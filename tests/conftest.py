@@ -248,11 +248,18 @@ def _launching(path: Path) -> set[str]:
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def _uses_module_fixture(item: pytest.Item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.values() if info is not None else ()
+    return any(d[-1].scope == "module" for d in defs if d)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark e2e every test that starts a real server, a process or the console app, or is
     marked slow/ssh/slurm, so the fast tier (`-m "not e2e"`) selects itself; put the Slurm
     tests on one worker (one cluster per machine: --dist loadgroup keeps an xdist_group
-    together)."""
+    together), and the tests of a module-scoped fixture on one worker too (each worker would
+    build it again: the reference engine's runs took 74 s on each of three workers)."""
     launching: dict[Path, set[str]] = {}
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
@@ -266,3 +273,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.e2e)
         if "slurm_cluster" in fixtures or "slurm" in marks:
             item.add_marker(pytest.mark.xdist_group("slurm"))
+        elif _uses_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(path.stem))
