@@ -26,6 +26,8 @@ OUT_HELP = "local run records root (default: ~/.local/share/tracedeck/runs)"
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from console.kind_options import add_options
+
     parser = argparse.ArgumentParser(
         prog="tracedeck",
         description="Operator console for GPU inference verification runs. "
@@ -137,8 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="write the documents analyze writes (summary, metrics, report) into DIR and leave "
         "the input untouched (default: into the tree judged; every file written is named)",
     )
-    for kind in _kinds().values():
-        kind.add_analyze_args(analyze)
+    add_options(analyze, (o for kind in _kinds().values() for o in kind.analyze_options))
     add_kind_options(analyze)
     ci_cmd.add_report_args(analyze)
 
@@ -182,9 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print lines, not the console (the default when not on a terminal)",
     )
-    for kind in _kinds().values():
-        if getattr(kind, "watch_dirs", False):
-            kind.add_watch_args(watch)
+    add_options(
+        watch, (o for kind in _kinds().values() if kind.watch_dirs for o in kind.watch_options)
+    )
 
     trust = sub.add_parser("trust", help="add a host's key to ~/.ssh/known_hosts after showing it")
     trust.add_argument("host", help="HOST or HOST:PORT")
@@ -620,6 +621,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
 def _analyze(args: argparse.Namespace) -> int:
     from console.headless import ProgressShow
+    from console.kind_options import asked
     from runners.record import RUN_JSON, RunRecord
     from runners.rejudge import guard_record
 
@@ -629,7 +631,7 @@ def _analyze(args: argparse.Namespace) -> int:
         _err(f"{path}: no such file or directory; pass {_analyze_forms()}")
         return EXIT_USAGE
     given = args.output
-    said = guard_record(path, args)  # a run's recorded verdict is never rewritten
+    said, args.output = guard_record(path, given)  # a run's recorded verdict is never rewritten
     if said:
         _err(said.removeprefix("note: "))
         if not said.startswith("note: "):
@@ -655,13 +657,15 @@ def _analyze(args: argparse.Namespace) -> int:
             return _analyze_as(kinds[recorded], path, args, f"a {recorded} run: ")
     for kind in kinds.values():
         if kind.claims(path):
-            return kind.analyze(path, args)
+            return kind.analyze(path, asked(args))
     _err(f"{path}: not something tracedeck can judge; pass {_analyze_forms()}")
     return EXIT_USAGE
 
 
 def _analyze_as(kind, path: Path, args: argparse.Namespace, what: str = "") -> int:  # type: ignore[no-untyped-def]
     """The kind's analyze; a usage error naming the kind when it has none."""
+    from console.kind_options import asked
+
     if not kind.analyzes:
         able = ", ".join(n for n, k in _kinds().items() if k.analyzes) or "none"
         _err(
@@ -669,7 +673,7 @@ def _analyze_as(kind, path: Path, args: argparse.Namespace, what: str = "") -> i
             f"as it runs: `tracedeck replay {path}` shows its verdict); kinds with one: {able}"
         )
         return EXIT_USAGE
-    return int(kind.analyze(path, args))
+    return int(kind.analyze(path, asked(args)))
 
 
 def _output_problem(path: Path, output: Path) -> str:
@@ -691,7 +695,9 @@ def _output_problem(path: Path, output: Path) -> str:
 def cmd_watch(args: argparse.Namespace) -> int:
     """Handed to the run kind that watches directories (kinds declare it: watch_dirs). On a
     terminal, the kind's panel module shows it when it has a console view (`watch(args)`)."""
-    watchers = [k for k in _kinds().values() if getattr(k, "watch_dirs", False)]
+    from console.kind_options import asked
+
+    watchers = [k for k in _kinds().values() if k.watch_dirs]
     if not watchers:
         _err("no run kind can watch a directory")
         return EXIT_USAGE
@@ -700,7 +706,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
         console_watch = _console_watch(kind.name)
         if console_watch is not None:
             return int(console_watch(args))
-    return int(kind.watch(args))
+    return int(kind.watch(asked(args)))
 
 
 def _console_watch(kind: str) -> Callable[[argparse.Namespace], int] | None:

@@ -7,7 +7,6 @@ event of a run into the kind's Judge, live or replayed on attach, through one pa
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -277,6 +276,41 @@ class Judge:
         """Write the kind's documents (summary.json, a report) with the run's final result."""
 
 
+@dataclass(frozen=True, slots=True)
+class Option:
+    """An option of a kind's analyze, declared: the CLI makes it --NAME (dashes for _)."""
+
+    name: str
+    help: str
+    parse: Callable[[str], Any] | None = None  # raises ValueError saying what to give
+    many: bool = False  # may be given again: the value is the list of what was given
+    metavar: str | None = None
+
+
+@dataclass(slots=True)
+class Asked:
+    """What an analyze was asked (every option by name: the kind's, and json, output, kind
+    flags) and where it says things: out for the result (stdout), err beside it (stderr).
+    A kind prints nothing itself: the caller decides where its words go."""
+
+    values: dict[str, Any]
+    out: Callable[[str], None]
+    err: Callable[[str], None]
+    progress: Callable[..., None] | None = None  # long judging, as done/total
+
+    def __getitem__(self, name: str) -> Any:
+        return self.values.get(name)
+
+    @property
+    def json(self) -> bool:
+        return bool(self.values.get("json"))
+
+    @property
+    def output(self) -> Path | None:
+        out = self.values.get("output")
+        return None if out is None else Path(out)
+
+
 class KindPrinter:
     """Headless lines for a kind's own events, and its part of the final summary."""
 
@@ -416,11 +450,19 @@ class Kind:
         """What `analyze` expects for this kind, for the error when no kind claims a path."""
         return ""
 
-    def add_analyze_args(self, parser: argparse.ArgumentParser) -> None:
-        """Options of this kind's analyze (they must not clash with another kind's)."""
+    # Options of this kind's analyze (their names must not clash with another kind's).
+    analyze_options: ClassVar[tuple[Option, ...]] = ()
+    # `tracedeck watch DIR` follows a directory of this kind's traces (with these options).
+    watch_dirs: ClassVar[bool] = False
+    watch_options: ClassVar[tuple[Option, ...]] = ()
 
-    def analyze(self, path: Path, args: argparse.Namespace) -> int:
+    def analyze(self, path: Path, asked: Asked) -> int:
+        """Judge path; say the result with asked.out, the rest with asked.err; the exit code."""
         raise NotImplementedError(f"kind {self.name!r} has no analyze")
+
+    def watch(self, asked: Asked) -> int:
+        """Follow asked["dir"] (headless); say what comes with asked.out; the exit code."""
+        raise NotImplementedError(f"kind {self.name!r} watches no directory")
 
     # -- tracedeck diff, --junit ---------------------------------------------------------------
 

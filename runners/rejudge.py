@@ -15,7 +15,6 @@ Two things every kind shares live here, once:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,33 +39,32 @@ def run_dir_holding(path: Path) -> Path | None:
     return next((p for p in (resolved, *resolved.parents) if is_run_dir(p)), None)
 
 
-def guard_record(path: Path, args: argparse.Namespace) -> str:
-    """Keep a run directory's recorded verdict: point --output elsewhere (said on stderr by the
-    caller's message), or '' when path is no run directory. Returns a refusal, or a note
-    starting with 'note: ' for the caller to print. Whatever is analyzed, --output may name
-    no run's directory nor a place inside one (that run's record is not this analyze's)."""
-    output = getattr(args, "output", None)
+def guard_record(path: Path, output: Path | None) -> tuple[str, Path | None]:
+    """Keep a run directory's recorded verdict: point --output elsewhere when path is a run's
+    directory and none was named. Returns (a refusal, or a note starting with 'note: ' for the
+    caller to say, or ''; the output to use). Whatever is analyzed, --output may name no run's
+    directory nor a place inside one (that run's record is not this analyze's)."""
     if output is not None:
         if is_run_dir(path) and Path(output).resolve() == path.resolve():
             return (
                 f"--output {output}: that is the run's own directory; analyze never rewrites a "
                 "run's recorded verdict: name another directory"
-            )
+            ), output
         held = run_dir_holding(Path(output))
         if held is not None:
             return (
                 f"--output {output}: that is inside the run's directory {held}; analyze never "
                 "rewrites a run's recorded verdict: name a directory outside every run's"
-            )
-        return ""
+            ), output
+        return "", output
     if not is_run_dir(path):
-        return ""
+        return "", None
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    args.output = path.parent / ANALYZE_DIR.format(name=path.name, stamp=stamp)
+    output = path.parent / ANALYZE_DIR.format(name=path.name, stamp=stamp)
     return (
         f"note: {path} is a run's directory: its recorded verdict stays as the run wrote it; "
-        f"whatever this analyze writes goes to {args.output} (--output names another place)"
-    )
+        f"whatever this analyze writes goes to {output} (--output names another place)"
+    ), output
 
 
 @dataclass

@@ -11,9 +11,7 @@ At the end summary.json comes home and is compared with the statistics recompute
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -37,7 +35,17 @@ from analysis.run_compare import Item
 from runners.dsa_worker import BookFeeder
 from runners.events import CellFinished, Event, RunFinished, TraceBatch
 from runners.exits import EXIT_FAIL, EXIT_INFRA, EXIT_PASS, EXIT_USAGE
-from runners.kind import ENGINE_ERROR, Digest, Ending, Judge, JudgeContext, Kind, KindPrinter
+from runners.kind import (
+    ENGINE_ERROR,
+    Asked,
+    Digest,
+    Ending,
+    Judge,
+    JudgeContext,
+    Kind,
+    KindPrinter,
+    Option,
+)
 from runners.presets import PresetError
 from runners.targets.base import TargetError
 
@@ -340,20 +348,19 @@ class DsaTraceKind(Kind):
     def printer(self) -> KindPrinter:
         return DsaPrinter()
 
-    def add_watch_args(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument(
-            "--dsa-topk",
-            type=int,
-            help="DSA: the index top-k (default: summary.json config.index_topk, read as soon "
-            "as it appears; records wait for it)",
-        )
-        parser.add_argument(
-            "--dsa-layers", type=int, help="DSA: layers per step (default: learned)"
-        )
+    watch_options = (
+        Option(
+            "dsa_topk",
+            "DSA: the index top-k (default: summary.json config.index_topk, read as soon as it "
+            "appears; records wait for it)",
+            parse=int,
+        ),
+        Option("dsa_layers", "DSA: layers per step (default: learned)", parse=int),
+    )
 
-    def watch(self, args: argparse.Namespace) -> int:
+    def watch(self, asked: Asked) -> int:
         """`tracedeck watch`: follow a trace directory (local or ssh://) with no preset or lock."""
-        return watch_headless(args)
+        return watch_headless(asked)
 
     def claims(self, path: Path) -> bool:
         try:
@@ -364,40 +371,34 @@ class DsaTraceKind(Kind):
     def analyze_help(self) -> str:
         return "a DSA trace directory (--trace-out, with block<N>/trace_steps_*.jsonl)"
 
-    def add_analyze_args(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument(
-            "--dsa-topk", type=int, help="DSA: the index top-k (default: summary.json's, else 2048)"
-        )
-        parser.add_argument(
-            "--dsa-layers",
-            type=int,
-            help="DSA: layers per step (default: summary.json's, else learned)",
-        )
+    analyze_options = (
+        Option("dsa_topk", "DSA: the index top-k (default: summary.json's, else 2048)", parse=int),
+        Option(
+            "dsa_layers", "DSA: layers per step (default: summary.json's, else learned)", parse=int
+        ),
+    )
 
-    def analyze(self, path: Path, args: argparse.Namespace) -> int:
+    def analyze(self, path: Path, asked: Asked) -> int:
         if (path / "run.json").is_file():
-            return rejudge_run(path, args)
-        if getattr(args, "output", None) is not None:
-            print(
-                f"tracedeck: {self.name} analyze writes no file; --output is not used",
-                file=sys.stderr,
-            )
+            return rejudge_run(path, asked)
+        if asked.output is not None:
+            asked.err(f"tracedeck: {self.name} analyze writes no file; --output is not used")
         from analysis.dsa_parallel import WorkerError
         from runners.resources import dsa_workers
 
-        workers = dsa_workers(getattr(args, "workers", None))
+        workers = dsa_workers(asked["workers"])
         try:
-            result = analyze_dir(path, args.dsa_topk, args.dsa_layers, workers)
+            result = analyze_dir(path, asked["dsa_topk"], asked["dsa_layers"], workers)
         except (NotATrace, OSError) as exc:
-            print(f"tracedeck: {exc}", file=sys.stderr)
+            asked.err(f"tracedeck: {exc}")
             return EXIT_USAGE
         except WorkerError as exc:
-            print(f"tracedeck: {path}: not judged: {exc}", file=sys.stderr)
+            asked.err(f"tracedeck: {path}: not judged: {exc}")
             return EXIT_INFRA
-        if args.json:
-            print(json.dumps(result, indent=2))
+        if asked.json:
+            asked.out(json.dumps(result, indent=2))
         else:
-            print(format_result(result))
+            asked.out(format_result(result))
         return EXIT_PASS if result["verdict"] == TRACE_OK else EXIT_FAIL
 
 
@@ -407,7 +408,7 @@ KIND = DsaTraceKind()
 # -- tracedeck analyze RUN_DIR: a finished run re-judged from what it kept ---------------------
 
 
-def rejudge_run(run_dir: Path, args: argparse.Namespace) -> int:
+def rejudge_run(run_dir: Path, asked: Asked) -> int:
     """A DSA run's directory judged again. Its traces stay on the host (only summary.json comes
     home), so each trace is re-judged from the run's record: the digests of every batch as the
     console judged it (counts, first fails, the claims the cross-record checks tally, the exact
@@ -421,13 +422,13 @@ def rejudge_run(run_dir: Path, args: argparse.Namespace) -> int:
         record = RunRecord.load(run_dir)
         events = list(iter_events(run_dir / EVENTS, event_types()))
     except (OSError, ValueError, TypeError) as exc:
-        print(f"tracedeck: {exc}", file=sys.stderr)
+        asked.err(f"tracedeck: {exc}")
         return EXIT_USAGE
     dsa = record.preset_data.get("dsa") if isinstance(record.preset_data.get("dsa"), dict) else {}
-    topk, source = args.dsa_topk, "--dsa-topk"
+    topk, source = asked["dsa_topk"], "--dsa-topk"
     if topk is None and isinstance(dsa.get("topk"), int) and dsa["topk"] > 0:
         topk, source = dsa["topk"], "preset dsa.topk"
-    layers = args.dsa_layers or (dsa.get("layers") if isinstance(dsa.get("layers"), int) else 0)
+    layers = asked["dsa_layers"] or (dsa.get("layers") if isinstance(dsa.get("layers"), int) else 0)
     book = TraceBook(topk, layers or None, source if topk else "")
     recorded: RunFinished | None = None
     failed_cells: list[str] = []
@@ -448,10 +449,9 @@ def rejudge_run(run_dir: Path, args: argparse.Namespace) -> int:
         if summary.parent not in seen and BLOCK_DIR.fullmatch(summary.parent.name):
             traces.append(_rejudge_dir(summary.parent, str(summary.parent), None, book, topk, layers))  # fmt: skip
     if not traces:
-        print(
+        asked.err(
             f"tracedeck: {run_dir}: the run recorded no DSA trace batch and holds no trace "
-            "directory: nothing to re-judge",
-            file=sys.stderr,
+            "directory: nothing to re-judge"
         )
         return EXIT_USAGE
     ok = all(t["verdict"] == TRACE_OK for t in traces) and not failed_cells
@@ -465,17 +465,17 @@ def rejudge_run(run_dir: Path, args: argparse.Namespace) -> int:
         "traces": traces,
         **book.totals(),
     }
-    if args.json:
-        print(json.dumps(result, indent=2))
+    if asked.json:
+        asked.out(json.dumps(result, indent=2))
         return code
-    print(f"{run_dir}: re-judged from the run's record (its traces stay on the host)")
+    asked.out(f"{run_dir}: re-judged from the run's record (its traces stay on the host)")
     for line in DsaPrinter().final(RunFinished(verdict=verdict, exit_code=code, summary=result)):
-        print(line)
+        asked.out(line)
     for cell in failed_cells:
-        print(f"  {cell}")
+        asked.out(f"  {cell}")
     shown = recorded.verdict if recorded is not None else "none (the run did not end here)"
-    print(f"recorded verdict: {shown} (left as it was)")
-    print(f"RESULT: {verdict}")
+    asked.out(f"recorded verdict: {shown} (left as it was)")
+    asked.out(f"RESULT: {verdict}")
     return code
 
 
@@ -645,7 +645,7 @@ async def _refuse_links(target: Any, root: str, paths: list[str], checked: set[s
     checked.update(fresh)
 
 
-def watch_headless(args: argparse.Namespace) -> int:
+def watch_headless(asked: Asked) -> int:
     """`tracedeck watch DIR --headless`: the run's headless lines, then the verdict."""
     import asyncio
 
@@ -653,29 +653,29 @@ def watch_headless(args: argparse.Namespace) -> int:
 
     def sink(event: TraceBatch) -> None:
         for line in printer.lines(event):
-            print(line, flush=True)
+            asked.out(line)
 
     try:
         result = asyncio.run(
             watch_dir(
-                args.dir,
+                asked["dir"],
                 sink,
-                args.idle,
-                topk=args.dsa_topk,
-                layers=args.dsa_layers,
-                say=lambda text: print(f"tracedeck: {text}", file=sys.stderr, flush=True),
-                note=lambda line: print(line, flush=True),
+                asked["idle"],
+                topk=asked["dsa_topk"],
+                layers=asked["dsa_layers"],
+                say=lambda text: asked.err(f"tracedeck: {text}"),
+                note=asked.out,
             )
         )
     except (ValueError, FileNotFoundError) as exc:
-        print(f"tracedeck: {exc}", file=sys.stderr)
+        asked.err(f"tracedeck: {exc}")
         return EXIT_USAGE
     except TargetError as exc:  # the host did not answer, the link dropped: infrastructure
-        print(f"tracedeck: watch {args.dir}: {exc}", file=sys.stderr)
+        asked.err(f"tracedeck: watch {asked['dir']}: {exc}")
         return EXIT_INFRA
     for line in printer.final(RunFinished(verdict=result["verdict"], exit_code=0, summary=result)):
-        print(line)
-    print(f"RESULT: {result['verdict']}")
+        asked.out(line)
+    asked.out(f"RESULT: {result['verdict']}")
     return EXIT_PASS if result["verdict"] == TRACE_OK else EXIT_FAIL
 
 

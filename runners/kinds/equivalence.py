@@ -9,10 +9,8 @@ carries the verdict the run's exit code says; a pair without a verdict is named 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
-import sys
 from collections.abc import Callable
 from dataclasses import field
 from datetime import UTC, datetime
@@ -67,12 +65,14 @@ from runners.events import (
 from runners.exits import EXIT_INFRA, EXIT_USAGE
 from runners.hosted.equivalence import write_pair_metrics
 from runners.kind import (
+    Asked,
     Ending,
     HostJudging,
     Judge,
     JudgeContext,
     Kind,
     KindPrinter,
+    Option,
     failure_text,
 )
 from runners.kinds import event_types
@@ -682,82 +682,77 @@ class EquivalenceKind(Kind):
     def analyze_help(self) -> str:
         return "a B3.67 artifacts directory (runs/kv_aligned_K/seed_N/{prefill,decode}/)"
 
-    def add_analyze_args(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument(
-            "--seeds",
-            type=_int_list,
-            help="B3.67: the seeds the tree must hold, e.g. 0,1 (default: config.json's, "
-            "else the seed's 0,1,2)",
-        )
-        parser.add_argument(
-            "--threshold",
-            action="append",
-            default=[],
+    analyze_options = (
+        Option(
+            "seeds",
+            "B3.67: the seeds the tree must hold, e.g. 0,1 (default: config.json's, else the "
+            "seed's 0,1,2)",
+            parse=lambda text: _int_list(text),
+        ),
+        Option(
+            "threshold",
+            "B3.67: a threshold (stricter than the seed's; looser needs --loose-thresholds)",
+            many=True,
             metavar="KEY=VALUE",
-            help="B3.67: a threshold (stricter than the seed's; looser needs --loose-thresholds)",
-        )
-        parser.add_argument(
-            "--workers",
-            type=_positive_int,
-            help="processes judging at once (B3.67 default: as many as cores and memory allow; "
-            "DSA default 1: more were slower in bench/bench_dsa_analyze.py)",
-        )
+        ),
+        Option(
+            "workers",
+            "processes judging at once (B3.67 default: as many as cores and memory allow; DSA "
+            "default 1: more were slower in bench/bench_dsa_analyze.py)",
+            parse=lambda text: _positive_int(text),
+        ),
+    )
 
-    def analyze(self, path: Path, args: argparse.Namespace) -> int:
+    def analyze(self, path: Path, asked: Asked) -> int:
         """Judge a tree; write metrics/, config.json, summary.json and the report into it, or
         into --output (the tree is then only read); say every file written."""
         try:
-            thresholds = _threshold_args(args.threshold)
+            thresholds = _threshold_args(asked["threshold"] or [])
             if thresholds is not None:
                 check_thresholds(
-                    thresholds, "--threshold", args.loose_thresholds, "--loose-thresholds"
+                    thresholds, "--threshold", bool(asked["loose_thresholds"]), "--loose-thresholds"
                 )
         except (PresetError, ValueError) as exc:
-            print(f"tracedeck: {exc}", file=sys.stderr)
+            asked.err(f"tracedeck: {exc}")
             return EXIT_USAGE
-        out = Path(getattr(args, "output", None) or path)
+        out = asked.output or path
         linked = _linked_out(out)
         if linked is not None:
-            print(
+            asked.err(
                 f"tracedeck: {linked}: a link out of {out} (to {linked.resolve()}); analyze "
                 "writes its documents into the tree only, never through a link into another "
-                "place (nothing was written): remove the link or name another --output",
-                file=sys.stderr,
+                "place (nothing was written): remove the link or name another --output"
             )
             return EXIT_USAGE
         held = _held_on_host(path)
         if held:
-            print(
+            asked.err(
                 f"tracedeck: {path}: this run was judged on {held[0]}, where {len(held) - 1} "
                 f"file(s) it needs stayed (e.g. {held[1]}); `tracedeck fetch {path}` brings "
-                "them home, then analyze again (nothing was written)",
-                file=sys.stderr,
+                "them home, then analyze again (nothing was written)"
             )
             return EXIT_USAGE
-        engine = _engine_failures(path, args.seeds)
-        meter = Meter("judge", str(path), "pairs", getattr(args, "progress", None))
+        engine = _engine_failures(path, asked["seeds"])
+        meter = Meter("judge", str(path), "pairs", asked.progress)
         try:
             summary, results = analyze_tree(
                 path,
                 thresholds,
-                seeds=args.seeds,
+                seeds=asked["seeds"],
                 engine_unjudged=engine,
-                workers=judge_workers(getattr(args, "workers", None)),
+                workers=judge_workers(asked["workers"]),
                 output=out,
                 progress=meter.update,
             )
         except (InputError, ValueError, OSError) as exc:
-            print(f"tracedeck: {exc}", file=sys.stderr)
+            asked.err(f"tracedeck: {exc}")
             if (path / "runs").is_dir() or (path / "summary.json").exists() or out != path:
                 write_not_judged(out, str(exc), datetime.now(UTC).strftime("%Y-%m-%d"))
                 for wrote in (out / "summary.json", out / REPORT_NAME):
-                    print(
-                        f"tracedeck: wrote {wrote} (it says the tree was not judged)",
-                        file=sys.stderr,
-                    )
+                    asked.err(f"tracedeck: wrote {wrote} (it says the tree was not judged)")
             if engine:
                 for u in engine:
-                    print(f"not judged: {u.to_json()['pair']} ({u.kind}): {u.why}", file=sys.stderr)
+                    asked.err(f"not judged: {u.to_json()['pair']} ({u.kind}): {u.why}")
                 return EXIT_INFRA
             return EXIT_USAGE
         finally:
@@ -765,37 +760,37 @@ class EquivalenceKind(Kind):
         files = written(out, results)
         code = VERDICT_EXIT[summary["global_verdict"]]
         for u in summary["unjudged"]:
-            print(f"tracedeck: not judged {u['pair']} ({u['class']}): {u['why']}", file=sys.stderr)
-        if args.json:
+            asked.err(f"tracedeck: not judged {u['pair']} ({u['class']}): {u['why']}")
+        if asked.json:
             # One document for CI: the summary, every pair's metrics (first fail included) as
             # written to metrics/, and the files written.
             pairs = [json.loads(f.read_text(encoding="utf-8")) for f in files[3:]]
             doc = {**summary, "pairs": pairs, "wrote": [str(f) for f in files]}
-            print(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode())
-            print(f"tracedeck: wrote {len(files)} files in {out}", file=sys.stderr)
+            asked.out(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode())
+            asked.err(f"tracedeck: wrote {len(files)} files in {out}")
             return code
         printer = EquivalencePrinter()
         for r in results:
             m = r.metrics
-            print(
+            asked.out(
                 f"kv_aligned={r.kv_aligned} seed={r.seed}: {r.verdict}  "
                 f"max_abs_diff={m['max_abs_diff']:.6g} p99_abs_diff={m['p99_abs_diff']:.6g} "
                 f"top1_agreement={m['top1_agreement']:.6g} cos_sim_mean={m['cos_sim_mean']:.6g}"
             )
             if r.precision:
-                print(f"  precision: {precision_text(r.precision)}")
+                asked.out(f"  precision: {precision_text(r.precision)}")
             if r.diverged_at_token is not None:
-                print(
+                asked.out(
                     f"  the modes wrote different tokens at token {r.diverged_at_token}: "
                     f"compared {r.pair_count} of {max(r.tokens.values())} tokens"
                 )
         for line in printer.final(RunFinished(summary["global_verdict"], code, summary)):
-            print(line)
+            asked.out(line)
         for note in summary.get("notes", []):
-            print(f"note: {note}")
+            asked.out(f"note: {note}")
         for f in files:
-            print(f"wrote {f}")
-        print(f"global verdict: {summary['global_verdict']}")
+            asked.out(f"wrote {f}")
+        asked.out(f"global verdict: {summary['global_verdict']}")
         return code
 
 
@@ -803,9 +798,9 @@ def _int_list(text: str) -> list[int]:
     try:
         values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give seeds as 0,1,2") from None
+        raise ValueError(f"{text!r}: give seeds as 0,1,2") from None
     if not values or any(v < 0 for v in values) or len(set(values)) != len(values):
-        raise argparse.ArgumentTypeError(f"{text!r}: give distinct non-negative seeds as 0,1,2")
+        raise ValueError(f"{text!r}: give distinct non-negative seeds as 0,1,2")
     return values
 
 
@@ -815,7 +810,7 @@ def _positive_int(text: str) -> int:
     except ValueError:
         value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of processes, 1 or more")
+        raise ValueError(f"{text!r}: give a whole number of processes, 1 or more")
     return value
 
 

@@ -19,11 +19,9 @@ Each cell's verdict is a KvCellVerdict event; the end of the run writes kv_invar
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import copy
 import json
-import sys
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import Any, ClassVar
@@ -68,6 +66,7 @@ from runners.events import (
 )
 from runners.exits import EXIT_USAGE
 from runners.kind import (
+    Asked,
     Digest,
     Ending,
     Judge,
@@ -484,11 +483,11 @@ class KvInvarianceKind(Kind):
             f"a KV-invariance tree (DIR/result.json + flows.bin per cell) or llama.cpp's {LOG_NAME}"
         )
 
-    def analyze(self, path: Path, args: argparse.Namespace) -> int:
+    def analyze(self, path: Path, asked: Asked) -> int:
         try:
             cells, problems, notes = _analyze(path)
         except (OSError, ValueError) as exc:
-            print(f"tracedeck: {exc}", file=sys.stderr)
+            asked.err(f"tracedeck: {exc}")
             return EXIT_USAGE
         date = datetime.now(UTC).strftime("%Y-%m-%d")
         if not cells and not problems:
@@ -496,30 +495,27 @@ class KvInvarianceKind(Kind):
         summary = summarize(cells, date, problems, notes)
         # Into the tree (or --output, leaving the tree untouched); a lone log writes nothing
         # unless --output names where.
-        output = getattr(args, "output", None)
+        output = asked.output
         folder = Path(output) if output is not None else (path if path.is_dir() else None)
         wrote = []
         if folder is not None:
             write_atomic(folder / SUMMARY, json.dumps(summary, indent=2) + "\n")
             wrote.append(folder / SUMMARY)
         code = VERDICT_EXIT[summary["global_verdict"]]
-        if args.json:
-            print(
-                orjson.dumps(
-                    {**summary, "wrote": [str(w) for w in wrote]}, option=orjson.OPT_INDENT_2
-                ).decode()
-            )
+        if asked.json:
+            doc = {**summary, "wrote": [str(w) for w in wrote]}
+            asked.out(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode())
             for w in wrote:
-                print(f"tracedeck: wrote {w}", file=sys.stderr)
+                asked.err(f"tracedeck: wrote {w}")
             return code
         for c in cells:
             for line in describe(c):
-                print(line)
+                asked.out(line)
         for line in final_lines(summary):
-            print(line)
+            asked.out(line)
         for w in wrote:
-            print(f"wrote {w}")
-        print(f"global verdict: {summary['global_verdict']}")
+            asked.out(f"wrote {w}")
+        asked.out(f"global verdict: {summary['global_verdict']}")
         return code
 
 

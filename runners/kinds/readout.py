@@ -6,8 +6,6 @@ facts (analysis.readout), from which the judge, the console and a replay build t
 
 from __future__ import annotations
 
-import argparse
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
@@ -31,7 +29,7 @@ from analysis.run_compare import Item
 from runners.cells import CellState
 from runners.events import ArtifactFetched, Error, Event, RunFinished, TraceBatch, event
 from runners.exits import EXIT_FAIL, EXIT_PASS, EXIT_USAGE
-from runners.kind import Digest, Ending, Judge, JudgeContext, Kind, KindPrinter
+from runners.kind import Asked, Digest, Ending, Judge, JudgeContext, Kind, KindPrinter
 from runners.presets import PresetError
 
 
@@ -268,24 +266,23 @@ class ReadoutKind(Kind):
     def analyze_help(self) -> str:
         return "a readout trace .jsonl (B3.11/B3.12) or a readout run's directory"
 
-    def analyze(self, path: Path, args: argparse.Namespace) -> int:
+    def analyze(self, path: Path, asked: Asked) -> int:
         if path.is_dir():
-            return analyze_run_dir(path, args)
-        if getattr(args, "output", None) is not None:
-            print(
-                f"tracedeck: {self.name} analyze writes no file; --output is not used",
-                file=sys.stderr,
-            )
+            return analyze_run_dir(path, asked)
+        if asked.output is not None:
+            asked.err(f"tracedeck: {self.name} analyze writes no file; --output is not used")
         try:
             agg = analyze_trace(path)
         except (TraceError, OSError) as exc:
-            print(f"tracedeck: {exc}", file=sys.stderr)
+            asked.err(f"tracedeck: {exc}")
             return EXIT_USAGE
         verdict = agg.verdict()
-        if args.json:
-            print(orjson.dumps(to_json(agg.rows(), verdict), option=orjson.OPT_INDENT_2).decode())
+        if asked.json:
+            asked.out(
+                orjson.dumps(to_json(agg.rows(), verdict), option=orjson.OPT_INDENT_2).decode()
+            )
         else:
-            print(format_table(agg.rows(), verdict))
+            asked.out(format_table(agg.rows(), verdict))
         return EXIT_PASS if verdict == VERDICT_OK else EXIT_FAIL
 
     def compare_items(
@@ -345,43 +342,41 @@ def _feed_kept(run_dir: Path, problems: list[str]) -> Callable[[Judge, list[Even
     return feed
 
 
-def analyze_run_dir(path: Path, args: argparse.Namespace) -> int:
-    """Judge a finished readout run again from the trace it kept; print both verdicts."""
+def analyze_run_dir(path: Path, asked: Asked) -> int:
+    """Judge a finished readout run again from the trace it kept; say both verdicts."""
     from runners.rejudge import is_run_dir, rejudge
 
     if not is_run_dir(path):
-        print(
+        asked.err(
             f"tracedeck: {path}: a directory; pass a readout trace .jsonl or a readout run's "
-            "directory (it holds run.json)",
-            file=sys.stderr,
+            "directory (it holds run.json)"
         )
         return EXIT_USAGE
     problems: list[str] = []
     try:
         again = rejudge(path, _feed_kept(path, problems))
     except (OSError, ValueError) as exc:
-        print(f"tracedeck: {exc}", file=sys.stderr)
+        asked.err(f"tracedeck: {exc}")
         return EXIT_USAGE
     if problems:
         for p in problems:
-            print(f"tracedeck: {p}", file=sys.stderr)
-        print(f"tracedeck: {path}: not re-judged (nothing was written)", file=sys.stderr)
+            asked.err(f"tracedeck: {p}")
+        asked.err(f"tracedeck: {path}: not re-judged (nothing was written)")
         return EXIT_USAGE
     result, recorded = again.result, again.recorded
     said = recorded.verdict if recorded is not None else "(none: the run never finished)"
-    if args.json:
+    if asked.json:
         doc = {**result.summary, "verdict": result.verdict, "recorded_verdict": said}
-        print(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode())
+        asked.out(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode())
     else:
-        print(format_table(result.summary["prompts"], result.verdict, result.summary["reason"]))
+        asked.out(format_table(result.summary["prompts"], result.verdict, result.summary["reason"]))
         for err in result.summary.get("errors") or []:
-            print(f"error: {err}")
-        print(f"recorded verdict: {said}")
-        print(f"re-judged from the kept trace: {result.verdict}")
+            asked.out(f"error: {err}")
+        asked.out(f"recorded verdict: {said}")
+        asked.out(f"re-judged from the kept trace: {result.verdict}")
     if recorded is not None and recorded.verdict != result.verdict:
-        print(
+        asked.err(
             f"tracedeck: {path}: the run recorded {recorded.verdict}, its kept trace judges "
-            f"{result.verdict}; the record is left as it is",
-            file=sys.stderr,
+            f"{result.verdict}; the record is left as it is"
         )
     return result.exit_code
