@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,6 +146,22 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     outcome = yield
     report = outcome.get_result()  # type: ignore[attr-defined]
     setattr(item, f"report_{report.when}", report)
+
+
+@pytest.fixture(autouse=True)
+def _sigint_stays_as_it_was() -> Iterator[None]:
+    """A test that leaves this process's Ctrl-C handler changed (SIG_IGN above all) passes it to
+    every program a later test starts: a `tracedeck run` that ignores Ctrl-C then launches
+    anyway. Put back, and the test that did it fails, named."""
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    after = signal.getsignal(signal.SIGINT)
+    if after is not before:
+        signal.signal(signal.SIGINT, before)
+        raise AssertionError(
+            f"this test left the test process's SIGINT handler {after!r} (was {before!r}); "
+            "restore it before the test ends"
+        )
 
 
 @pytest.fixture(autouse=True)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from patience import patience
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -86,7 +87,7 @@ def tracedeck(*args: str, env: dict[str, str], timeout: float = 120) -> subproce
         env=env,
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=patience(timeout),
     )
 
 
@@ -114,13 +115,14 @@ def run_dirs(out: Path) -> list[Path]:
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 60, what: str = "condition") -> Any:
+    timeout = patience(timeout)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def wait_until_held(lock: Path, timeout: float = 60) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from patience import patience
 from runhelp import ROOT, cli_env, tracedeck
 from test_kv_liars import DATA, judge_log
 from test_readout_liars import honest, verdict_of, write
@@ -233,7 +234,7 @@ def test_boot_ignores_the_engines_directory_home_and_python_variables(tmp_path: 
         env=env,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=patience(60),
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert not mark.exists(), mark.read_text()
@@ -387,7 +388,7 @@ def test_a_sitecustomize_planted_in_the_judging_pythons_venv_never_runs(tmp_path
         + ["runners.hosted.check", "json"],
         cwd=tmp_path,
         capture_output=True,
-        timeout=60,
+        timeout=patience(60),
     )
     assert not mark.exists()
 

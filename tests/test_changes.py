@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from faults import assert_run_gone, record_of
+from patience import patience
 from runhelp import (
     cli_env,
     notifier_alive,
@@ -76,7 +77,7 @@ async def test_without_python_on_the_target_it_says_why_and_polling_goes_on(
 
 async def wait_for_async(predicate, timeout: float = 10) -> None:  # type: ignore[no-untyped-def]
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
+    deadline = loop.time() + patience(timeout)
     while not predicate():
         assert loop.time() < deadline, "timed out"
         await asyncio.sleep(0.02)
@@ -94,7 +95,7 @@ def test_a_cut_link_ends_the_notifier_and_a_new_one_follows_the_run(
     run_id = record_of(local)["run_id"]
     wait_for(lambda: notifier_alive(run_id), what="the notifier")
     ssh_proxy.cut()
-    stdout, stderr = console.communicate(timeout=120)
+    stdout, stderr = console.communicate(timeout=patience(120))
     assert console.returncode == 0, stdout + stderr
     assert "connection restored" in stdout
     assert_run_gone(local)  # the notifier of each connection ended with it

@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from patience import patience
 from runhelp import (
     ROOT,
     cli_env,
@@ -112,13 +113,13 @@ def test_first_start_says_what_it_installs_and_how_to_put_tracedeck_on_path(
         str(checkout / "scripts" / "run.sh"),
         "presets",
     ]
-    first = subprocess.run(run, env=env, capture_output=True, text=True, timeout=60)
+    first = subprocess.run(run, env=env, capture_output=True, text=True, timeout=patience(60))
     assert first.returncode == 0, first.stderr
     assert first.stdout == "tracedeck ran presets\n"
     said = first.stderr
     assert "first start: creating" in said and "torch 2.13.0" in said and "a few minutes" in said
     assert f'export PATH="{checkout}/.venv/bin:$PATH"' in said, said
-    again = subprocess.run(run, env=env, capture_output=True, text=True, timeout=60)
+    again = subprocess.run(run, env=env, capture_output=True, text=True, timeout=patience(60))
     assert again.returncode == 0 and again.stderr == "" and again.stdout == first.stdout
 
 
@@ -143,7 +144,7 @@ def test_logs_follows_a_live_run_to_its_end_and_exits_with_its_code(tmp_path: Pa
         wait_for(lambda: output_lines(events(local)), what="the first output line")
         assert running.poll() is None, "the run ended before logs -f started"
         followed = tracedeck("logs", "-f", str(local), env=env, timeout=120)
-        run_code = running.wait(timeout=60)
+        run_code = running.wait(timeout=patience(60))
     finally:
         if running.poll() is None:
             running.kill()

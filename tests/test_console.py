@@ -13,8 +13,10 @@ from pathlib import Path
 
 import orjson
 import pytest
+from patience import patience
 from runhelp import toy_override, wait_until_held
 from textual import events
+from textual.css.query import NoMatches
 from textual.pilot import Pilot
 from textual.screen import Screen
 from textual.widgets import DataTable, TextArea
@@ -105,12 +107,21 @@ async def start_preset(pilot: Pilot, name: str, overrides: Iterable[str] = ()) -
     await pilot.press("ctrl+r")
 
 
+def holds(condition) -> bool:  # noqa: ANN001
+    try:
+        return bool(condition())
+    except NoMatches:
+        return False
+
+
 async def wait_for(pilot: Pilot, condition, timeout: float, what: str) -> None:  # noqa: ANN001
-    """Poll condition until it holds; fail naming `what` after max(timeout, LOADED_S)."""
-    timeout = max(timeout, LOADED_S)
+    """Poll condition until it holds; fail naming `what` after max(timeout, LOADED_S), stretched
+    on a busy machine. A widget not there yet (a screen pushed, its children still mounting on
+    a busy machine) is "not yet", not a failure."""
+    timeout = patience(max(timeout, LOADED_S))
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    while not condition():
+    while not holds(condition):
         if loop.time() > deadline:
             raise AssertionError(
                 f"timed out after {timeout}s waiting for {what}; "

@@ -12,6 +12,7 @@ from rich.text import Text
 from runhelp import cli_env, tracedeck
 from test_console import (
     DATA,
+    LOADED_S,
     SIZE,
     banner_text,
     cells,
@@ -24,6 +25,7 @@ from test_console import (
     wait_for,
     wait_for_banner,
     wait_for_run_screen,
+    wait_for_screen,
 )
 from textual.app import App, ComposeResult
 from textual.widgets import TextArea
@@ -354,8 +356,8 @@ async def test_readout_gap_sparkline_says_its_scale(home: Path) -> None:  # noqa
     async with app.run_test(size=SIZE) as pilot:
         screen = await wait_for_banner(pilot)
         await pilot.press("d")
-        traces = app.screen
-        assert isinstance(traces, TracesScreen)
+        traces = await wait_for_screen(pilot, TracesScreen)
+        await wait_for(pilot, lambda: traces.selected is not None, LOADED_S, "a trace selected")
         gaps = [float(v) for v in screen.panel.rows[traces.selected]["gap_seq"]]
         label = str(traces.query_one("#spark-gap-label").content)
         assert f"bars span {min(gaps):.4g} (lowest) to {max(gaps):.4g} (highest)" in label, label

@@ -20,6 +20,7 @@ from pathlib import Path
 import orjson
 import pytest
 from dsa_writer import write_trace
+from patience import patience
 from runhelp import ROOT, cli_env, tracedeck
 from runhelp import wait_for as wait_until
 from test_console import (  # noqa: F401 (home is a fixture)
@@ -209,7 +210,7 @@ async def test_the_watch_console_follows_a_directory_being_written(tmp_path: Pat
             await pilot.press("escape", "q")
         assert app.return_code == 0
     finally:
-        writer.wait(timeout=60)
+        writer.wait(timeout=patience(60))
     analyzed = tracedeck("analyze", str(folder), "--json", env=cli_env(tmp_path))
     assert json.loads(analyzed.stdout)["dirs"][0]["records"] == 45
 

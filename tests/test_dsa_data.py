@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 import pytest
+from patience import patience
 from runhelp import ROOT, cli_env, tracedeck
 
 from analysis.dsa_scan import scan_block, trace_info
@@ -25,7 +26,9 @@ def engine(out: Path, block: int, *flags: str) -> Path:
     cmd += ["--max-requests-per-file", "2", "--trace-prefix-key-tokens", "40"]
     cmd += ["--temperature", "0", "--seed", "7", "--kv-block-size", str(block), *flags]
     env = {**os.environ, "DS_TRACE_KV_BYTES_PER_TOKEN": "1152"}
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    done = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=patience(120), env=env
+    )
     assert done.returncode == 0, done.stderr
     return out / f"block{block}"
 
@@ -364,7 +367,7 @@ def test_burstgpt_accesses_replay_in_the_engines_batch_order(tmp_path: Path) -> 
     cmd += ["--max-seq-len", "256"]
     cmd += ["--index-topk", "32", "--kv-block-size", "16", "--temperature", "0"]
     cmd += ["--max-requests-per-file", "3"]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=patience(120))
     assert done.returncode == 0, done.stderr
     folder = out / "block16"
     served = {}

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from dsa_writer import write_trace
+from patience import patience
 from runhelp import cli_env, spawn, tracedeck, wait_for
 
 pytestmark = pytest.mark.fault  # after each: the hosts scanned (conftest.py)
@@ -198,7 +199,7 @@ def test_records_judged_before_the_summary_appeared_are_judged_by_it(tmp_path: P
         )
         (folder / "summary.json.part").write_text(json.dumps(summary))
         (folder / "summary.json.part").rename(folder / "summary.json")
-        out, err = watch.communicate(timeout=60)
+        out, err = watch.communicate(timeout=patience(60))
         text = "".join(seen) + out
         assert watch.returncode == want, text + err
         assert f"top-{said} from summary.json config.index_topk" in text

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from dsa_writer import write_trace
+from patience import patience
 from runhelp import ROOT, cli_env, run_dirs, spawn, tracedeck
 from runhelp import wait_for as wait_until
 from sshd import SshHome
@@ -43,7 +44,7 @@ def _watch_while_writing(tmp_path: Path, target: str, env: dict) -> tuple[str, d
             "watch", target.format(dir=out), "--idle", "1", "--dsa-topk", "32", env=env, timeout=120
         )
     finally:
-        writer.wait(timeout=60)
+        writer.wait(timeout=patience(60))
     finished = tracedeck("analyze", str(out), "--json", env=env)
     return watched.stdout + watched.stderr, json.loads(finished.stdout)
 
@@ -85,7 +86,7 @@ def test_watch_waits_for_a_directory_the_writer_has_not_made_yet(tmp_path: Path)
         assert f"waiting for {out} to appear" in said, said
         assert watch.poll() is None
         subprocess.run([sys.executable, "-c", WRITER, str(src), str(out / "block16")], check=True)
-        stdout, stderr = watch.communicate(timeout=120)
+        stdout, stderr = watch.communicate(timeout=patience(120))
     finally:
         if watch.poll() is None:
             watch.kill()
@@ -170,7 +171,7 @@ def test_a_live_run_spawned_shows_records_before_it_ends(tmp_path: Path) -> None
         "matrix.gen=[12]",
         env=cli_env(tmp_path / "home"),
     )
-    stdout, stderr = run.communicate(timeout=300)
+    stdout, stderr = run.communicate(timeout=patience(300))
     assert run.returncode == 0, stdout + stderr
     lines = stdout.splitlines()
     first_dsa = next(i for i, line in enumerate(lines) if line.startswith("dsa: following shard"))

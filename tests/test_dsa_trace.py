@@ -11,6 +11,7 @@ import numpy as np
 import orjson
 import pytest
 from dsa_writer import write_trace
+from patience import patience
 from runhelp import ROOT, cli_env, events, run_dirs, tracedeck
 from sshd import SshHome
 
@@ -129,7 +130,7 @@ def engine(out: Path, *flags: str) -> None:
     cmd += ["--layers", "3", "--index-topk", "256", "--ruler-length", "96", "--limit", "2"]
     cmd += ["--max-new-tokens", "4", "--max-requests-per-file", "1", "--temperature", "0"]
     cmd += ["--kv-block-size", "16", *flags]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=patience(120))
     assert done.returncode == 0, done.stderr
 
 
@@ -480,7 +481,7 @@ def test_longbench_skips_long_samples_and_says_so(tmp_path: Path) -> None:
         "--kv-block-size",
         "16",
     ]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=patience(120))
     assert done.returncode == 0, done.stderr
     assert "skipped 1 samples over --max-prompt-tokens 400" in done.stdout
     summary = json.loads((tmp_path / "t" / "block16" / "summary.json").read_text())

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from faults import DEFAULT_LOCK, left_after, scan_left
+from patience import patience
 from runhelp import pid_alive, wait_for
 from sshd import Fleet
 
@@ -67,7 +68,7 @@ def test_a_process_left_on_a_fleet_host_is_found_in_that_hosts_namespace(
     ssh = subprocess.run(
         ["ssh", "-F", str(home.config), "-o", "BatchMode=yes",
          "-o", f"UserKnownHostsFile={home.known_hosts}", "gpu-a-direct", left],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True, text=True, timeout=patience(60),
     )  # fmt: skip
     assert ssh.stdout.strip() == "started", ssh.stdout + ssh.stderr
     pid = 0

@@ -19,9 +19,11 @@ from pathlib import Path
 import orjson
 import pytest
 from faults import assert_run_gone, record_of
+from patience import patience
 from runhelp import (
     cli_env,
     events,
+    held_engine,
     live_processes,
     run_dirs,
     spawn,
@@ -96,7 +98,7 @@ def hosts_of(evts: list[dict], kind: str = "cell_finished") -> dict[int, str]:
 def ssh(fleet: Fleet, host: str, command: str, **kw: object) -> subprocess.CompletedProcess:
     """A command on a fleet host, straight to its sshd (not through the proxy)."""
     return subprocess.run(
-        ssh_argv(fleet, host, command), capture_output=True, text=True, timeout=30, **kw
+        ssh_argv(fleet, host, command), capture_output=True, text=True, timeout=patience(30), **kw
     )
 
 
@@ -148,10 +150,10 @@ def holding(fleet: Fleet, host: str, lock: str = "/tmp/tracedeck.lock") -> Itera
         assert proc.stdin is not None
         proc.stdin.close()  # `read` ends, the lock goes with its holder
         try:
-            proc.wait(timeout=10)
+            proc.wait(timeout=patience(10))
         except subprocess.TimeoutExpired:
             os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=5)
+            proc.wait(timeout=patience(5))
         wait_for(lambda: lock_free_on(fleet)(host, lock), timeout=10, what=f"{host} lock free")
 
 
@@ -192,7 +194,7 @@ def end_if_left(console: subprocess.Popen[str], local_dir: Path, env: dict[str, 
     locks are not held into the next test."""
     if console.poll() is None:
         console.kill()
-        console.communicate(timeout=30)
+        console.communicate(timeout=patience(30))
         tracedeck("cancel", str(local_dir), "--grace", "1", env=env)
 
 
@@ -293,7 +295,7 @@ def test_a_link_cut_mid_run_is_resumed_on_that_host_alone(fleet: Fleet, tmp_path
         what="output from gpu-a",
     )
     fleet.proxies["gpu-a"].cut()
-    stdout, stderr = console.communicate(timeout=120)
+    stdout, stderr = console.communicate(timeout=patience(120))
     assert console.returncode == 0, stdout + stderr
     evts = events(local_dir)
     cuts = [(e["host"], e["state"]) for e in evts if e["type"] == "connection"]
@@ -325,7 +327,7 @@ def test_a_host_lost_mid_run_gives_its_cells_to_the_others(fleet: Fleet, tmp_pat
     local_dir = wait_for(lambda: run_dirs(out), what="run dir")[0]
     try:
         lose_gpu_a(fleet, local_dir)
-        stdout, stderr = console.communicate(timeout=120)
+        stdout, stderr = console.communicate(timeout=patience(120))
     finally:
         fleet.proxies["gpu-a"].resume()
         end_if_left(console, local_dir, env)
@@ -355,7 +357,7 @@ def test_without_requeue_a_lost_host_s_cells_are_lost_exit_3(fleet: Fleet, tmp_p
     local_dir = wait_for(lambda: run_dirs(out), what="run dir")[0]
     try:
         lose_gpu_a(fleet, local_dir)
-        stdout, stderr = console.communicate(timeout=120)
+        stdout, stderr = console.communicate(timeout=patience(120))
     finally:
         fleet.proxies["gpu-a"].resume()
         end_if_left(console, local_dir, env)
@@ -415,7 +417,7 @@ def test_busy_hosts_are_waited_for_when_the_operator_says_so(fleet: Fleet, tmp_p
                 what="both hosts waiting",
             )
         # gpu-a's lock is free now: it takes every cell while gpu-b is still held
-        stdout, stderr = console.communicate(timeout=60)
+        stdout, stderr = console.communicate(timeout=patience(60))
     assert console.returncode == 0, stdout + stderr
     evts = events(local_dir)
     assert set(hosts_of(evts).values()) == {"gpu-a"}
@@ -452,7 +454,7 @@ def test_console_killed_then_attach_finishes_a_fleet_run(fleet: Fleet, tmp_path:
     env = cli_env(fleet.home.path)
     console, local_dir = start_on_both(preset, out, env)
     console.send_signal(signal.SIGKILL)
-    console.communicate(timeout=30)
+    console.communicate(timeout=patience(30))
     attach = tracedeck("attach", str(local_dir), env=env)
     assert attach.returncode == 0, attach.stdout + attach.stderr
     evts = events(local_dir)
@@ -468,7 +470,7 @@ def test_cancel_stops_every_host_s_part(fleet: Fleet, tmp_path: Path) -> None:
     console, local_dir = start_on_both(preset, out, env)
     cancel = tracedeck("cancel", str(local_dir), "--grace", "1", env=env)
     assert cancel.returncode == 0, cancel.stdout + cancel.stderr
-    stdout, stderr = console.communicate(timeout=60)
+    stdout, stderr = console.communicate(timeout=patience(60))
     assert console.returncode == 130, stdout + stderr
     assert "RESULT: CANCELLED (exit 130)" in stdout
     evts = events(local_dir)
@@ -533,7 +535,7 @@ def test_prune_keeps_a_live_fleet_run_and_then_deletes_every_host_s_part(
     env = cli_env(fleet.home.path)
     console, local_dir = start_on_both(preset, out, env)
     console.send_signal(signal.SIGKILL)  # no console follows it now: only its hosts say live
-    console.communicate(timeout=30)
+    console.communicate(timeout=patience(30))
     run_id = record_of(local_dir)["run_id"]
     for argv in (["--out", str(out)], ["--target", "gpu-b", "--runs", str(runs)]):
         kept = tracedeck("prune", *argv, "--keep", "0", "--yes", env=env)
@@ -551,20 +553,38 @@ def test_prune_keeps_a_live_fleet_run_and_then_deletes_every_host_s_part(
 def test_a_second_console_on_a_live_fleet_run_only_reads_its_record(
     fleet: Fleet, tmp_path: Path
 ) -> None:
-    preset = lines_preset(tmp_path, cells=4, lines=40, pause=0.05)
+    """The cells wait for a release file the test makes only once the second console said it
+    reads: the run is live while it attaches, however slow the machine."""
+    preset = lines_preset(tmp_path, cells=4)
+    held, release = held_engine(tmp_path)
     out = tmp_path / "out"
     env = cli_env(fleet.home.path)
-    console = spawn("run", str(preset), "--target", "gpu-a,gpu-b", "--out", str(out), env=env)
+    console = spawn(
+        "run", str(preset), "--target", "gpu-a,gpu-b", "--out", str(out), *held, env=env
+    )
     local_dir = wait_for(lambda: run_dirs(out), what="run dir")[0]
     wait_for(lambda: any(e["type"] == "output" for e in events(local_dir)), what="output")
-    second = tracedeck("attach", str(local_dir), env=env)
-    stdout, stderr = console.communicate(timeout=120)
-    assert console.returncode == 0 and second.returncode == 0, stdout + stderr + second.stderr
-    assert "another console follows this run" in second.stderr
-    assert "RESULT: PASS (exit 0)" in stdout and "RESULT: PASS (exit 0)" in second.stdout
+    second = spawn("attach", str(local_dir), env=env)
+    assert second.stderr is not None
+    said = []
+    while not any("another console follows this run" in line for line in said):
+        line = second.stderr.readline()
+        if not line:  # it ended without saying so
+            break
+        said.append(line)
+    release.touch()
+    stdout, stderr = console.communicate(timeout=patience(120))
+    second_out, second_err = second.communicate(timeout=patience(120))
+    second_err = "".join(said) + second_err
+    assert console.returncode == 0 and second.returncode == 0, stdout + stderr + second_err
+    assert "another console follows this run" in second_err, second_err
+    assert "RESULT: PASS (exit 0)" in stdout and "RESULT: PASS (exit 0)" in second_out
     evts = events(local_dir)
     assert [e["type"] for e in evts].count("run_finished") == 1
-    assert lines_by_cell(evts) == expected(4, 40)  # each line once: one writer
+    each = [f"cell {n} line {i}" for n in range(1, 5) for i in range(1, 6)]
+    each += [f"cell {n} released" for n in range(1, 5)]
+    assert sorted(lines_by_cell(evts)) == sorted(each)  # each line once: one writer
+    assert len(lines_by_cell(evts)) == len(each)
 
 
 def test_tilde_runs_dir_is_under_each_host_s_login_home(fleet: Fleet, tmp_path: Path) -> None:
@@ -680,7 +700,7 @@ def test_a_host_s_batch_killed_while_no_console_follows_is_rerun_on_attach(
     env = cli_env(fleet.home.path)
     console, local_dir = start_on_both(preset, out, env)
     console.send_signal(signal.SIGKILL)
-    console.communicate(timeout=30)
+    console.communicate(timeout=patience(30))
     [part] = [m for m in members(local_dir) if m["host"] == "gpu-a"]
     # gpu-a's run dies while nobody watches: its runner's group, then anything that escaped
     os.killpg(int(Path(part["run_dir"], "pgid").read_text()), signal.SIGKILL)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from faults import assert_run_gone, record_of
+from patience import patience
 from runhelp import cli_env, events, run_dirs, toy_command, toy_engine, tracedeck, wait_for
 from sshd import CuttableProxy, SshHome
 
@@ -175,7 +176,7 @@ def test_a_link_cut_while_the_host_judges_loses_no_verdict(
     try:
         wait_for(started.exists, timeout=120, what="the host to start judging")
         ssh_proxy.cut()
-        out, err = console.communicate(timeout=300)
+        out, err = console.communicate(timeout=patience(300))
     finally:
         if console.poll() is None:
             console.kill()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grimp
 import pytest
+from patience import patience
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,7 +53,7 @@ def lint_imports(*args: str, cwd: Path = ROOT, **env: str) -> subprocess.Complet
         capture_output=True,
         text=True,
         env={**os.environ, **env},
-        timeout=300,
+        timeout=patience(300),
     )
 
 
@@ -167,7 +168,7 @@ def test_the_cycle_finder_finds_a_cycle(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         cwd=tmp_path,
-        timeout=120,
+        timeout=patience(120),
     )
     assert done.returncode == 0, done.stderr
     assert sorted(json.loads(done.stdout)) == [

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from patience import patience
 from runhelp import ROOT
 
 SOURCES = ("pyproject.toml", "setup.py", "README.md", "console", "runners", "analysis", "presets")
@@ -58,7 +59,7 @@ def test_pip_install_outside_the_checkout_lists_and_runs_the_smoke(tmp_path: Pat
     install = subprocess.run(
         [str(bin_dir / "python"), "-m", "pip", "install", "-q", "--no-deps",
          "--no-build-isolation", "--no-index", str(src)],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=patience(300),
     )  # fmt: skip
     assert install.returncode == 0, install.stdout + install.stderr
     elsewhere = tmp_path / "elsewhere"  # no checkout here, nor above
@@ -66,7 +67,12 @@ def test_pip_install_outside_the_checkout_lists_and_runs_the_smoke(tmp_path: Pat
     tracedeck = str(bin_dir / "tracedeck")
 
     listed = subprocess.run(
-        [tracedeck, "presets"], capture_output=True, text=True, env=env, cwd=elsewhere, timeout=60
+        [tracedeck, "presets"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=elsewhere,
+        timeout=patience(60),
     )
     assert listed.returncode == 0, listed.stderr
     names = [line.split()[0] for line in listed.stdout.splitlines()[1:]]
@@ -74,7 +80,7 @@ def test_pip_install_outside_the_checkout_lists_and_runs_the_smoke(tmp_path: Pat
     where = subprocess.run(
         [str(bin_dir / "python"), "-c",
          "import runners.presets as p; print(p.SHIPPED_DIR); import console; print(console.__file__)"],
-        capture_output=True, text=True, env=env, cwd=elsewhere, timeout=60,
+        capture_output=True, text=True, env=env, cwd=elsewhere, timeout=patience(60),
     )  # fmt: skip
     shipped, console_file = where.stdout.split()
     assert shipped.startswith(str(tmp_path / "venv")) and shipped.endswith(
@@ -85,7 +91,7 @@ def test_pip_install_outside_the_checkout_lists_and_runs_the_smoke(tmp_path: Pat
     run = subprocess.run(
         [tracedeck, "run", "b3_67_smoke", "--set", "matrix.seed=[0]",
          "--set", f'target.runs="{tmp_path}/remote"', "--set", f'target.lock="{tmp_path}/lock"'],
-        capture_output=True, text=True, env=env, cwd=elsewhere, timeout=300,
+        capture_output=True, text=True, env=env, cwd=elsewhere, timeout=patience(300),
     )  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
     assert "RESULT: PASS_GUARDRAIL (exit 0)" in run.stdout

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from patience import patience
 
 from analysis.kv_invariance import (
     BITWISE_EQUAL,
@@ -207,7 +208,7 @@ def engine_cli(tmp_path: Path, *args: str, env: dict[str, str]) -> subprocess.Co
         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **env},
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=patience(120),
     )
 
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from patience import patience
 from runhelp import ROOT, cli_env, events, run_dirs, spawn, tracedeck, wait_for
 from sshd import SshHome
 
@@ -149,7 +150,7 @@ follow = ["trace.jsonl"]
         assert row["decode0_top1"] == 96965
         assert not any(e["type"] == "cell_finished" for e in events(local_dir))
         go.touch()
-        stdout, stderr = run.communicate(timeout=60)
+        stdout, stderr = run.communicate(timeout=patience(60))
     finally:
         if run.poll() is None:
             run.kill()

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from patience import patience
 
 from runners.reference import SHIPPED_WITH
 
@@ -79,7 +80,7 @@ def engine(*args: str, cwd: Path = REPO, env: dict[str, str] | None = None) -> s
 
 
 def finish(proc: subprocess.Popen, expect_rc: int = 0) -> str:
-    out, err = proc.communicate(timeout=300)
+    out, err = proc.communicate(timeout=patience(300))
     assert proc.returncode == expect_rc, f"rc {proc.returncode}\nstdout:\n{out}\nstderr:\n{err}"
     return out + err
 
@@ -349,7 +350,7 @@ def test_runs_from_a_bare_copy_of_the_package(tmp_path: Path) -> None:
 
 def test_missing_gpu_is_an_infrastructure_error(tmp_path: Path) -> None:
     proc = engine(*equivalence_args(tmp_path / "x", "decode", 1), "--device", "cuda")
-    out, err = proc.communicate(timeout=300)
+    out, err = proc.communicate(timeout=patience(300))
     if proc.returncode == 0:
         pytest.skip("this host has a CUDA/ROCm device")
     assert proc.returncode == 3, out + err

@@ -17,6 +17,7 @@ import orjson
 import pytest
 from conftest import Where
 from faults import assert_run_gone, grow_disk, lock_free, record_of, small_disk
+from patience import patience
 from runhelp import (
     ROOT,
     cli_env,
@@ -177,8 +178,8 @@ def test_killing_the_group_leader_leaves_a_run_that_cancel_still_stops(
         cancel = tracedeck("cancel", str(local), "--grace", "1", env=env)
         assert cancel.returncode == 0, cancel.stdout + cancel.stderr
         assert "already finished" not in cancel.stdout
-        console.communicate(timeout=60)
-        assert console.returncode == 130
+        stdout, stderr = console.communicate(timeout=patience(60))
+        assert console.returncode == 130, stdout + stderr
         assert_run_gone(local)
     finally:
         if console.poll() is None:
@@ -239,7 +240,7 @@ def test_lock_busy_names_the_holders_process_group(where: Where, tmp_path: Path)
         assert f"pgid={pgid}" in second.stderr and "pgid=None" not in second.stderr
     finally:
         release.touch()
-        out1, err1 = first.communicate(timeout=120)
+        out1, err1 = first.communicate(timeout=patience(120))
     assert first.returncode == 0, out1 + err1
     assert_run_gone(local_a)
 
@@ -271,8 +272,8 @@ def test_a_second_console_views_read_only_and_the_record_has_one_writer(
             )
         wait_for(lambda: "read-only" in said.read_text(), what="the second console to view")
         release.touch()
-        out1, err1 = first.communicate(timeout=120)
-        out2, _ = second.communicate(timeout=120)
+        out1, err1 = first.communicate(timeout=patience(120))
+        out2, _ = second.communicate(timeout=patience(120))
     finally:
         release.touch()
         for proc in (first, second):
@@ -301,7 +302,7 @@ def test_a_cancel_from_another_terminal_is_a_cancel(where: Where, tmp_path: Path
         assert cancel.returncode == 0, cancel.stdout + cancel.stderr
         # the following console records the end (it may have done so before cancel returned)
         assert "records its end" in cancel.stdout or "ended CANCELLED" in cancel.stdout
-        out1, err1 = first.communicate(timeout=60)
+        out1, err1 = first.communicate(timeout=patience(60))
     finally:
         if first.poll() is None:
             first.kill()
@@ -546,7 +547,7 @@ def peak_rss_mib(tmp: Path, log: Path, *args: str, env: dict[str, str]) -> tuple
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=patience(600),
     )
     code, rss_kib = done.stdout.split()
     return int(code), int(rss_kib) / 1024
@@ -602,7 +603,7 @@ def test_ctrl_c_during_the_launch_never_leaves_a_run_unreported(
             console.send_signal(signal.SIGINT)
             time.sleep(0.3)
         ssh_proxy.resume()
-        stdout, stderr = console.communicate(timeout=120)
+        stdout, stderr = console.communicate(timeout=patience(120))
     finally:
         ssh_proxy.resume()
         if console.poll() is None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from faults import record_of
+from patience import patience
 from runhelp import (
     cli_env,
     events,
@@ -178,7 +179,7 @@ def test_prune_a_targets_runs_dir_keeps_a_live_run_and_a_launch(home: Path, tmp_
         assert f"a console here follows it ({live})" in seen.stdout, seen.stdout + seen.stderr
     finally:
         console.send_signal(signal.SIGINT)
-        console.communicate(timeout=60)
+        console.communicate(timeout=patience(60))
 
 
 @pytest.mark.ssh

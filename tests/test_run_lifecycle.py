@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from faults import assert_run_gone, record_of
+from patience import patience
 from runhelp import cli_env, events, notifier_alive, run_dirs, spawn, tracedeck, wait_for
 from sshd import Fleet
 from test_fleet import lines_preset, lock_free_on
@@ -24,7 +25,7 @@ def test_a_fleet_follows_each_host_with_the_change_notifier(fleet: Fleet, tmp_pa
     run_id = record_of(local)["run_id"]
     for host in ("gpu-a", "gpu-b"):  # each batch's own notifier, named by the batch's marker
         wait_for(lambda h=host: notifier_alive(f"{run_id}@{h}-1"), what=f"{host}'s notifier")
-    stdout, stderr = console.communicate(timeout=120)
+    stdout, stderr = console.communicate(timeout=patience(120))
     assert console.returncode == 0, stdout + stderr
     assert "RESULT: PASS (exit 0)" in stdout
     assert_run_gone(local, lock_free_on=lock_free_on(fleet))  # no notifier left either

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import Where
 from faults import assert_run_gone, lock_free, record_of
+from patience import patience
 from runhelp import (
     cli_env,
     events,
@@ -133,7 +134,7 @@ def test_cancel_stops_a_process_that_scrubbed_its_environment(where: Where, tmp_
         cancel = tracedeck("cancel", str(local), "--grace", "1", env=env)
         assert cancel.returncode == 0, cancel.stdout + cancel.stderr
         assert "already finished" not in cancel.stdout and "not running" not in cancel.stdout
-        console.communicate(timeout=60)
+        console.communicate(timeout=patience(60))
         assert console.returncode == 130
         alive = [(p, Path(f"/proc/{p}/stat").read_text()) for p in pids if pid_alive(p)]
         assert not alive, (alive, cancel.stdout)
@@ -179,7 +180,7 @@ def test_cancel_finds_a_scrubbed_lock_holder_after_the_runner_died(tmp_path: Pat
         cancel = tracedeck("cancel", str(local), "--grace", "1", env=env)
         assert cancel.returncode == 0, cancel.stdout + cancel.stderr
         assert "not running" not in cancel.stdout.lower(), cancel.stdout
-        console.communicate(timeout=60)
+        console.communicate(timeout=patience(60))
         assert not pid_alive(escaped)
         assert_run_gone(local)
     finally:

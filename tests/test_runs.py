@@ -10,6 +10,7 @@ import orjson
 import pytest
 from conftest import Where
 from faults import assert_run_gone
+from patience import patience
 from runhelp import (
     cli_env,
     events,
@@ -134,7 +135,7 @@ def test_second_run_on_a_held_lock_exits_3_naming_the_holder(where: Where, tmp_p
         assert "lock busy" in second.stdout
     finally:
         release.touch()
-        out, err = first.communicate(timeout=120)
+        out, err = first.communicate(timeout=patience(120))
     assert first.returncode == 0, out + err
     # The kernel released the lock when the first run ended: no cleanup needed.
     third = tracedeck(
@@ -208,7 +209,7 @@ def test_ctrl_c_cancels_the_run_and_exits_130(tmp_path: Path) -> None:
     wait_for(lambda: len(output_lines(events(local_dir))) >= 2, what="output")
     pgid = remote_pgid(local_dir)
     console.send_signal(signal.SIGINT)
-    stdout, stderr = console.communicate(timeout=60)
+    stdout, stderr = console.communicate(timeout=patience(60))
     try:
         assert console.returncode == 130, stdout + stderr
         assert "RESULT: CANCELLED (exit 130)" in stdout
@@ -229,7 +230,7 @@ def test_dropped_link_is_resumed_without_loss_or_repeat(
     local_dir = wait_for(lambda: run_dirs(out), what="run dir")[0]
     wait_for(lambda: len(output_lines(events(local_dir))) >= 5, what="output")
     ssh_proxy.cut()
-    stdout, stderr = console.communicate(timeout=120)
+    stdout, stderr = console.communicate(timeout=patience(120))
     assert console.returncode == 0, stdout + stderr
     assert "connection lost" in stdout and "connection restored" in stdout
     assert output_lines(events(local_dir)) == expected_lines(30)
@@ -248,7 +249,7 @@ def test_link_down_for_good_exits_3_then_attach_completes(
     wait_for(lambda: len(output_lines(events(local_dir))) >= 3, what="output")
     ssh_proxy.pause()
     ssh_proxy.cut()
-    stdout, stderr = console.communicate(timeout=120)
+    stdout, stderr = console.communicate(timeout=patience(120))
     assert console.returncode == 3, stdout + stderr
     assert f"tracedeck attach {local_dir}" in stdout
     ssh_proxy.resume()

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from patience import patience
 from runhelp import ROOT
 
 SCRIPT = ROOT / "scripts" / "screenshots.py"
@@ -20,7 +21,7 @@ def check(directory: Path) -> subprocess.CompletedProcess[str]:
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=patience(300),
     )
 
 

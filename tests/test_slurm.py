@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from faults import assert_run_gone, record_of, slurm_jobs
+from patience import patience
 from runhelp import cli_env, events, run_dirs, spawn, tracedeck, wait_for
 from slurm import PARTITION, SlurmCluster
 
@@ -130,7 +131,7 @@ def test_cancel_is_scancel_and_records_the_cells(
     until(slurm_cluster, local_dir, lambda: running(local_dir, {0, 1}), "both tasks running")
     cancel = tracedeck("cancel", str(local_dir), "--grace", "1", env=env)
     assert cancel.returncode == 0, cancel.stdout + cancel.stderr
-    stdout, stderr = console.communicate(timeout=90)
+    stdout, stderr = console.communicate(timeout=patience(90))
     assert console.returncode == 130, stdout + stderr
     assert "RESULT: CANCELLED (exit 130)" in stdout
     ends = {e["cell"]: e for e in events(local_dir) if e["type"] == "cell_finished"}
@@ -154,7 +155,7 @@ def test_a_time_limit_is_reported_per_cell_as_timeout_exit_3(
     # kills it, as it kills any job that outlived its limit.
     [job] = slurm_jobs(record_of(local_dir))
     slurm_cluster.run("scontrol", "update", f"JobId={job}_0", "EndTime=now")
-    stdout, stderr = console.communicate(timeout=90)
+    stdout, stderr = console.communicate(timeout=patience(90))
     assert console.returncode == 3, stdout + stderr
     assert "RESULT: TIMEOUT (exit 3)" in stdout
     [end] = [e for e in events(local_dir) if e["type"] == "cell_finished"]
@@ -177,11 +178,11 @@ def test_a_node_failure_is_reported_per_cell_exit_3(
             "scontrol", "update", f"NodeName={slurm_cluster.node}", "State=DOWN",
             "Reason=tracedeck-test",
         )  # fmt: skip
-        stdout, stderr = console.communicate(timeout=90)
+        stdout, stderr = console.communicate(timeout=patience(90))
     finally:
         if console.poll() is None:
             console.kill()
-            console.communicate(timeout=30)
+            console.communicate(timeout=patience(30))
         slurm_cluster.resume_node()
     assert console.returncode == 3, stdout + stderr
     assert "RESULT: NODE_FAIL (exit 3)" in stdout
@@ -238,7 +239,7 @@ def test_console_killed_then_attach_follows_the_job_to_its_end(
     local_dir = wait_for(lambda: run_dirs(out), what="run dir")[0]
     wait_for(lambda: any(e["type"] == "job_submitted" for e in events(local_dir)), what="the job")
     console.send_signal(signal.SIGKILL)
-    console.communicate(timeout=30)
+    console.communicate(timeout=patience(30))
     attach = tracedeck("attach", str(local_dir), env=env)
     assert attach.returncode == 0, attach.stdout + attach.stderr
     lines = [line for e in events(local_dir) if e["type"] == "output" for line in e["lines"]]
@@ -294,7 +295,7 @@ def test_prune_keeps_a_run_slurm_still_holds(slurm_cluster: SlurmCluster, tmp_pa
     local_dir = wait_for(lambda: run_dirs(out), what="run dir")[0]
     until(slurm_cluster, local_dir, lambda: running(local_dir, {0, 1}), "both tasks running")
     console.send_signal(signal.SIGKILL)  # no console follows it now: only Slurm says live
-    console.communicate(timeout=30)
+    console.communicate(timeout=patience(30))
     remote = Path(record_of(local_dir)["remote_dir"])
     for argv in (["--out", str(out)], ["--target", TARGET, "--runs", str(runs)]):
         kept = tracedeck("prune", *argv, "--keep", "0", "--yes", env=env)
@@ -322,7 +323,7 @@ def test_scancel_from_outside_tracedeck_is_cancelled_per_cell_never_a_pass(
     until(slurm_cluster, local_dir, lambda: running(local_dir, {0, 1}), "both tasks running")
     [job] = slurm_jobs(record_of(local_dir))
     slurm_cluster.run("scancel", job)  # the operator's own scancel, not `tracedeck cancel`
-    stdout, stderr = console.communicate(timeout=90)
+    stdout, stderr = console.communicate(timeout=patience(90))
     assert console.returncode == 130, stdout + stderr
     assert "RESULT: CANCELLED (exit 130)" in stdout
     ends = {e["cell"]: e for e in events(local_dir) if e["type"] == "cell_finished"}
@@ -363,7 +364,7 @@ def test_attach_finds_the_job_by_name_when_its_id_was_never_written(
     local_dir = wait_for(lambda: run_dirs(out), what="run dir")[0]
     wait_for(lambda: any(e["type"] == "job_submitted" for e in events(local_dir)), what="the job")
     console.send_signal(signal.SIGKILL)
-    console.communicate(timeout=30)
+    console.communicate(timeout=patience(30))
     [job] = slurm_jobs(record_of(local_dir))
     (Path(record_of(local_dir)["remote_dir"]) / "slurm" / "job_id").unlink()
     attach = tracedeck("attach", str(local_dir), env=env)

@@ -16,6 +16,7 @@ from pathlib import Path
 import orjson
 import pytest
 from faults import assert_run_gone, lock_free
+from patience import patience
 from runhelp import cli_env, run_dirs, spawn, wait_for, write_lines_preset
 
 pytestmark = pytest.mark.fault  # after each: the hosts scanned (conftest.py)
@@ -28,6 +29,18 @@ def started_python(pid: int) -> bool:
         return True  # it already ended: the assertions say how
 
 
+def ignores_sigint(pid: int) -> bool:
+    """Was the process started with SIGINT ignored (inherited SIG_IGN)? /proc's SigIgn mask."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = next(
+        int(line.split()[1], 16) for line in status.splitlines() if line.startswith("SigIgn:")
+    )
+    return bool(mask & (1 << (signal.SIGINT - 1)))
+
+
 @pytest.mark.parametrize("delay", [0.0, 0.1, 0.25, 0.5, 0.8, 1.2, 2.0])
 def test_ctrl_c_during_start_up_launches_nothing_or_cancels(tmp_path: Path, delay: float) -> None:
     home = tmp_path / "home"
@@ -37,9 +50,10 @@ def test_ctrl_c_during_start_up_launches_nothing_or_cancels(tmp_path: Path, dela
     console = spawn("run", str(preset), "--target", "local", "--out", str(out), env=cli_env(home))
     try:
         wait_for(lambda: started_python(console.pid), what="the program's imports")
+        assert not ignores_sigint(console.pid), "the console was started with Ctrl-C ignored"
         time.sleep(delay)  # the sweep: where in the start-up the interrupt lands
         console.send_signal(signal.SIGINT)
-        stdout, stderr = console.communicate(timeout=90)
+        stdout, stderr = console.communicate(timeout=patience(90))
     finally:
         if console.poll() is None:
             console.kill()

@@ -9,8 +9,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from patience import patience
 from runhelp import cli_env, events, output_lines, run_dirs, spawn, tracedeck, wait_for
 from sshd import Fleet
+from test_console import holds
 from test_fleet import lines_preset
 from textual.widgets import DataTable, Input
 
@@ -90,7 +92,7 @@ async def test_status_and_runs_screen_show_two_hosts_and_a_local_run_with_lock_h
             tracedeck("cancel", str(local), "--grace", "1", env=env)
         for console in consoles:
             try:
-                console.communicate(timeout=60)
+                console.communicate(timeout=patience(60))
             except subprocess.TimeoutExpired:
                 console.kill()
                 console.communicate()
@@ -146,7 +148,7 @@ async def runs_screen_shows(root: Path, runs: dict, locks: dict, dirs: dict[str,
 
 async def wait_until(pilot, condition, what: str, timeout: float = 60.0) -> None:  # noqa: ANN001
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not condition():
+    deadline = loop.time() + patience(timeout)
+    while not holds(condition):
         assert loop.time() < deadline, f"timed out waiting for {what}"
         await pilot.pause(0.1)

@@ -23,6 +23,7 @@ from typing import Any
 
 import orjson
 import pytest
+from patience import patience
 from runhelp import cli_env, live_processes, spawn, tracedeck
 from sshd import Fleet
 from test_console_snapshots import SIZE, columns_fit, until
@@ -174,7 +175,7 @@ def three_live_runs(fleet: Fleet, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
             tracedeck("cancel", str(local), "--grace", "1", env=env)
         for console in consoles:
             try:
-                console.communicate(timeout=60)
+                console.communicate(timeout=patience(60))
             except subprocess.TimeoutExpired:
                 console.kill()
                 console.communicate()
