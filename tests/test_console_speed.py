@@ -9,11 +9,15 @@ import pytest
 from rich.text import Text
 from test_console import SIZE, wait_for
 from textual.app import App, ComposeResult
+from textual.widget import Widget
+from textual.widgets import DataTable, Static
 
+from console.panels.equivalence import EquivalencePanel, VerdictTable
 from console.widgets.live_table import LiveTable
 from console.widgets.run_log import LogLines, wrap_line
-from runners.events import Error, OutputLines
+from runners.events import Error, OutputLines, RunStarted
 from runners.kinds import event_types
+from runners.kinds.equivalence import PairVerdict
 from runners.record import iter_events, read_events
 
 
@@ -85,14 +89,14 @@ async def test_a_live_table_renders_again_only_the_cell_that_changed(
 ) -> None:
     app = _TableApp()
     rendered: list[tuple[int, int]] = []
-    base = LiveTable.__mro__[1]._render_cell  # DataTable's
+    base = DataTable._render_cell
 
     def counting(self, row, column, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         if row >= 0 and column >= 0:
             rendered.append((row, column))
         return base(self, row, column, *args, **kwargs)
 
-    monkeypatch.setattr(LiveTable.__mro__[1], "_render_cell", counting)
+    monkeypatch.setattr(DataTable, "_render_cell", counting)
     async with app.run_test(size=SIZE) as pilot:
         table = app.query_one(LiveTable)
         await wait_for(pilot, lambda: len(set(rendered)) >= 20, 10, "the table drawn")
@@ -112,3 +116,146 @@ async def test_a_live_table_renders_again_only_the_cell_that_changed(
         table.add_row(Text("new"), Text("row"), key="3")
         await wait_for(pilot, lambda: (0, 1) in rendered, 10, "the new row drawn")
         assert table.contents() == [["new", "row"]]
+
+
+class _GrowingApp(App[None]):
+    """A log and a table of fixed sizes under a line of text, the way the run screen has them."""
+
+    def compose(self) -> ComposeResult:
+        yield LogLines(max_lines=1000, id="log")
+        yield LiveTable(id="t")
+
+    def on_mount(self) -> None:
+        self.query_one(LogLines).styles.height = 10
+        table = self.query_one(LiveTable)
+        table.styles.height = 6
+        table.add_column("a", key="a")
+
+
+async def test_a_growing_log_or_table_lays_nothing_out_again_and_still_scrolls(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    app = _GrowingApp()
+    layouts: list[str] = []
+    refresh = Widget.refresh
+
+    def counting(self, *regions, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if kwargs.get("layout"):
+            layouts.append(type(self).__name__)
+        return refresh(self, *regions, **kwargs)
+
+    async with app.run_test(size=SIZE) as pilot:
+        log, table = app.query_one(LogLines), app.query_one(LiveTable)
+        log.write_lines([f"line {i}" for i in range(30)], scroll_end=True)
+        for i in range(10):
+            table.add_row(Text(f"a{i}"), key=str(i))
+        # overflowing: each shows its vertical scrollbar (that one layout is theirs to ask)
+        await wait_for(
+            pilot,
+            lambda: log.show_vertical_scrollbar and table.show_vertical_scrollbar,
+            10,
+            "the scrollbars",
+        )
+        await pilot.pause()
+        monkeypatch.setattr(Widget, "refresh", counting)
+        log.write_lines([f"more {i}" for i in range(30)], scroll_end=True)
+        for i in range(10, 20):
+            table.add_row(Text(f"a{i}"), key=str(i))
+        await wait_for(pilot, lambda: table.virtual_size.height == 21, 10, "the rows measured")
+        await wait_for(pilot, lambda: log.scroll_y == log.max_scroll_y > 40, 10, "the log's end")
+        await pilot.pause()
+        # Textual lays the screen out again (and redraws every widget whose size moved) for
+        # each growth of a scroll view's content; a fixed-size one only scrolls further
+        assert layouts == [], layouts
+        assert log.vertical_scrollbar.window_virtual_size == 60
+        assert table.vertical_scrollbar.window_virtual_size == 21
+        table.scroll_end(animate=False, immediate=True)
+        await pilot.pause()
+        assert table.scroll_y == table.max_scroll_y > 0
+
+
+async def test_a_live_table_draws_its_header_again_only_when_a_label_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    app = _TableApp()
+    headers: list[int] = []
+    base = DataTable._render_cell
+
+    def counting(self, row, column, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if row < 0:
+            headers.append(column)
+        return base(self, row, column, *args, **kwargs)
+
+    monkeypatch.setattr(DataTable, "_render_cell", counting)
+    async with app.run_test(size=SIZE) as pilot:
+        table = app.query_one(LiveTable)
+        await wait_for(pilot, lambda: {0, 1} <= set(headers), 10, "the header drawn")
+        await pilot.pause()
+        headers.clear()
+        table.add_row(Text("ax"), Text("bx"), key="10")  # as wide: the whole table is drawn again
+        await wait_for(pilot, lambda: "ax" in str(table.render_lines(table.region)), 10, "row")
+        await pilot.pause()
+        assert headers == []
+        table.columns[table.ordered_columns[1].key].label = Text("renamed")
+        table.refresh()
+        await wait_for(pilot, lambda: 1 in headers, 10, "the renamed header drawn")
+        # drawn from the new label (its column keeps the width it had: "re")
+        assert "".join(s.text for s in table.render_line(0)).split() == ["a", "re"]
+
+
+class _PairsApp(App[None]):
+    def compose(self) -> ComposeResult:
+        yield EquivalencePanel(id="panel")
+        yield Static("below", id="below")
+
+
+def _pair(kv: int, seed: int) -> PairVerdict:
+    return PairVerdict(
+        seed=seed,
+        kv_aligned=kv,
+        verdict="PASS_EQUIV",
+        metrics={"max_abs_diff": 0.0, "pair_count": 4},
+        thresholds={},
+        first_fail=None,
+        metrics_path="m.json",
+    )
+
+
+async def test_the_verdict_table_takes_the_planned_pairs_height_at_its_first_row() -> None:
+    app = _PairsApp()
+    cells = [
+        {"index": i, "params": {"kv_aligned": kv, "seed": seed, "mode": mode}, "command": "e"}
+        for i, (kv, seed, mode) in enumerate(
+            (kv, seed, mode) for kv in (0, 1) for seed in (0, 1) for mode in ("prefill", "decode")
+        )
+    ]
+    started = RunStarted(
+        run_id="r",
+        preset="p",
+        kind="equivalence",
+        target="local",
+        local_dir="/tmp/r",
+        remote_dir="/tmp/r",
+        cells=cells,
+        profile="none",
+        env={},
+    )
+    async with app.run_test(size=SIZE) as pilot:
+        panel, below = app.query_one(EquivalencePanel), app.query_one("#below")
+        panel.fold(started)
+        panel.fold(_pair(0, 0))
+        panel.show_changes()
+        table = panel.query_one(VerdictTable)
+        await wait_for(pilot, lambda: table.size.height == 5, 10, "4 rows and the header")
+        await pilot.pause()
+        where = below.region
+        for kv, seed in ((0, 1), (1, 0), (1, 1)):  # the rest fill it: nothing below moves
+            panel.fold(_pair(kv, seed))
+            panel.show_changes()
+            await pilot.pause()
+            assert below.region == where
+        await wait_for(pilot, lambda: len(table.rows) == 4, 10, "the four rows")
+        assert table.size.height == 5
+        panel.fold(_pair(2, 0))  # a pair the plan did not have still gets its row
+        panel.show_changes()
+        await wait_for(pilot, lambda: table.size.height == 6, 10, "a fifth row")

@@ -119,6 +119,8 @@ class RunScreen(Screen[None]):
     def on_mount(self) -> None:
         self.set_interval(1 / TICK_HZ, self.drain)
         self.query_one("#cells", CellsTable).focus()
+        # The footer composes with what is offered now: the first tick does not rebuild it.
+        self._bindings_shown = self._bindings_state()
         self._start_feed()
         self.call_after_refresh(freeze_screen)
 

@@ -11,18 +11,21 @@ from textual.cache import LRUCache
 from textual.widgets import DataTable
 from textual.widgets.data_table import ColumnKey, RowKey
 
+from console.widgets.steady_scroll import SteadyScroll
+
 CELL_CACHE = 1024  # rendered cells kept; more than a screen shows
 RENDER_CACHE = 200  # rendered rows and lines kept
 REPAINT_ROWS = 8  # more rows updated at once than this: the whole table is repainted
 
 
-class LiveTable(DataTable):
+class LiveTable(SteadyScroll, DataTable):
     """Subclasses name their COLUMNS as (label, key); rows are keyed by the caller's key.
 
     A DataTable renders every visible cell again after any one changes (its caches are keyed
     by a counter every update bumps): a run's tables change a few times a second, and drawing
     them was most of a frame. Here a rendered cell is kept until its own value changes (or the
-    table's shape, width or styles do), so a frame renders only the cells that changed."""
+    table's shape, width or styles do), so a frame renders only the cells that changed; the
+    header's cells are kept while their labels are unchanged."""
 
     COLUMNS: ClassVar[tuple[tuple[str, str], ...]] = ()
     _row_refresh_only = False  # set while update_cell runs (DataTable refreshes in __init__)
@@ -50,14 +53,26 @@ class LiveTable(DataTable):
         cursor: bool = False,
         hover: bool = False,
     ) -> Any:
-        if row_index < 0 or column_index < 0:  # the header and row labels: as DataTable does
+        if column_index < 0:  # row labels: as DataTable does
             return super()._render_cell(row_index, column_index, base_style, width, cursor, hover)
-        row_key = self._row_locations.get_key(row_index)
         column_key = self._column_locations.get_key(column_index)
+        if row_index < 0:  # the header: kept while its label is what it was drawn from
+            label = self.columns[column_key].label
+            row_key: Any = (
+                "header",
+                label.plain,
+                str(label.style),
+                label.justify,
+                self.header_height,
+            )
+            version = 0
+        else:
+            row_key = self._row_locations.get_key(row_index)
+            version = self._cell_versions.get((row_key, column_key), 0)
         key = (
             row_key,
             column_key,
-            self._cell_versions.get((row_key, column_key), 0),
+            version,
             row_index,
             column_index,
             base_style,
