@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rich.text import Text
@@ -12,10 +13,15 @@ from textual.app import App, ComposeResult
 from textual.widget import Widget
 from textual.widgets import DataTable, Static
 
+import runners.record
+from analysis.dsa_live import LiveAgg
+from console.panels.dsa_trace import CHART_PARTS, DsaPanel
 from console.panels.equivalence import EquivalencePanel, VerdictTable
+from console.widgets.dsa_charts import ColumnHistogram, LayerBars
 from console.widgets.live_table import LiveTable
 from console.widgets.run_log import LogLines, wrap_line
-from runners.events import Error, OutputLines, RunStarted
+from console.widgets.steady import SteadyStatic
+from runners.events import Error, OutputLines, RunFinished, RunStarted, TraceBatch
 from runners.kinds import event_types
 from runners.kinds.equivalence import PairVerdict
 from runners.record import iter_events, read_events
@@ -259,3 +265,133 @@ async def test_the_verdict_table_takes_the_planned_pairs_height_at_its_first_row
         panel.fold(_pair(2, 0))  # a pair the plan did not have still gets its row
         panel.show_changes()
         await wait_for(pilot, lambda: table.size.height == 6, 10, "a fifth row")
+
+
+class _StaticApp(App[None]):
+    def compose(self) -> ComposeResult:
+        yield SteadyStatic("", id="s")
+
+
+async def test_a_steady_static_lays_out_again_only_when_its_text_changes_shape(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    app = _StaticApp()
+    layouts: list[bool] = []
+    update = SteadyStatic.update
+
+    def counting(self, content="", *, layout=True):  # noqa: ANN001, ANN202
+        layouts.append(layout)
+        return update(self, content, layout=layout)
+
+    monkeypatch.setattr(SteadyStatic, "update", counting)
+    async with app.run_test(size=SIZE) as pilot:
+        static = app.query_one(SteadyStatic)
+        static.show_text(Text("records 1\nrate 5"))
+        static.show_text(Text("records 22\nrate 50"))  # as many lines, as wide as the screen
+        static.show_text(Text("records 22\nrate 50\nmore"))  # a third line: taller
+        assert layouts == [True, False, True]
+        await pilot.pause()
+        assert static.size.height == 3
+        static.show_text(Text("x" * 150 + "\nb\nc"))  # wraps: as tall as its wrapped rows
+        static.show_text(Text("x" * 250 + "\nb\nc"))
+        assert layouts[3:] == [True, True]
+        await wait_for(pilot, lambda: static.size.height == 5, 10, "the wrapped rows")
+        static.styles.width = "auto"
+        static.show_text(Text("ab"))
+        static.show_text(Text("abc"))  # as wide as its text: one more column
+        assert layouts[5:] == [True, True]
+
+
+def _dsa_events() -> list[Any]:
+    path = Path(__file__).resolve().parent / "data" / "dsa_run" / "events.jsonl"
+    return read_events(path, event_types()).events
+
+
+async def test_the_dsa_panel_draws_its_charts_one_per_tick_while_records_stream_in(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    drawn: list[str] = []
+    histogram, bars = ColumnHistogram.show, LayerBars.show
+
+    def hist(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        drawn.append(self.id.removeprefix("dsa-h-"))
+        return histogram(self, *args, **kwargs)
+
+    def layers(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        drawn.append("layers")
+        return bars(self, *args, **kwargs)
+
+    monkeypatch.setattr(ColumnHistogram, "show", hist)
+    monkeypatch.setattr(LayerBars, "show", layers)
+    app = _PanelApp(DsaPanel(id="panel"))
+    events = _dsa_events()
+    traces = [e for e in events if isinstance(e, TraceBatch)]
+    async with app.run_test(size=SIZE) as pilot:
+        panel = app.query_one(DsaPanel)
+        panel.fold(traces[0])
+        panel.show_changes()
+        assert drawn == [CHART_PARTS[0]]  # one chart a tick: a tick's work stays small
+        panel.fold(traces[1])  # new records: every chart is behind again
+        for _ in range(len(CHART_PARTS)):
+            panel.show_changes()
+        assert drawn[1:] == list(CHART_PARTS)  # each drawn from the newest state, in turn
+        drawn.clear()
+        panel.show_changes()
+        assert drawn == []  # nothing new: nothing drawn
+        for event in traces[2:]:
+            panel.fold(event)
+        panel.fold(next(e for e in events if isinstance(e, RunFinished)))
+        panel.show_changes()
+        assert sorted(drawn) == sorted(CHART_PARTS)  # the run's end: all of them at once
+        await pilot.pause()
+        final = int(sum(LiveAgg.hist(panel.view.vector(), "touched")))
+        assert f"n={final}" in str(panel.query_one("#dsa-h-touched", ColumnHistogram).render())
+
+
+class _PanelApp(App[None]):
+    def __init__(self, panel: Any) -> None:
+        super().__init__()
+        self.panel = panel
+
+    def compose(self) -> ComposeResult:
+        yield self.panel
+
+
+def test_reading_a_record_runs_no_collection_until_it_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(runners.record, "CHUNK", 1 << 16)
+    events = [
+        OutputLines(
+            cell=0, stream="stdout", lines=[f"line {i} " + "x" * 60], file="o", end_offset=i
+        )
+        for i in range(3000)
+    ]
+    path = _record(tmp_path / "events.jsonl", [e.to_json() for e in events])
+    assert path.stat().st_size > 4 * runners.record.CHUNK  # read in several chunks
+    collections: list[int] = []
+    at_each_chunk: list[int] = []  # collections seen when each chunk is split into lines
+    split = runners.record.split_lines
+
+    def split_lines(data: bytes) -> tuple[list[bytes], bytes]:
+        at_each_chunk.append(len(collections))
+        return split(data)
+
+    def seen(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            collections.append(info["generation"])
+
+    monkeypatch.setattr(runners.record, "split_lines", split_lines)
+    types = event_types()
+    threshold = gc.get_threshold()
+    gc.set_threshold(10)  # a collection at the first chance
+    gc.callbacks.append(seen)
+    try:
+        recorded = read_events(path, types)
+    finally:
+        gc.callbacks.remove(seen)
+        gc.set_threshold(*threshold)
+    # none from the first chunk on (between chunks each walked every event decoded so far)
+    assert len(at_each_chunk) > 4 and len(set(at_each_chunk)) == 1, at_each_chunk
+    assert gc.isenabled()
+    assert [e.lines for e in recorded.events] == [e.lines for e in events]  # type: ignore[attr-defined]

@@ -11,7 +11,7 @@ from textual.cache import LRUCache
 from textual.widgets import DataTable
 from textual.widgets.data_table import ColumnKey, RowKey
 
-from console.widgets.steady_scroll import SteadyScroll
+from console.widgets.steady import SteadyScroll
 
 CELL_CACHE = 1024  # rendered cells kept; more than a screen shows
 RENDER_CACHE = 200  # rendered rows and lines kept

@@ -25,7 +25,7 @@ from console.run_model import (
     params_label,
     varying_keys,
 )
-from console.widgets.steady_scroll import SteadyScroll
+from console.widgets.steady import SteadyScroll
 from console.widgets.text import plain
 
 MARKS = {"stdout": "|", "stderr": "!"}
@@ -62,7 +62,7 @@ def format_line(cell: int, stream: str, line: str) -> str:
 
 class LogLines(SteadyScroll, Log):
     """A Log that measures what it is given where it is written, and that grows without
-    laying the screen out again (console.widgets.steady_scroll).
+    laying the screen out again (console.widgets.steady).
 
     Textual's Log measures every write in a new worker thread, whose measuring holds the
     interpreter while the screen draws and whose answer comes back as one more message; an

@@ -1,17 +1,22 @@
-"""Scrolling widgets whose growing content does not re-lay the screen out.
+"""Widgets whose changing content does not lay the screen out again.
 
 A Log or DataTable that grows sets its virtual (scrollable) size, which Textual treats as a
 layout change: the whole screen is arranged again and every widget whose map entry changed is
 redrawn whole (profiled on bench/bench_console.py: most of each 50-350 ms repaint while a run
 streams). A scroll view's outer size depends on its virtual size only where the CSS sizes it by
 its content (`auto`); otherwise only its scrollbars follow, and they ask for a layout themselves
-when they appear or go.
+when they appear or go. A Static's update lays the screen out too, unless told its size stays:
+SteadyStatic tells it so whenever the new text has the shape of the old (as many lines, as
+wide).
 """
 
 from __future__ import annotations
 
+from rich.cells import cell_len
+from rich.text import Text
 from textual.geometry import Size
 from textual.reactive import Reactive
+from textual.widgets import Static
 
 
 class SteadyScroll:
@@ -31,3 +36,23 @@ class SteadyScroll:
             widget.refresh(layout=True)  # type: ignore[attr-defined]
         else:
             widget._scroll_update(new)  # type: ignore[attr-defined]
+
+
+class SteadyStatic(Static):
+    """A Static whose `show_text` lays the screen out again only when the text's shape (its
+    line count and widest line, what an auto-sized Static's size follows) changes."""
+
+    _shape: tuple[int, int] | None = None
+
+    def show_text(self, text: Text) -> None:
+        lines = text.plain.split("\n")
+        widest = max(cell_len(line) for line in lines)
+        width = self.styles.width
+        # A Static as wide as its container is as tall as its lines, unless one wraps.
+        wraps = not text.no_wrap and self.styles.text_wrap != "nowrap"
+        if (width is not None and width.is_auto) or (wraps and widest > self.content_size.width):
+            shape = (len(lines), widest)
+        else:
+            shape = (len(lines), -1)
+        self.update(text, layout=shape != self._shape)
+        self._shape = shape
