@@ -10,17 +10,18 @@ import pytest
 from rich.text import Text
 from test_console import SIZE, wait_for
 from textual.app import App, ComposeResult
+from textual.screen import Screen
 from textual.widget import Widget
 from textual.widgets import DataTable, Static
+from textual.widgets._footer import FooterKey
 
-import runners.record
 from analysis.dsa_live import LiveAgg
 from console.panels.dsa_trace import CHART_PARTS, DsaPanel
 from console.panels.equivalence import EquivalencePanel, VerdictTable
 from console.widgets.dsa_charts import ColumnHistogram, LayerBars
 from console.widgets.live_table import LiveTable
 from console.widgets.run_log import LogLines, wrap_line
-from console.widgets.steady import SteadyStatic
+from console.widgets.steady import SteadyFooter, SteadyStatic
 from runners.events import Error, OutputLines, RunFinished, RunStarted, TraceBatch
 from runners.kinds import event_types
 from runners.kinds.equivalence import PairVerdict
@@ -357,41 +358,76 @@ class _PanelApp(App[None]):
         yield self.panel
 
 
-def test_reading_a_record_runs_no_collection_until_it_is_read(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+class _FooterScreen(Screen[None]):
+    BINDINGS = [("x", "go", "Go"), ("y", "stay", "Stay")]
+    allowed = True
+
+    def compose(self) -> ComposeResult:
+        yield SteadyFooter()
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        return None if action == "go" and not self.allowed else True  # None: shown, disabled
+
+
+class _FooterApp(App[None]):
+    def on_mount(self) -> None:
+        self.push_screen(_FooterScreen())
+
+
+async def test_the_footer_rebuilds_its_keys_only_when_what_it_offers_changes() -> None:
+    app = _FooterApp()
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, _FooterScreen), 10, "the screen")
+        screen = app.screen
+        assert isinstance(screen, _FooterScreen)
+        footer = screen.query_one(SteadyFooter)
+
+        def keys() -> list[FooterKey]:
+            return list(footer.query(FooterKey))
+
+        await wait_for(pilot, lambda: {"Go", "Stay"} <= {k.description for k in keys()}, 10, "keys")
+        shown = keys()
+        for _ in range(3):  # Textual asks for a rebuild: the same keys are offered
+            screen.refresh_bindings()
+            await pilot.pause()
+        assert keys() == shown  # the same widgets: nothing was rebuilt
+        screen.allowed = False
+        screen.refresh_bindings()
+        await wait_for(pilot, lambda: keys() != shown, 10, "the keys rebuilt")
+        go = next(k for k in keys() if k.description == "Go")
+        assert go.has_class("-disabled")
+
+
+async def test_a_live_table_joins_again_only_the_lines_of_rows_that_changed(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(runners.record, "CHUNK", 1 << 16)
-    events = [
-        OutputLines(
-            cell=0, stream="stdout", lines=[f"line {i} " + "x" * 60], file="o", end_offset=i
-        )
-        for i in range(3000)
-    ]
-    path = _record(tmp_path / "events.jsonl", [e.to_json() for e in events])
-    assert path.stat().st_size > 4 * runners.record.CHUNK  # read in several chunks
-    collections: list[int] = []
-    at_each_chunk: list[int] = []  # collections seen when each chunk is split into lines
-    split = runners.record.split_lines
+    app = _TableApp()
+    joined: list[str] = []
+    base = DataTable._render_line_in_row
 
-    def split_lines(data: bytes) -> tuple[list[bytes], bytes]:
-        at_each_chunk.append(len(collections))
-        return split(data)
+    def counting(self, row_key, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        joined.append(row_key.value)
+        return base(self, row_key, *args, **kwargs)
 
-    def seen(phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            collections.append(info["generation"])
-
-    monkeypatch.setattr(runners.record, "split_lines", split_lines)
-    types = event_types()
-    threshold = gc.get_threshold()
-    gc.set_threshold(10)  # a collection at the first chance
-    gc.callbacks.append(seen)
-    try:
-        recorded = read_events(path, types)
-    finally:
-        gc.callbacks.remove(seen)
-        gc.set_threshold(*threshold)
-    # none from the first chunk on (between chunks each walked every event decoded so far)
-    assert len(at_each_chunk) > 4 and len(set(at_each_chunk)) == 1, at_each_chunk
-    assert gc.isenabled()
-    assert [e.lines for e in recorded.events] == [e.lines for e in events]  # type: ignore[attr-defined]
+    monkeypatch.setattr(DataTable, "_render_line_in_row", counting)
+    async with app.run_test(size=SIZE) as pilot:
+        table = app.query_one(LiveTable)
+        await wait_for(pilot, lambda: {str(i) for i in range(10)} <= set(joined), 10, "drawn")
+        await pilot.pause()
+        joined.clear()
+        table.add_row(Text("ax"), Text("bx"), key="10")  # as wide: the whole table repaints
+        await wait_for(pilot, lambda: "10" in joined, 10, "the new row drawn")
+        await pilot.pause()
+        assert set(joined) == {"10"}, joined
+        joined.clear()
+        table.set_cell("4", "a", Text("zz"))
+        table.refresh()  # everything asked to repaint: only row 4's line is joined again
+        await wait_for(pilot, lambda: "4" in joined, 10, "row 4 drawn")
+        await pilot.pause()
+        assert set(joined) == {"4"}, joined
+        assert "zz" in "".join(s.text for s in table.render_line(5))  # the header, rows 0..3
+        joined.clear()
+        table.set_cell("6", "b", Text("much wider"))  # the column widens: every line again
+        await wait_for(pilot, lambda: {str(i) for i in range(11)} <= set(joined), 10, "all")
+        assert "much wider" in "".join(s.text for s in table.render_line(7))
+        assert "b0" in "".join(s.text for s in table.render_line(1))

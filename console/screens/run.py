@@ -13,7 +13,6 @@ from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.message import Message
 from textual.screen import Screen
-from textual.widgets import Footer
 from textual.worker import Worker, WorkerState
 
 from console.heap import freeze_screen, thaw_screen
@@ -36,6 +35,7 @@ from console.widgets.hosts_line import HostsLine
 from console.widgets.progress import ProgressView
 from console.widgets.run_header import RunHeader
 from console.widgets.run_log import RunLog
+from console.widgets.steady import SteadyFooter
 from runners.events import Error, Event
 from runners.kinds import event_types
 from runners.presets import PresetError
@@ -114,7 +114,7 @@ class RunScreen(Screen[None]):
         with Horizontal(id="run-bottom"):
             yield CellsTable(id="cells")
             yield RunLog(id="log")
-        yield Footer()
+        yield SteadyFooter()
 
     def on_mount(self) -> None:
         self.set_interval(1 / TICK_HZ, self.drain)

@@ -7,7 +7,9 @@ streams). A scroll view's outer size depends on its virtual size only where the 
 its content (`auto`); otherwise only its scrollbars follow, and they ask for a layout themselves
 when they appear or go. A Static's update lays the screen out too, unless told its size stays:
 SteadyStatic tells it so whenever the new text has the shape of the old (as many lines, as
-wide).
+wide). A Footer rebuilds its keys (tens of ms, each key's styles worked out again) whenever
+Textual asks, several times while a run streams even though it offers the same keys:
+SteadyFooter rebuilds only when what it offers has changed.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from rich.cells import cell_len
 from rich.text import Text
 from textual.geometry import Size
 from textual.reactive import Reactive
-from textual.widgets import Static
+from textual.widgets import Footer, Static
 
 
 class SteadyScroll:
@@ -56,3 +58,43 @@ class SteadyStatic(Static):
             shape = (len(lines), -1)
         self.update(text, layout=shape != self._shape)
         self._shape = shape
+
+
+class SteadyFooter(Footer):
+    """A Footer that recomposes only when the keys it would show differ from those it shows."""
+
+    _shown: tuple[object, ...] | None = None
+
+    def _offer(self) -> tuple[object, ...]:
+        """Everything Footer.compose draws from."""
+        app = self.app
+        keys = tuple(
+            (
+                binding.key,
+                app.get_key_display(binding),
+                binding.description,
+                binding.action,
+                enabled,
+                tooltip,
+                binding.tooltip,
+                repr(binding.group),
+            )
+            for (_, binding, enabled, tooltip) in self.screen.active_bindings.values()
+            if binding.show
+        )
+        return (
+            self._bindings_ready,
+            self.show_command_palette,
+            app.ENABLE_COMMAND_PALETTE,
+            app.COMMAND_PALETTE_BINDING,
+            keys,
+        )
+
+    async def recompose(self) -> None:
+        if not self.is_attached:
+            return await super().recompose()
+        offer = self._offer()
+        if offer == self._shown:
+            return None
+        self._shown = offer
+        return await super().recompose()
