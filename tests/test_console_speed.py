@@ -331,15 +331,19 @@ async def test_the_dsa_panel_draws_its_charts_one_per_tick_while_records_stream_
         panel = app.query_one(DsaPanel)
         panel.fold(traces[0])
         panel.show_changes()
-        assert drawn == [CHART_PARTS[0]]  # one chart a tick: a tick's work stays small
-        panel.fold(traces[1])  # new records: every chart is behind again
+        assert drawn == list(CHART_PARTS)  # the first time all (sized together, one layout)
+        drawn.clear()
+        panel.fold(traces[1])
+        panel.show_changes()
+        assert drawn == [CHART_PARTS[0]]  # then one chart a tick: a tick's work stays small
+        panel.fold(traces[2])  # new records: every chart is behind again
         for _ in range(len(CHART_PARTS)):
             panel.show_changes()
         assert drawn[1:] == list(CHART_PARTS)  # each drawn from the newest state, in turn
         drawn.clear()
         panel.show_changes()
         assert drawn == []  # nothing new: nothing drawn
-        for event in traces[2:]:
+        for event in traces[3:]:
             panel.fold(event)
         panel.fold(next(e for e in events if isinstance(e, RunFinished)))
         panel.show_changes()

@@ -204,6 +204,7 @@ class DsaPanel(KindPanel):
         self._folded = 0  # trace batches folded, and how many the charts were last behind
         self._charted = 0
         self._stale: dict[str, None] = {}  # charts not yet drawn from the newest batches
+        self._charts_shown = False
 
     def compose(self) -> ComposeResult:
         yield SteadyStatic("", id="dsa-counters", markup=False)
@@ -254,7 +255,10 @@ class DsaPanel(KindPanel):
         if self._folded != self._charted:  # records came: every chart is behind
             self._charted = self._folded
             self._stale = dict.fromkeys(CHART_PARTS)
-        if self.finished is not None:
+        if self.finished is not None or not self._charts_shown:
+            # the first time all at once: their first draw sizes them (a layout, shared with
+            # the panel's own appearing), later draws keep their size
+            self._charts_shown = True
             self.draw_charts()
         elif self._stale:
             self.draw_charts(next(iter(self._stale)))
