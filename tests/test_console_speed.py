@@ -6,6 +6,7 @@ import gc
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 from rich.text import Text
 from test_console import SIZE, wait_for
@@ -15,14 +16,25 @@ from textual.widget import Widget
 from textual.widgets import DataTable, Static
 from textual.widgets._footer import FooterKey
 
+import console.screens.run
 from analysis.dsa_live import LiveAgg
+from console.app import create_app
 from console.panels.dsa_trace import CHART_PARTS, DsaPanel
 from console.panels.equivalence import EquivalencePanel, VerdictTable
+from console.screens.run import RunScreen
 from console.widgets.dsa_charts import ColumnHistogram, LayerBars
 from console.widgets.live_table import LiveTable
-from console.widgets.run_log import LogLines, wrap_line
+from console.widgets.run_log import LogLines, RunLog, wrap_line
 from console.widgets.steady import SteadyFooter, SteadyStatic
-from runners.events import Error, OutputLines, RunFinished, RunStarted, TraceBatch
+from runners.events import (
+    CellFinished,
+    CellStarted,
+    Error,
+    OutputLines,
+    RunFinished,
+    RunStarted,
+    TraceBatch,
+)
 from runners.kinds import event_types
 from runners.kinds.equivalence import PairVerdict
 from runners.record import iter_events, read_events
@@ -435,3 +447,83 @@ async def test_a_live_table_joins_again_only_the_lines_of_rows_that_changed(
         await wait_for(pilot, lambda: {str(i) for i in range(11)} <= set(joined), 10, "all")
         assert "much wider" in "".join(s.text for s in table.render_line(7))
         assert "b0" in "".join(s.text for s in table.render_line(1))
+
+
+def _long_record(folder: Path, lines: int) -> None:
+    """A recorded one-cell run whose cell writes `lines` output lines (one an event)."""
+    t = 1_780_000_000.0
+    events: list[Any] = [
+        RunStarted(
+            run_id="r",
+            preset="p",
+            kind="equivalence",
+            target="local",
+            local_dir=str(folder),
+            remote_dir="/tmp/r",
+            cells=[{"index": 0, "params": {}, "command": "e"}],
+            profile="none",
+            env={},
+            t=t,
+        ),
+        CellStarted(cell=0, params={}, command="e", t=t),
+    ]
+    for n in range(lines):
+        events.append(
+            OutputLines(cell=0, stream="stdout", lines=[f"line {n}"], file="o", end_offset=n, t=t)
+        )
+    events.append(CellFinished(cell=0, state="passed", exit_code=0, duration_s=1.0, t=t))
+    events.append(RunFinished(verdict="PASS_EQUIV", exit_code=0, summary={}, t=t + 1))
+    record = {
+        "run_id": "r",
+        "preset": "p",
+        "kind": "equivalence",
+        "source": "test",
+        "overrides": [],
+        "preset_data": {},
+        "target": "local",
+        "remote_dir": "/tmp/r",
+        "lock": "/tmp/r.lock",
+        "local_dir": str(folder),
+        "started_at": "2026-01-01",
+        "user": "u",
+        "console_host": "h",
+        "date": "2026-01-01",
+        "extra": {},
+    }
+    (folder / "run.json").write_bytes(orjson.dumps(record))
+    _record(folder / "events.jsonl", [e.to_json() for e in events])
+
+
+async def test_a_fast_replay_writes_its_log_when_the_backlog_allows_and_ends_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _long_record(tmp_path, 30_000)
+    monkeypatch.setattr(console.screens.run, "TABLES_EVERY_S", 1e9)  # never during the backlog
+    during: list[bool] = []
+    show_new = RunLog.show_new
+
+    def counting(self, model, count):  # noqa: ANN001, ANN202
+        screen = self.screen
+        during.append(bool(screen.buffer) or screen._fast_feed_running())
+        return show_new(self, model, count)
+
+    monkeypatch.setattr(RunLog, "show_new", counting)
+    app = create_app(out_dir=tmp_path / "out", replay_dir=tmp_path, speed=0)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, RunScreen), 10, "the run screen")
+        screen = app.screen
+        assert isinstance(screen, RunScreen)
+        await wait_for(
+            pilot,
+            lambda: screen.model.finished is not None and not screen.buffer,
+            10,
+            "the replay's end",
+        )
+        await pilot.pause()
+        log = screen.query_one("#log", RunLog)
+        await wait_for(pilot, lambda: log.lines()[-1:] == ["[1] | line 29999"], 10, "the end")
+        # thousands of lines a tick were formatted and pushed out of the scrollback by the
+        # next tick's: while the backlog drains the log waits (here: to the end)
+        assert during and not any(during[:-1]), during
+        assert len(log.lines()) == log.max_lines
+        assert log.lines()[0] == f"[1] | line {30_000 - log.max_lines}"
