@@ -18,6 +18,18 @@ one changed (DataTable keys its caches by one update counter), full garbage coll
 the run screen's widgets and DataTable's 1,000-line/10,000-cell caches of stale renders (50-100 ms
 each), the footer rebuilt (tens of ms) on drain ticks where nothing it shows changed, and a
 thread Textual's Log starts per write to measure line widths (holding the interpreter).
+
+Then (a per-callback CPU clock and cProfile of each repaint over 15 ms, which widgets drew and
+whether it was a layout): nearly every slow repaint was a full layout. A Log or DataTable that
+grows sets its virtual size, which Textual treats as a layout change, and the verdict table
+(height auto) grew by a row per judged pair, moving everything below it: each layout redrew
+every widget whose map entry changed (the cells table, the log, the panel: 50-350 ms). Also
+DataTable drew its header cells again and joined every visible line again after any update
+(its caches are keyed by one update counter), Log worked out its widget style for each line
+(a walk over every ancestor), and the footer rebuilt its keys (its styles re-applied: tens of
+ms) several times while a run streamed, offering the same keys. In the fast pass, most of each
+drain was the log: up to 5,000 lines formatted and written a tick, pushed out of the
+scrollback by the next tick's (now written a few times a second while a backlog drains).
 """
 
 from __future__ import annotations

@@ -28,6 +28,11 @@ thread beside the screen's event loop, holding the interpreter the loop needs; f
 digests (TraceBook.apply) is ~100x cheaper. The judge now feeds a helper process
 (runners/dsa_worker.py) and folds its digests back; one core still judges one stream, so a
 single shard faster than a core can parse is judged behind the writer (its rate is printed).
+The screen's stalls (per-callback CPU, cProfile of each slow repaint): every panel update was a
+layout (Static.update lays the screen out unless told the size stays), and the five histograms
+and the layer bars were redrawn in one tick (the layer bars alone 13-18 ms: a span per
+character); now text widgets lay out only when their text changes shape and the charts redraw
+one per tick while records stream.
 """
 
 from __future__ import annotations

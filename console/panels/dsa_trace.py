@@ -26,6 +26,7 @@ from console.heap import freeze_startup
 from console.panel import KindPanel
 from console.widgets.dsa_charts import ColumnHistogram, HeatMap, LayerBars
 from console.widgets.dsa_data_tabs import DsaDataTabs
+from console.widgets.steady import SteadyStatic
 from console.widgets.text import clean, plain
 from runners.events import Event, RunFinished, RunStarted, TraceBatch
 from runners.kinds.dsa_trace import DsaPrinter, TraceBook
@@ -42,6 +43,8 @@ CHARTS = (
     ("prefix", "prefix ∩ ratio", ("0", "1"), 1),
 )
 # What a chart's x axis is: its unit and how its bins are laid out (analysis.dsa_live's HIST).
+# What the panel draws in turns while records stream in: its histograms, then the layer bars.
+CHART_PARTS = (*(key for key, _, _, _ in CHARTS), "layers")
 SCALES = {
     "touched": "ratio",
     "unique_blocks": "log2 blocks",
@@ -197,15 +200,19 @@ class DsaPanel(KindPanel):
         self.header: Any = None
         self.detail_screen: DsaDetail | None = None
         self._seen: deque[tuple[float, int]] = deque()  # (event time, records), last RATE_S
-        self._charts_at = 0.0  # when the charts were last drawn (monotonic)
+        self._charts_at = 0.0  # when the detail screen was last drawn (monotonic)
+        self._folded = 0  # trace batches folded, and how many the charts were last behind
+        self._charted = 0
+        self._stale: dict[str, None] = {}  # charts not yet drawn from the newest batches
+        self._charts_shown = False
 
     def compose(self) -> ComposeResult:
-        yield Static("", id="dsa-counters", markup=False)
+        yield SteadyStatic("", id="dsa-counters", markup=False)
         with Horizontal(id="dsa-charts"):
             for key, title, labels, _ in CHARTS:
                 yield ColumnHistogram(title, labels, id=f"dsa-h-{key}")
         yield LayerBars("", id="dsa-layers", markup=False)
-        yield Static("", id="dsa-first", markup=False)
+        yield SteadyStatic("", id="dsa-first", markup=False)
 
     def take(self, event: Event) -> bool:
         if isinstance(event, RunStarted):
@@ -216,6 +223,7 @@ class DsaPanel(KindPanel):
             return True
         if not (isinstance(event, TraceBatch) and self.book.apply(event)):
             return False
+        self._folded += 1
         seen = self._seen
         seen.append((event.t, self.book.totals()["records"]))
         while len(seen) > 2 and seen[1][0] <= event.t - RATE_S:
@@ -234,29 +242,47 @@ class DsaPanel(KindPanel):
         return (seen[-1][1] - seen[0][1]) / (seen[-1][0] - seen[0][0])
 
     def redraw(self) -> None:
-        """Counters on every tick; the charts (and the detail screen) at most CHARTS_EVERY_S
-        apart while records stream in: each chart redraw makes thousands of render objects,
-        and at 20,000 records/s redrawing them 15 times a second costs the screen its ticks
-        (through the garbage collector). The last state is always drawn."""
+        """Counters on every tick; the charts one at a time while records stream in (each
+        redraw of one makes thousands of render objects: all of them in one tick at 20,000
+        records/s cost the screen its ticks), all at once when the run has finished; the
+        detail screen at most CHARTS_EVERY_S apart. The last state is always drawn."""
         if self.book.streams:
             self.add_class("-live")
-        self.query_one("#dsa-counters", Static).update(
+        self.query_one("#dsa-counters", SteadyStatic).show_text(
             counters(self.book, self.rate(), self.finished is not None)
         )
-        self.query_one("#dsa-first", Static).update(first_fail_text(self.book, short=True))
+        self.query_one("#dsa-first", SteadyStatic).show_text(first_fail_text(self.book, short=True))
+        if self._folded != self._charted:  # records came: every chart is behind
+            self._charted = self._folded
+            self._stale = dict.fromkeys(CHART_PARTS)
+        if self.finished is not None or not self._charts_shown:
+            # the first time all at once: their first draw sizes them (a layout, shared with
+            # the panel's own appearing), later draws keep their size
+            self._charts_shown = True
+            self.draw_charts()
+        elif self._stale:
+            self.draw_charts(next(iter(self._stale)))
+        if self._stale:
+            self._dirty = True  # the next tick draws the next chart
         now = time.monotonic()
-        if now - self._charts_at < CHARTS_EVERY_S and self.finished is None:
-            self._dirty = True  # not yet: the next tick comes back for the charts
-            return
-        self._charts_at = now
-        self.draw_charts()
         if self.detail_screen is not None and self.detail_screen.is_mounted:
-            self.detail_screen.redraw()
+            if now - self._charts_at >= CHARTS_EVERY_S or self.finished is not None:
+                self._charts_at = now
+                self.detail_screen.redraw()
+            else:
+                self._dirty = True
 
-    def draw_charts(self) -> None:
-        draw_charts(self, self.view, "dsa-h-")
-        layer = self.view.filter[1] if self.view.filter[0] == "layer" else None
-        self.query_one("#dsa-layers", LayerBars).show(self.view.live().layer_means(), layer)
+    def draw_charts(self, part: str | None = None) -> None:
+        """Draw one chart (a CHARTS key, or "layers"), or all of them."""
+        parts = CHART_PARTS if part is None else (part,)
+        for name in parts:
+            self._stale.pop(name, None)
+        keys = [key for key in parts if key != "layers"]
+        if keys:
+            draw_charts(self, self.view, "dsa-h-", keys)
+        if "layers" in parts:
+            layer = self.view.filter[1] if self.view.filter[0] == "layer" else None
+            self.query_one("#dsa-layers", LayerBars).show(self.view.live().layer_means(), layer)
 
     def status(self) -> str:
         t = self.book.totals()
@@ -269,9 +295,11 @@ class DsaPanel(KindPanel):
         return self.detail_screen
 
 
-def draw_charts(host: Any, view: DsaView, prefix: str) -> None:
+def draw_charts(host: Any, view: DsaView, prefix: str, keys: list[str] | None = None) -> None:
     vec = view.vector()
     for key, _, _, width in CHARTS:
+        if keys is not None and key not in keys:
+            continue
         values, labels = trimmed(key, LiveAgg.hist(vec, key).tolist())
         # fewer bins are drawn wider, so a few bins still read as a chart
         wide = max(width, 20 // max(1, len(values)))

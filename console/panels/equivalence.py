@@ -14,8 +14,8 @@ from analysis.equivalence import FAIL_EQUIV
 from console.panel import KindPanel
 from console.widgets.live_table import LiveTable
 from console.widgets.text import TONE_STYLES, clean, number, plain
-from runners.events import Event, RunFinished
-from runners.kinds.equivalence import KIND, PairUnjudged, PairVerdict
+from runners.events import Event, RunFinished, RunStarted
+from runners.kinds.equivalence import KIND, PAIR_KEYS, PairUnjudged, PairVerdict
 
 METRICS = ("max_abs_diff", "p99_abs_diff", "top1_agreement", "cos_sim_mean")
 
@@ -29,8 +29,17 @@ class EquivalenceView:
         self.first_fail: dict[str, Any] | None = None
         self.first_fail_verdict: str | None = None
         self.first_fail_changed = False
+        self.planned = 0  # the pairs the run's cells make (its plan), 0 before it is known
 
     def take(self, event: Event) -> bool:
+        if isinstance(event, RunStarted):
+            pairs = {
+                (str(p["kv_aligned"]), str(p["seed"]))
+                for cell in event.cells
+                if isinstance(p := cell.get("params"), dict) and set(PAIR_KEYS) <= set(p)
+            }
+            self.planned = len(pairs)
+            return False
         if isinstance(event, PairUnjudged):
             key = (event.kv_aligned, event.seed)
             self.verdicts[key] = event
@@ -87,6 +96,13 @@ class VerdictTable(LiveTable):
     DEFAULT_CSS = """
     VerdictTable { height: auto; max-height: 11; }
     """
+
+    def reserve(self, rows: int) -> None:
+        """Take the height of `rows` rows at once (capped by max-height): the rows that come
+        in later fill it without moving the widgets below (a move redraws the whole screen)."""
+        height = rows + 1  # the header
+        if rows and self.styles.height != height:  # type: ignore[comparison-overlap]
+            self.styles.height = height
 
     def cells(self, row: PairVerdict | PairUnjudged) -> tuple[Text, ...]:
         key = (Text(str(row.kv_aligned), justify="right"), Text(str(row.seed), justify="right"))
@@ -243,7 +259,9 @@ class EquivalencePanel(KindPanel):
         if view.changed:
             changed, view.changed = list(view.changed), {}
             self.add_class("-pairs")
-            self.query_one("#verdicts", VerdictTable).show(view, changed)
+            table = self.query_one("#verdicts", VerdictTable)
+            table.reserve(max(view.planned, len(view.verdicts)))
+            table.show(view, changed)
         if view.first_fail_changed:
             view.first_fail_changed = False
             self.add_class("-pairs")

@@ -13,7 +13,6 @@ from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.message import Message
 from textual.screen import Screen
-from textual.widgets import Footer
 from textual.worker import Worker, WorkerState
 
 from console.heap import freeze_screen, thaw_screen
@@ -36,6 +35,7 @@ from console.widgets.hosts_line import HostsLine
 from console.widgets.progress import ProgressView
 from console.widgets.run_header import RunHeader
 from console.widgets.run_log import RunLog
+from console.widgets.steady import SteadyFooter
 from runners.events import Error, Event
 from runners.kinds import event_types
 from runners.presets import PresetError
@@ -97,6 +97,8 @@ class RunScreen(Screen[None]):
         self._header_key: tuple[object, ...] = ()
         self._pending_cells: dict[int, None] = {}
         self._tables_shown = 0.0
+        self._log_shown = 0.0
+        self._log_pending = 0  # lines in the model not yet written to the log
         self._feed_ended = False
         self._stopped = False
         self._status = ""
@@ -114,11 +116,13 @@ class RunScreen(Screen[None]):
         with Horizontal(id="run-bottom"):
             yield CellsTable(id="cells")
             yield RunLog(id="log")
-        yield Footer()
+        yield SteadyFooter()
 
     def on_mount(self) -> None:
         self.set_interval(1 / TICK_HZ, self.drain)
         self.query_one("#cells", CellsTable).focus()
+        # The footer composes with what is offered now: the first tick does not rebuild it.
+        self._bindings_shown = self._bindings_state()
         self._start_feed()
         self.call_after_refresh(freeze_screen)
 
@@ -255,14 +259,21 @@ class RunScreen(Screen[None]):
         changes = model.take_changes()
         self._pending_cells.update(changes.cells)
         # While a backlog drains (attach, fast replay) tables redraw a few times a second only:
-        # any change re-renders a whole DataTable, and the log should keep streaming meanwhile.
+        # any change re-renders a whole DataTable.
         now = time.perf_counter()
         backlog = bool(self.buffer) or self._fast_feed_running()
         if not backlog or model.finished or now - self._tables_shown >= TABLES_EVERY_S:
             self._tables_shown = now
             self._show_tables()
-        if changes.log_new:
-            self.query_one("#log", RunLog).show_new(model, changes.log_new)
+        # The log too: a backlog's lines (thousands a tick, most pushed out of the log's
+        # scrollback by the next tick's) are written a few times a second, the newest kept.
+        self._log_pending += changes.log_new
+        if self._log_pending and (
+            not backlog or model.finished or now - self._log_shown >= TABLES_EVERY_S
+        ):
+            self._log_shown = now
+            count, self._log_pending = self._log_pending, 0
+            self.query_one("#log", RunLog).show_new(model, count)
         if changes.hosts:
             self.query_one("#hosts", HostsLine).show(model)
         if changes.progress:

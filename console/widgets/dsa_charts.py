@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rich.text import Text
-from textual.widgets import Static
+
+from console.widgets.steady import SteadyStatic
 
 BLOCKS = " ▁▂▃▄▅▆▇█"
 SHADES = " ░▒▓█"
@@ -27,7 +28,7 @@ def columns(values: Sequence[float], height: int, style: str = "cyan") -> Text:
     return text
 
 
-class ColumnHistogram(Static):
+class ColumnHistogram(SteadyStatic):
     """A titled histogram: bins as columns (each bin `width` cells wide), axis labels below."""
 
     DEFAULT_CSS = """
@@ -70,10 +71,10 @@ class ColumnHistogram(Static):
         text.append(f"{left}{' ' * pad}{right}", style="dim")
         text.no_wrap = True
         text.overflow = "ellipsis"
-        self.update(text)
+        self.show_text(text)
 
 
-class LayerBars(Static):
+class LayerBars(SteadyStatic):
     """One bar per layer (mean touched_block_ratio), 61 layers fit in 120 columns."""
 
     DEFAULT_CSS = """
@@ -87,15 +88,22 @@ class LayerBars(Static):
         # drop the scale column (the 1.0 that fixes the scale) from every row
         lines = bars.plain.split("\n")
         for row in lines[:-1]:
-            for i, ch in enumerate(row[:-1]):
-                text.append(ch, style="bold yellow" if i == selected else "green")
+            row = row[:-1]
+            # one span per run of a style (a span per character made this chart cost more to
+            # draw than the rest of the panel)
+            if selected is not None and 0 <= selected < len(row):
+                text.append(row[:selected], style="green")
+                text.append(row[selected], style="bold yellow")
+                text.append(row[selected + 1 :], style="green")
+            else:
+                text.append(row, style="green")
             text.append("\n")
         ticks = "".join(str(i // 10) if i % 10 == 0 else " " for i in range(len(means)))
         text.append(ticks, style="dim")
-        self.update(text)
+        self.show_text(text)
 
 
-class HeatMap(Static):
+class HeatMap(SteadyStatic):
     """Layers down, block columns across: touch counts in shades; the prefix region underlined."""
 
     DEFAULT_CSS = """
@@ -132,4 +140,4 @@ class HeatMap(Static):
             f"blocks){top_text}",
             style="dim",
         )
-        self.update(text)
+        self.show_text(text)

@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 from rich.text import Text
-from textual.widgets import Static
 
 from console.run_model import RunModel
+from console.widgets.steady import SteadyStatic
 from console.widgets.text import clean
 
 HOST_STYLES = {
@@ -25,7 +25,7 @@ HOST_STYLES = {
 QUIET = ("waiting", "skipped", "lost", "failed")
 
 
-class HostsLine(Static):
+class HostsLine(SteadyStatic):
     """Hidden for a run on one host; one line per fleet host, or the scheduler's line."""
 
     DEFAULT_CSS = """
@@ -54,7 +54,7 @@ class HostsLine(Static):
         text = Text("\n").join(lines)
         text.no_wrap = True
         text.overflow = "ellipsis"
-        self.update(text)
+        self.show_text(text)
 
 
 def host_line(model: RunModel, spec: str) -> Text:

@@ -4,8 +4,8 @@ one line each, shown only while there is some."""
 from __future__ import annotations
 
 from rich.text import Text
-from textual.widgets import Static
 
+from console.widgets.steady import SteadyStatic
 from console.widgets.text import clean
 from runners.events import Progress
 from runners.progress import progress_text
@@ -13,7 +13,7 @@ from runners.progress import progress_text
 SHOWN = 3
 
 
-class ProgressView(Static):
+class ProgressView(SteadyStatic):
     DEFAULT_CSS = """
     ProgressView { height: auto; max-height: 4; padding: 0 1; color: $text-muted; display: none; }
     ProgressView.-busy { display: block; }
@@ -32,4 +32,4 @@ class ProgressView(Static):
         text = Text("\n".join(clean(line) for line in self.shown))
         text.no_wrap = True
         text.overflow = "ellipsis"
-        self.update(text)
+        self.show_text(text)

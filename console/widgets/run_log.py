@@ -9,9 +9,12 @@ from __future__ import annotations
 from collections import deque
 
 from rich.cells import cell_len, chop_cells
+from rich.style import Style
 from textual import events
 from textual.app import ComposeResult
 from textual.containers import Vertical
+from textual.geometry import Region
+from textual.strip import Strip
 from textual.widgets import Input, Log, Select
 
 from console.run_model import (
@@ -22,6 +25,7 @@ from console.run_model import (
     params_label,
     varying_keys,
 )
+from console.widgets.steady import SteadyScroll
 from console.widgets.text import plain
 
 MARKS = {"stdout": "|", "stderr": "!"}
@@ -56,13 +60,30 @@ def format_line(cell: int, stream: str, line: str) -> str:
     return f"{tag} {MARKS.get(stream, '*')} {line}"
 
 
-class LogLines(Log):
-    """A Log that measures what it is given where it is written.
+class LogLines(SteadyScroll, Log):
+    """A Log that measures what it is given where it is written, and that grows without
+    laying the screen out again (console.widgets.steady).
 
     Textual's Log measures every write in a new worker thread, whose measuring holds the
     interpreter while the screen draws and whose answer comes back as one more message; an
     ASCII line's width is its length (a control code shows as one cell), so the measure is
     cheap enough to take here."""
+
+    _pass_style: Style | None = None
+
+    def render_lines(self, crop: Region) -> list[Strip]:
+        # Log works out the widget's style (a walk over every ancestor's styles) for each line
+        # it draws: once per pass is enough (it was a third of drawing a scrolled log).
+        self._pass_style = self.rich_style
+        try:
+            return super().render_lines(crop)
+        finally:
+            self._pass_style = None
+
+    @property
+    def rich_style(self) -> Style:
+        style = self._pass_style
+        return super().rich_style if style is None else style
 
     def _update_size(self, updates: int, lines: list[str]) -> None:  # type: ignore[override]
         if not lines:
