@@ -148,6 +148,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     setattr(item, f"report_{report.when}", report)
 
 
+# The programs the tests start must get Ctrl-C as an operator's terminal sends it. A suite started
+# as a background job of a script (`cmd &` without job control) inherits SIGINT ignored, and an
+# ignored signal stays ignored across exec: every `tracedeck run` a test starts would then
+# ignore the Ctrl-C a test sends it. A Python handler here is reset to the default in them.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 @pytest.fixture(autouse=True)
 def _sigint_stays_as_it_was() -> Iterator[None]:
     """A test that leaves this process's Ctrl-C handler changed (SIG_IGN above all) passes it to
