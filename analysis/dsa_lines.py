@@ -2,32 +2,46 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from analysis.dsa_record import Fail
+from analysis.dsa_record import Fail, Lines
 from analysis.dsa_stream import TraceStream, problem
 
 READ_CHUNK = 4 << 20
 
 
-def complete_lines(path: Path, chunk: int = READ_CHUNK) -> Iterator[tuple[int, list[bytes], bool]]:
+def complete_lines(
+    path: Path, chunk: int = READ_CHUNK
+) -> Iterator[tuple[int, Sequence[bytes], bool]]:
     """A file's lines in bounded chunks: (first line's number, lines, torn); a last line with no
-    newline comes alone at the end with torn=True."""
+    newline comes alone at the end with torn=True.
+
+    Chunk k ends at the last newline before byte (k + 1) x chunk (chunk_spans' chunks). The
+    bytes after it are read again with the next chunk rather than copied in front of it, and
+    the lines are a Lines (offsets into the buffer read): no 4 MB copy, no copy per line."""
     line_no = 1
-    rest = b""
+    start = at = 0  # the next chunk's first byte; the bytes read so far
+    held = b""  # bytes from start with no newline (a line longer than a chunk)
     with open(path, "rb") as fh:
-        while data := fh.read(chunk):
-            data = rest + data
+        while True:
+            fh.seek(start + len(held))
+            more = fh.read(at + chunk - start - len(held))
+            if len(more) <= at - start - len(held):  # nothing past what was read: the end
+                rest = held + more
+                break
+            at = start + len(held) + len(more)
+            data = held + more if held else more
             cut = data.rfind(b"\n")
             if cut < 0:
-                rest = data
+                held = data
                 continue
-            lines = data[:cut].split(b"\n")
-            rest = data[cut + 1 :]
+            held = b""
+            lines = Lines(data, cut)
             yield line_no, lines, False
             line_no += len(lines)
+            start += cut + 1
     if rest:
         yield line_no, [rest], True
 
@@ -51,11 +65,11 @@ def chunk_spans(path: Path, chunk: int = READ_CHUNK) -> Iterator[tuple[int, int,
         yield start, at - start, line_no, True
 
 
-def read_span(path: Path, offset: int, size: int) -> list[bytes]:
+def read_span(path: Path, offset: int, size: int) -> Lines:
     """The lines of one chunk_spans chunk."""
     with open(path, "rb") as fh:
         fh.seek(offset)
-        return fh.read(size).split(b"\n")
+        return Lines(fh.read(size))
 
 
 def torn_line(stream: TraceStream, path: Path, line_no: int, size: int) -> dict[str, Any]:
