@@ -281,6 +281,11 @@ _FLOATS_OF = attrgetter(*FLOAT_COLS.values())
 _NAMES_OF = attrgetter("run_name", "dataset", "prefix.prefix_key")
 _BLOCKS_OF = attrgetter("selected_block_ids")
 _INTER_OF = attrgetter("prefix.intersection_blocks")
+_TOTAL_OF = attrgetter("total_blocks_in_use")
+_POOLS_OF = attrgetter("kv_fetch.local_pool", "kv_fetch.remote_pool")
+_EVENT_OF = attrgetter("event")
+_SCORES_OF = attrgetter("scores_topk")
+_UNUSED = _Pool([], 0, 0, None, 0)
 _I64_MAX = (1 << 63) - 1
 _EMPTY = np.zeros(0, np.int64)
 
@@ -631,8 +636,8 @@ def _int_matrix(
 ) -> tuple[np.ndarray, np.ndarray]:
     """The rows' integer fields (rows x INT_COLS) and total_blocks_in_use (-1 where absent:
     has_total tells); a row with a value beyond int64 is a bad record (added to rejected)."""
-    ints = [_INTS_OF(r) for r in rests]
-    totals = [r.total_blocks_in_use for r in rests]
+    ints = list(map(_INTS_OF, rests))
+    totals = list(map(_TOTAL_OF, rests))
     unset = msgspec.UNSET
     try:
         imat = np.array(ints, dtype=np.int64).reshape(len(rests), len(INT_COLS))
@@ -662,19 +667,21 @@ def _columns(
     for i, name in enumerate(INT_COLS):
         c[name] = imat[i]
     c["total_blocks"] = totals
-    c["has_total"] = np.array([r.total_blocks_in_use is not msgspec.UNSET for r in rests], bool)
-    floats = [_FLOATS_OF(r) for r in rests]  # latency_us null: NaN (never a pass)
+    unset = msgspec.UNSET
+    c["has_total"] = np.array([t is not unset for t in map(_TOTAL_OF, rests)], bool)
+    floats = list(map(_FLOATS_OF, rests))  # latency_us null: NaN (never a pass)
     fmat = np.array(floats, dtype=np.float64).reshape(len(rests), len(FLOAT_COLS)).T.copy()
     for i, name in enumerate(FLOAT_COLS):
         c[name] = fmat[i]
-    pools_ok, event_ok = [], []
-    for row, r in enumerate(rests):
-        kv = r.kv_fetch
-        loc, rem = kv.local_pool, kv.remote_pool
-        pools_ok.append(_empty(loc) and _empty(rem))
-        event_ok.append(r.event == "dsa_topk")
-        if r.scores_topk is not msgspec.UNSET:
-            batch.scores[row] = np.asarray(r.scores_topk, dtype=np.float64)
+    e = _UNUSED  # the usual tier, compared at once (in C); any other is looked at field by field
+    pools_ok = [
+        (loc == e or _empty(loc)) and (rem == e or _empty(rem))
+        for loc, rem in map(_POOLS_OF, rests)
+    ]
+    event_ok = [ev == "dsa_topk" for ev in map(_EVENT_OF, rests)]
+    for row, scores in enumerate(map(_SCORES_OF, rests)):
+        if scores is not unset:
+            batch.scores[row] = np.asarray(scores, dtype=np.float64)
     batch.names = list(map(_NAMES_OF, rests))
     c["pools_ok"] = np.array(pools_ok, dtype=bool)
     c["hits_eq"] = hits_eq
