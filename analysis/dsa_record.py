@@ -356,25 +356,38 @@ class Batch:
 
 class Lines(Sequence[bytes]):
     """A chunk's lines as offsets into the one buffer they were read into: the same lines as
-    data[:end].split(b"\n"), without a copy of each (read_batch reads them in place)."""
+    data[start:end].split(b"\n") (after `head`, a line read before, when there is one),
+    without a copy of each (read_batch reads them in place). start > end: no line but head."""
 
-    __slots__ = ("data", "starts", "ends")
+    __slots__ = ("data", "head", "starts", "ends")
 
-    def __init__(self, data: bytes, end: int | None = None) -> None:
+    def __init__(
+        self, data: bytes, start: int = 0, end: int | None = None, head: bytes | None = None
+    ) -> None:
         self.data = data
+        self.head = head
         end = len(data) if end is None else end
-        starts, ends = [0], []
-        find = data.find
-        at = find(b"\n", 0, end)
-        while at >= 0:
-            ends.append(at)
-            starts.append(at + 1)
-            at = find(b"\n", at + 1, end)
-        ends.append(end)
+        starts: list[int] = []
+        ends: list[int] = []
+        if start <= end:
+            starts.append(start)
+            find = data.find
+            at = find(b"\n", start, end)
+            while at >= 0:
+                ends.append(at)
+                starts.append(at + 1)
+                at = find(b"\n", at + 1, end)
+            ends.append(end)
         self.starts, self.ends = starts, ends
 
+    def spans(self) -> Iterator[bytes | tuple[int, int]]:
+        """head (when there is one), then each line's (start, end) in data."""
+        if self.head is not None:
+            yield self.head
+        yield from zip(self.starts, self.ends, strict=True)
+
     def __len__(self) -> int:
-        return len(self.starts)
+        return len(self.starts) + (self.head is not None)
 
     @overload
     def __getitem__(self, i: int) -> bytes: ...
@@ -382,12 +395,21 @@ class Lines(Sequence[bytes]):
     def __getitem__(self, i: slice) -> list[bytes]: ...
     def __getitem__(self, i: int | slice) -> bytes | list[bytes]:
         if isinstance(i, slice):
-            return [self.data[s:e] for s, e in zip(self.starts[i], self.ends[i], strict=True)]
+            return list(self)[i]
+        if i < 0:
+            i += len(self)
+        if self.head is not None:
+            if i == 0:
+                return self.head
+            i -= 1
+        if not 0 <= i < len(self.starts):
+            raise IndexError(i)
         return self.data[self.starts[i] : self.ends[i]]
 
     def __iter__(self) -> Iterator[bytes]:
         data = self.data
-        return (data[s:e] for s, e in zip(self.starts, self.ends, strict=True))
+        for span in self.spans():
+            yield span if isinstance(span, bytes) else data[span[0] : span[1]]
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, Lines | list):
@@ -510,7 +532,7 @@ def read_batch(lines: Sequence[bytes], first_line: int) -> Batch:
     if isinstance(lines, Lines):  # read in place: no copy of a line but its ~1 KB rest
         data = lines.data
         view = memoryview(data)
-        spans: Any = zip(lines.starts, lines.ends, strict=True)
+        spans: Any = lines.spans()
     else:
         spans = lines
     for n, span in enumerate(spans, start=first_line):
