@@ -216,8 +216,9 @@ def check_batch(b: Batch, ctx: Context) -> Derived:
             ok = _near(sc.min(), s_min[row]) and _near(sc.max(), s_max[row])
             ok = ok and abs(sc.mean() - s_mean[row]) <= 1e-6 * max(1.0, abs(sc.mean()))
         scores_ok[row] = ok
-    keys = {k: SHA1.fullmatch(k) is not None for _, _, k in b.names}
-    key_ok = np.array([keys[k] for _, _, k in b.names], dtype=bool)
+    key_list = [k for _, _, k in b.names]
+    keys = {k: SHA1.fullmatch(k) is not None for k in dict.fromkeys(key_list)}
+    key_ok = np.array([keys[k] for k in key_list], dtype=bool)
     lat = c["latency"]
     stats_ok = np.isfinite(s_min) & np.isfinite(s_mean) & np.isfinite(s_max)
     stats_ok &= (s_min <= s_mean + _eps(s_mean)) & (s_mean <= s_max + _eps(s_max))

@@ -2,34 +2,41 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from analysis.dsa_record import Fail
+from analysis.dsa_record import Fail, Lines
 from analysis.dsa_stream import TraceStream, problem
 
 READ_CHUNK = 4 << 20
 
 
-def complete_lines(path: Path, chunk: int = READ_CHUNK) -> Iterator[tuple[int, list[bytes], bool]]:
+def complete_lines(
+    path: Path, chunk: int = READ_CHUNK
+) -> Iterator[tuple[int, Sequence[bytes], bool]]:
     """A file's lines in bounded chunks: (first line's number, lines, torn); a last line with no
-    newline comes alone at the end with torn=True."""
+    newline comes alone at the end with torn=True.
+
+    Chunk k ends at the last newline before byte (k + 1) x chunk (chunk_spans' chunks). The
+    file is read `chunk` bytes at a time (one size: the allocator reuses its block) and the
+    lines are a Lines, offsets into what was read: only the line across two reads is copied
+    (its head), never the chunk, nor a line each."""
     line_no = 1
-    rest = b""
+    carry = b""  # the bytes after the last newline read (the start of a line)
     with open(path, "rb") as fh:
         while data := fh.read(chunk):
-            data = rest + data
-            cut = data.rfind(b"\n")
-            if cut < 0:
-                rest = data
+            first = data.find(b"\n")
+            if first < 0:
+                carry += data  # a line longer than a chunk goes on
                 continue
-            lines = data[:cut].split(b"\n")
-            rest = data[cut + 1 :]
+            cut = data.rfind(b"\n")
+            lines = Lines(data, first + 1, cut, head=carry + data[:first])
             yield line_no, lines, False
             line_no += len(lines)
-    if rest:
-        yield line_no, [rest], True
+            carry = data[cut + 1 :]
+    if carry:
+        yield line_no, [carry], True
 
 
 def chunk_spans(path: Path, chunk: int = READ_CHUNK) -> Iterator[tuple[int, int, int, bool]]:
@@ -45,17 +52,17 @@ def chunk_spans(path: Path, chunk: int = READ_CHUNK) -> Iterator[tuple[int, int,
                 continue  # no newline yet: the chunk goes on (as complete_lines' rest)
             end = at - len(data) + cut
             yield start, end - start, line_no, False
-            line_no += data.count(b"\n", 0, cut) + 1  # the carried bytes hold no newline
+            line_no += _newlines(data, cut) + 1  # the carried bytes hold no newline
             start = end + 1
     if at > start:
         yield start, at - start, line_no, True
 
 
-def read_span(path: Path, offset: int, size: int) -> list[bytes]:
+def read_span(path: Path, offset: int, size: int) -> Lines:
     """The lines of one chunk_spans chunk."""
     with open(path, "rb") as fh:
         fh.seek(offset)
-        return fh.read(size).split(b"\n")
+        return Lines(fh.read(size))
 
 
 def torn_line(stream: TraceStream, path: Path, line_no: int, size: int) -> dict[str, Any]:
@@ -71,3 +78,14 @@ def torn_line(stream: TraceStream, path: Path, line_no: int, size: int) -> dict[
     if stream.first is None:
         stream.first = found
     return found
+
+
+def _newlines(data: bytes, end: int) -> int:
+    """data.count(b"\n", 0, end), a memchr a line (count looks at every byte)."""
+    n = 0
+    find = data.find
+    at = find(b"\n", 0, end)
+    while at >= 0:
+        n += 1
+        at = find(b"\n", at + 1, end)
+    return n

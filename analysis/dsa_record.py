@@ -15,9 +15,10 @@ from __future__ import annotations
 import math
 import re
 import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Any
+from typing import Any, overload
 
 import msgspec
 import numpy as np
@@ -280,6 +281,11 @@ _FLOATS_OF = attrgetter(*FLOAT_COLS.values())
 _NAMES_OF = attrgetter("run_name", "dataset", "prefix.prefix_key")
 _BLOCKS_OF = attrgetter("selected_block_ids")
 _INTER_OF = attrgetter("prefix.intersection_blocks")
+_TOTAL_OF = attrgetter("total_blocks_in_use")
+_POOLS_OF = attrgetter("kv_fetch.local_pool", "kv_fetch.remote_pool")
+_EVENT_OF = attrgetter("event")
+_SCORES_OF = attrgetter("scores_topk")
+_UNUSED = _Pool([], 0, 0, None, 0)
 _I64_MAX = (1 << 63) - 1
 _EMPTY = np.zeros(0, np.int64)
 
@@ -348,33 +354,104 @@ class Batch:
         )
 
 
-def cut_positions(raw: bytes) -> tuple[int, int] | None:
+class Lines(Sequence[bytes]):
+    """A chunk's lines as offsets into the one buffer they were read into: the same lines as
+    data[start:end].split(b"\n") (after `head`, a line read before, when there is one),
+    without a copy of each (read_batch reads them in place). start > end: no line but head."""
+
+    __slots__ = ("data", "head", "starts", "ends")
+
+    def __init__(
+        self, data: bytes, start: int = 0, end: int | None = None, head: bytes | None = None
+    ) -> None:
+        self.data = data
+        self.head = head
+        end = len(data) if end is None else end
+        starts: list[int] = []
+        ends: list[int] = []
+        if start <= end:
+            starts.append(start)
+            find = data.find
+            at = find(b"\n", start, end)
+            while at >= 0:
+                ends.append(at)
+                starts.append(at + 1)
+                at = find(b"\n", at + 1, end)
+            ends.append(end)
+        self.starts, self.ends = starts, ends
+
+    def spans(self) -> Iterator[bytes | tuple[int, int]]:
+        """head (when there is one), then each line's (start, end) in data."""
+        if self.head is not None:
+            yield self.head
+        yield from zip(self.starts, self.ends, strict=True)
+
+    def __len__(self) -> int:
+        return len(self.starts) + (self.head is not None)
+
+    @overload
+    def __getitem__(self, i: int) -> bytes: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[bytes]: ...
+    def __getitem__(self, i: int | slice) -> bytes | list[bytes]:
+        if isinstance(i, slice):
+            return list(self)[i]
+        if i < 0:
+            i += len(self)
+        if self.head is not None:
+            if i == 0:
+                return self.head
+            i -= 1
+        if not 0 <= i < len(self.starts):
+            raise IndexError(i)
+        return self.data[self.starts[i] : self.ends[i]]
+
+    def __iter__(self) -> Iterator[bytes]:
+        data = self.data
+        for span in self.spans():
+            yield span if isinstance(span, bytes) else data[span[0] : span[1]]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Lines | list):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Lines({list(self)!r})"
+
+
+def cut_positions(raw: bytes, s: int = 0, e: int | None = None) -> tuple[int, int] | None:
     """(j, k): raw[j:k+1] is the selected_token_pos array, a flat '[...]' after the record's
     only '"selected_token_pos"' key; None when the line is not simply cut (the exact path reads
-    it). Whether the key is really at the top level is proved by decoding the rest."""
-    i = raw.find(KEY)
-    if i <= 0:
+    it). Whether the key is really at the top level is proved by decoding the rest. s, e: the
+    line is raw[s:e] (j and k are then offsets in raw)."""
+    if e is None:
+        e = len(raw)
+    i = raw.find(KEY, s, e)
+    if i <= s:
         return None
     try:
         h = i - 1
-        while raw[h] in _WS and h > 0:
+        while raw[h] in _WS and h > s:
             h -= 1
         if raw[h] != 44 and raw[h] != 123:  # the key follows "," or "{"
             return None
         j = i + len(KEY)
-        while raw[j] in _WS:
+        while j < e and raw[j] in _WS:
             j += 1
-        if raw[j] != 58:  # ":"
+        if j >= e or raw[j] != 58:  # ":"
             return None
         j += 1
-        while raw[j] in _WS:
+        while j < e and raw[j] in _WS:
             j += 1
-        if raw[j] != 91:  # "["
+        if j >= e or raw[j] != 91:  # "["
             return None
     except IndexError:
         return None
-    k = raw.find(b"]", j)
-    if k < 0 or raw.find(b"[", j + 1, k) >= 0 or raw.find(KEY, k) >= 0:
+    k = raw.find(b"]", j, e)
+    if k < 0 or raw.find(b"[", j + 1, k) >= 0 or raw.find(KEY, k, e) >= 0:
         return None  # unclosed, nested, or a second key
     return j, k
 
@@ -443,33 +520,46 @@ def _arrays(texts: list[Any], flat: bool = False) -> Ragged | list[np.ndarray | 
     return [_one_array(t) for t in texts]
 
 
-def read_batch(lines: list[bytes], first_line: int) -> Batch:
+def read_batch(lines: Sequence[bytes], first_line: int) -> Batch:
     """Parse lines (numbered from first_line) into a Batch; bad ones go to Batch.bad."""
     batch = Batch()
     rests: list[_Rest] = []
     texts: list[Any] = []  # memoryviews of the position arrays
-    raws: list[bytes] = []
+    raws: list[Any] = []  # the rows' lines (bytes, or a memoryview of a Lines buffer)
     nums: list[int] = []
     slow: dict[int, np.ndarray] = {}  # rows the exact path read: their positions
     decode = _REST.decode
-    for n, raw in enumerate(lines, start=first_line):
-        if len(raw) > MAX_RECORD_BYTES:
-            fail = Fail("record", f"at most {MAX_RECORD_BYTES} bytes", f"{len(raw)} bytes")
+    if isinstance(lines, Lines):  # read in place: no copy of a line but its ~1 KB rest
+        data = lines.data
+        view = memoryview(data)
+        spans: Any = lines.spans()
+    else:
+        spans = lines
+    for n, span in enumerate(spans, start=first_line):
+        if isinstance(span, tuple):
+            a, b = span
+            raw, mv = data, view
+        else:
+            raw, a, b = span, 0, len(span)
+            mv = memoryview(raw)
+        if b - a > MAX_RECORD_BYTES:
+            fail = Fail("record", f"at most {MAX_RECORD_BYTES} bytes", f"{b - a} bytes")
             batch.bad.append((n, fail, None))
             continue
-        cut = cut_positions(raw)
+        cut = cut_positions(raw, a, b)
         if cut is not None:
             j, k = cut
             try:
-                rest = decode(raw[:j] + b"0" + raw[k + 1 :])
+                rest = decode(raw[a:j] + b"0" + raw[k + 1 : b])
             except (msgspec.DecodeError, RecursionError):  # ValidationError included; too deep
                 pass
             else:
                 rests.append(rest)
-                texts.append(memoryview(raw)[j : k + 1])
-                raws.append(raw)
+                texts.append(mv[j : k + 1])
+                raws.append(mv[a:b])
                 nums.append(n)
                 continue
+        raw = raw[a:b] if b - a != len(raw) else raw
         got = _slow(n, raw)
         if len(got) == 3:
             batch.bad.append(got)  # type: ignore[arg-type]
@@ -485,7 +575,7 @@ def read_batch(lines: list[bytes], first_line: int) -> Batch:
         """Row r is no record after all: the exact path says why (or `fail` does)."""
         if r in rejected:
             return
-        got = _slow(nums[r], raws[r])
+        got = _slow(nums[r], bytes(raws[r]))
         if len(got) != 3:
             rest = rests[r]
             ident = (rest.request_id, rest.layer_id, rest.step_idx)
@@ -568,8 +658,8 @@ def _int_matrix(
 ) -> tuple[np.ndarray, np.ndarray]:
     """The rows' integer fields (rows x INT_COLS) and total_blocks_in_use (-1 where absent:
     has_total tells); a row with a value beyond int64 is a bad record (added to rejected)."""
-    ints = [_INTS_OF(r) for r in rests]
-    totals = [r.total_blocks_in_use for r in rests]
+    ints = list(map(_INTS_OF, rests))
+    totals = list(map(_TOTAL_OF, rests))
     unset = msgspec.UNSET
     try:
         imat = np.array(ints, dtype=np.int64).reshape(len(rests), len(INT_COLS))
@@ -599,19 +689,21 @@ def _columns(
     for i, name in enumerate(INT_COLS):
         c[name] = imat[i]
     c["total_blocks"] = totals
-    c["has_total"] = np.array([r.total_blocks_in_use is not msgspec.UNSET for r in rests], bool)
-    floats = [_FLOATS_OF(r) for r in rests]  # latency_us null: NaN (never a pass)
+    unset = msgspec.UNSET
+    c["has_total"] = np.array([t is not unset for t in map(_TOTAL_OF, rests)], bool)
+    floats = list(map(_FLOATS_OF, rests))  # latency_us null: NaN (never a pass)
     fmat = np.array(floats, dtype=np.float64).reshape(len(rests), len(FLOAT_COLS)).T.copy()
     for i, name in enumerate(FLOAT_COLS):
         c[name] = fmat[i]
-    pools_ok, event_ok = [], []
-    for row, r in enumerate(rests):
-        kv = r.kv_fetch
-        loc, rem = kv.local_pool, kv.remote_pool
-        pools_ok.append(_empty(loc) and _empty(rem))
-        event_ok.append(r.event == "dsa_topk")
-        if r.scores_topk is not msgspec.UNSET:
-            batch.scores[row] = np.asarray(r.scores_topk, dtype=np.float64)
+    e = _UNUSED  # the usual tier, compared at once (in C); any other is looked at field by field
+    pools_ok = [
+        (loc == e or _empty(loc)) and (rem == e or _empty(rem))
+        for loc, rem in map(_POOLS_OF, rests)
+    ]
+    event_ok = [ev == "dsa_topk" for ev in map(_EVENT_OF, rests)]
+    for row, scores in enumerate(map(_SCORES_OF, rests)):
+        if scores is not unset:
+            batch.scores[row] = np.asarray(scores, dtype=np.float64)
     batch.names = list(map(_NAMES_OF, rests))
     c["pools_ok"] = np.array(pools_ok, dtype=bool)
     c["hits_eq"] = hits_eq

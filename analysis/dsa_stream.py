@@ -16,6 +16,7 @@ batch (counts, aggregates, the state it changed) and `apply` rebuilds the same s
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,10 +75,15 @@ def fingerprints(pos: Any) -> np.ndarray:
     if not n or not len(pos.flat):
         return np.zeros(n, np.int64)
     flat = pos.flat
-    starts = np.minimum(pos.starts, len(flat) - 1)
     with np.errstate(over="ignore"):
-        s1 = np.add.reduceat(flat, starts)
-        s2 = np.add.reduceat(flat * flat, starts)
+        if pos.lens[0] > 0 and (pos.lens == pos.lens[0]).all():  # the usual batch: a matrix
+            rows = flat.reshape(n, -1)
+            s1 = rows.sum(axis=1)
+            s2 = np.einsum("ij,ij->i", rows, rows)  # the same sums, wrapping alike
+        else:
+            starts = np.minimum(pos.starts, len(flat) - 1)
+            s1 = np.add.reduceat(flat, starts)
+            s2 = np.add.reduceat(flat * flat, starts)
         fp = (s1 * np.int64(1000003) + s2) * np.int64(31) + pos.lens
     return np.where(pos.lens > 0, fp & np.int64((1 << 62) - 1), 0)
 
@@ -92,8 +98,18 @@ def tally(into: dict[str, list[Any]], key: str, count: int, where: list[Any]) ->
         into[key] = [count, *where]
         return
     got[0] += count
-    if tuple(where[:2]) < tuple(got[1:3]):
+    w, g = where[0], got[1]
+    if w < g or (w == g and where[1] < got[2]):  # (where[0], where[1]) comes first
         got[1:] = where
+
+
+def tally_rows(
+    into: dict[str, list[Any]], values: list[str], where: Callable[[int], list[Any]]
+) -> None:
+    """tally(into, values[r], 1, where(r)) for every r in order, a value at a time (the same
+    counts, first places and kept values: a value's first row is its earliest)."""
+    for value, count in Counter(values).items():  # in the order each value first comes
+        tally(into, value, count, where(values.index(value)))
 
 
 def _vote_order(key: str) -> tuple[int, str]:
@@ -314,6 +330,18 @@ class TraceStream:
             (c["request"].tolist(), c["layer"].tolist(), c["step"].tolist()) if n else ([], [], [])
         )
         fp_list = fps.tolist()
+        if n:  # the trace's constants, which every parsed record claims (_cross tallies no more)
+            lines = batch.lines
+
+            def at(r: int) -> list[Any]:
+                return [file, lines[r], requests[r], layers[r], steps[r]]
+
+            names = batch.names
+            tally_rows(votes.setdefault("run_name", {}), [v[0] for v in names], at)
+            tally_rows(votes.setdefault("dataset", {}), [v[1] for v in names], at)
+            tally_rows(votes.setdefault("world_size", {}), _strs(c["world"]), at)
+            lat_s = _strs(c["latency"], _num)
+            claims = _claims(names, c["hit"], c["pcb"])
         bad_rows = iter(batch.bad)  # in line order, interleaved with the rows (the cross checks
         unread = next(bad_rows, None)  # see every record in the order it was written)
         for r in range(n + 1):
@@ -330,7 +358,7 @@ class TraceStream:
                 break
             ident = (requests[r], layers[r], steps[r])
             touched[ident[0]] = None
-            fail = self._cross(file, shard, line, ident, (c, batch.names, r, fp_list[r]), votes)
+            fail = self._cross(file, shard, line, ident, (lat_s[r], claims[r], fp_list[r]), votes)
             if fail is not None:
                 valid[r] = False
             elif not valid[r] and (first is None or line < first["line"]):
@@ -480,16 +508,9 @@ class TraceStream:
         tallied and judged by their majority when the group ends: a group's odd record is
         blamed, never the others."""
         req, layer, step = ident
-        where = [file, line, req, layer, step]
         fp = -1
-        if cols is not None:
-            c, names, r, fp = cols
-            latency = _num(float(c["latency"][r]))
-            run_name, dataset, key = names[r]
-            hit, pcb = bool(c["hit"][r]), int(c["pcb"][r])
-            for name, value in (("run_name", run_name), ("dataset", dataset)):
-                tally(votes.setdefault(name, {}), value, 1, where)
-            tally(votes.setdefault("world_size", {}), str(int(c["world"][r])), 1, where)
+        if cols is not None:  # (the trace's constants are tallied by _fold, for all rows)
+            latency, claim, fp = cols
         if shard is not None and not shard[0] <= req < shard[1]:
             return Fail("request_id", f"in [{shard[0]}, {shard[1]}) (this shard's name)", str(req))
         if self.layers_given and self.layers is not None and layer >= self.layers:
@@ -531,8 +552,7 @@ class TraceStream:
         st.next_layer = layer + 1
         if cols is not None:
             tally(st.lat, latency, 1, [line, layer])
-            claim = orjson.dumps([key, hit, pcb]).decode()
-            tally(st.pfx, claim, 1, where)
+            tally(st.pfx, claim, 1, [file, line, req, layer, step])
             if layer < 4096:
                 st.cur_fp += [-1] * (layer + 1 - len(st.cur_fp))
                 st.cur_fp[layer] = fp
@@ -853,3 +873,28 @@ def _merge(incs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _num(v: float) -> str:
     return str(int(v)) if float(v).is_integer() else repr(float(v))
+
+
+def _strs(col: np.ndarray, show: Callable[[Any], str] = str) -> list[str]:
+    """show() of each value of a column, computed once per distinct value."""
+    seen: dict[Any, str] = {}
+    out = []
+    for v in col.tolist():
+        got = seen.get(v)
+        if got is None:
+            got = seen[v] = show(v)
+        out.append(got)
+    return out
+
+
+def _claims(names: list[tuple[str, str, str]], hit: np.ndarray, pcb: np.ndarray) -> list[str]:
+    """Each row's [prefix_key, prefix_cache_hit, prefix_cached_blocks] claim, as JSON."""
+    seen: dict[tuple[str, bool, int], str] = {}
+    out = []
+    for (_, _, key), h, p in zip(names, hit.tolist(), pcb.tolist(), strict=True):
+        claim = (key, bool(h), p)
+        got = seen.get(claim)
+        if got is None:
+            got = seen[claim] = orjson.dumps(list(claim)).decode()
+        out.append(got)
+    return out

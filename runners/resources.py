@@ -39,7 +39,9 @@ def judge_workers(wanted: int | None = None) -> int:
 
 
 def dsa_workers(wanted: int | None = None) -> int:
-    """`wanted` (the operator's --workers) or 1 for DSA reading: bench/bench_dsa_analyze.py
-    measured 2 workers slower than 1 even with a second core free (4,133 vs 6,148 records/s,
-    control x1.88), so more processes are the operator's choice until they gain."""
+    """`wanted` (the operator's --workers) or 1 for DSA reading: 2 workers have not beaten 1
+    on the 2-core machine the benches run on, with the second core free or not
+    (bench_dsa_analyze: 4,133 vs 6,148 records/s at control x1.88; 7,344 vs 7,949 at x0.87;
+    bench_dsa_data's validator 5,074 vs 6,394 at x2.04), so more processes are the operator's
+    choice until they gain."""
     return 1 if wanted is None else max(1, wanted)
