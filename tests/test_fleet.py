@@ -174,10 +174,11 @@ def kill_member(member: str) -> int:
 
 
 def start_on_both(
-    preset: Path, out: Path, env: dict[str, str]
+    preset: Path, out: Path, env: dict[str, str], extra: list[str] | None = None
 ) -> tuple[subprocess.Popen[str], Path]:
     """A console running `preset` over gpu-a and gpu-b, once both hosts' cells print."""
-    console = spawn("run", str(preset), "--target", "gpu-a,gpu-b", "--out", str(out), env=env)
+    argv = ["run", str(preset), "--target", "gpu-a,gpu-b", "--out", str(out), *(extra or [])]
+    console = spawn(*argv, env=env)
     local_dir = wait_for(lambda: run_dirs(out), what="run dir")[0]
     wait_for(
         lambda: (
@@ -695,16 +696,20 @@ def test_a_host_whose_runs_dir_cannot_be_made_fails_alone_naming_the_dir(
 def test_a_host_s_batch_killed_while_no_console_follows_is_rerun_on_attach(
     fleet: Fleet, tmp_path: Path
 ) -> None:
-    preset = lines_preset(tmp_path, cells=4, lines=40, pause=0.05)
+    # Every cell waits for a release file: none ends before gpu-a's batch is killed, however
+    # slow the machine (with timed cells, cell 1 had ended first under load).
+    held, release = held_engine(tmp_path)
+    preset = lines_preset(tmp_path, cells=4)
     out = tmp_path / "out"
     env = cli_env(fleet.home.path)
-    console, local_dir = start_on_both(preset, out, env)
+    console, local_dir = start_on_both(preset, out, env, held)
     console.send_signal(signal.SIGKILL)
     console.communicate(timeout=patience(30))
     [part] = [m for m in members(local_dir) if m["host"] == "gpu-a"]
     # gpu-a's run dies while nobody watches: its runner's group, then anything that escaped
     os.killpg(int(Path(part["run_dir"], "pgid").read_text()), signal.SIGKILL)
     kill_member(part["member"])
+    release.touch()
     attach = tracedeck("attach", str(local_dir), env=env)
     assert "Traceback" not in attach.stderr, attach.stderr
     evts = events(local_dir)
