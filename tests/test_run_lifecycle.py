@@ -10,21 +10,35 @@ from pathlib import Path
 import pytest
 from faults import assert_run_gone, record_of
 from patience import patience
-from runhelp import cli_env, events, notifier_alive, run_dirs, spawn, tracedeck, wait_for
+from runhelp import (
+    cli_env,
+    events,
+    held_engine,
+    notifier_alive,
+    run_dirs,
+    spawn,
+    tracedeck,
+    wait_for,
+)
 from sshd import Fleet
 from test_fleet import lines_preset, lock_free_on
 
 
 @pytest.mark.ssh
 def test_a_fleet_follows_each_host_with_the_change_notifier(fleet: Fleet, tmp_path: Path) -> None:
-    preset = lines_preset(tmp_path, cells=2, lines=40, pause=0.05)
+    # The cells wait for a release file made once both notifiers were seen: with timed cells a
+    # batch could end (and its notifier with it) before the test looked, on a loaded machine.
+    held, release = held_engine(tmp_path)
+    preset = lines_preset(tmp_path, cells=2)
     out = tmp_path / "out"
     env = cli_env(fleet.home.path)
-    console = spawn("run", str(preset), "--target", "gpu-a,gpu-b", "--out", str(out), env=env)
+    argv = ["run", str(preset), "--target", "gpu-a,gpu-b", "--out", str(out), *held]
+    console = spawn(*argv, env=env)
     local = wait_for(lambda: run_dirs(out), what="run dir")[0]
     run_id = record_of(local)["run_id"]
     for host in ("gpu-a", "gpu-b"):  # each batch's own notifier, named by the batch's marker
         wait_for(lambda h=host: notifier_alive(f"{run_id}@{h}-1"), what=f"{host}'s notifier")
+    release.touch()
     stdout, stderr = console.communicate(timeout=patience(120))
     assert console.returncode == 0, stdout + stderr
     assert "RESULT: PASS (exit 0)" in stdout
