@@ -3,7 +3,6 @@ holder of each host (issue 24)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 from pathlib import Path
@@ -12,7 +11,7 @@ import pytest
 from patience import patience
 from runhelp import cli_env, events, output_lines, run_dirs, spawn, tracedeck, wait_for
 from sshd import Fleet
-from test_console import holds
+from test_console import wait_for as wait_for_screen_condition
 from test_fleet import lines_preset
 from textual.widgets import DataTable, Input
 
@@ -147,8 +146,4 @@ async def runs_screen_shows(root: Path, runs: dict, locks: dict, dirs: dict[str,
 
 
 async def wait_until(pilot, condition, what: str, timeout: float = 60.0) -> None:  # noqa: ANN001
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + patience(timeout)
-    while not holds(condition):
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await pilot.pause(0.1)
+    await wait_for_screen_condition(pilot, condition, timeout, what)
