@@ -422,16 +422,15 @@ def _greedy_divergence(a: np.ndarray, b: np.ndarray, id_a: int, id_b: int) -> bo
 
 
 def _cosine(a: np.ndarray, b: np.ndarray) -> float:
-    """Seed section 8's cos_sim of one token, in float32; two zero rows count as identical."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        dot, norms = np.dot(a, b), np.linalg.norm(a) * np.linalg.norm(b)
-    if not (np.isfinite(dot) and np.isfinite(norms)):
-        # Huge logits overflow float32 sums; float64 holds them.
-        a, b = a.astype(np.float64), b.astype(np.float64)
-        dot, norms = np.dot(a, b), np.linalg.norm(a) * np.linalg.norm(b)
+    """Seed section 8's cos_sim of one token, in float64 as the seed computes it; two zero rows
+    count as identical. The sums are numpy's own pairwise ones, not np.dot's: BLAS picks its
+    kernel by CPU (and OPENBLAS_CORETYPE), each summing in its own order, so the same rows gave
+    different last digits on the host that judged and on the console."""
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)  # float32 products are exact here
+    norms = math.sqrt(np.add.reduce(a64 * a64)) * math.sqrt(np.add.reduce(b64 * b64))
     if norms == 0:
         return 1.0 if np.array_equal(a, b) else 0.0
-    return float(dot / norms)
+    return float(np.add.reduce(a64 * b64) / norms)
 
 
 def _result(

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -20,6 +24,7 @@ from analysis.equivalence import (
     THRESHOLDS,
     PairResult,
     Unjudged,
+    _cosine,
     compare_files,
     compare_pair,
     exit_code_for,
@@ -918,3 +923,47 @@ def test_precision_context_names_the_rounding_steps_of_max_abs_diff() -> None:
     assert p["max_abs_diff_at"] == {"token_idx": 1, "vocab_index": 0}
     assert p["max_rel_diff"] == pytest.approx(2 * 2.0**-6 / (3.0 + 2 * 2.0**-6))
     assert result.verdict == FAIL_EQUIV  # the context never changes the verdict
+
+
+COSINE_PROBE = """
+import json, sys
+import numpy as np
+from analysis.equivalence import _cosine
+rng = np.random.default_rng(5)
+out = []
+for n in (8192, 32000, 129280):
+    a = (rng.standard_normal(n) * 4).astype(np.float32)
+    b = (a + rng.standard_normal(n).astype(np.float32) * 0.05).astype(np.float32)
+    out.append(_cosine(a, b).hex())
+print(json.dumps(out))
+"""
+
+
+def test_cosine_is_the_same_whichever_blas_kernel_the_machine_picks() -> None:
+    """A fleet host and the console judge the same rows to the same digits: OpenBLAS picks its
+    dot kernel by CPU (OPENBLAS_CORETYPE forces one), and each sums in its own order. The old
+    np.dot cosine differed in its last digits between Haswell and Prescott kernels."""
+    root = Path(__file__).resolve().parent.parent
+    said = set()
+    for core in ("Haswell", "Prescott", "Sandybridge"):
+        env = {**os.environ, "OPENBLAS_CORETYPE": core, "PYTHONPATH": str(root)}
+        done = subprocess.run(
+            [sys.executable, "-c", COSINE_PROBE], env=env, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr
+        said.add(done.stdout.strip())
+    assert len(said) == 1, said
+
+
+def test_cosine_is_the_seeds_float64_cosine() -> None:
+    """Within float64 rounding of the seed's formula (np.array of the rows, dot / norms)."""
+    rng = np.random.default_rng(9)
+    a = (rng.standard_normal(32000) * 4).astype(np.float32)
+    b = (a + rng.standard_normal(32000).astype(np.float32) * 0.05).astype(np.float32)
+    exact = math.fsum(float(x) * float(y) for x, y in zip(a, b, strict=True)) / (
+        math.sqrt(math.fsum(float(x) ** 2 for x in a))
+        * math.sqrt(math.fsum(float(y) ** 2 for y in b))
+    )
+    assert _cosine(a, b) == pytest.approx(exact, rel=1e-14, abs=0)
+    assert _cosine(np.zeros(4, np.float32), np.zeros(4, np.float32)) == 1.0
+    assert _cosine(np.zeros(4, np.float32), np.ones(4, np.float32)) == 0.0
