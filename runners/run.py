@@ -1,11 +1,10 @@
 """A run's life on one host or a fleet: its batches launched under each host's lock
-(runners.start), followed to the end, the run judged, events emitted.
+(runners.start), followed to the end, the run judged, cancelled, closed; attach rebuilds one
+from its record and replays it.
 
-The run owns its record (the one writer), its judge and the one path every event takes:
-recorded, folded into the batch it belongs to (its place in the files) and the judge (the
-verdict state), then handed to the consumers. Attach replays the record through the same fold.
-Its placement is decided once (runners.placement); each batch is a Member; the Scheduler says
-which host takes which cells. Every event of a fleet host's part carries its host.
+A Run is a RunCore (runners.run_core: its record, judge and the one path every event takes)
+with a life. Its placement is decided once (runners.placement); each batch is a Member; the
+Scheduler says which host takes which cells. Every event of a fleet host's part carries its host.
 """
 
 from __future__ import annotations
@@ -18,18 +17,14 @@ from pathlib import Path
 
 from runners import kinds, start
 from runners.events import (
-    CellRequeued,
     Error,
     Event,
     HostAssigned,
-    HostState,
-    LockAcquired,
     RunFinished,
 )
 from runners.exits import EXIT_INFRA
-from runners.kind import Ending, JudgeContext
 from runners.member import POLL_S, Member
-from runners.placement import Placement, by_id_link, decide, new_record, recorded_preset
+from runners.placement import by_id_link, decide, new_record, recorded_preset
 from runners.presets import Preset
 from runners.record import (
     EVENTS,
@@ -40,17 +35,15 @@ from runners.record import (
     drop_torn_tail,
     iter_events,
 )
+from runners.run_core import RunCore
 from runners.scheduler import (
     CANCEL_MARK,
-    CONNECTING,
     DONE,
     FAILED,
     IDLE,
     OUT,
-    RUNNING,
     WAITING,
     Cancel,
-    Scheduler,
     Slot,
 )
 from runners.start import DISCONNECTED
@@ -62,94 +55,8 @@ CANCEL_GRACE_S = 5.0
 WAIT_S = 2.0  # between looks at a busy host's lock (fleet.busy = "wait")
 
 
-class Run:
+class Run(RunCore):
     """Drives one run (one host, or a fleet's hosts) and turns what happens into events."""
-
-    def __init__(
-        self, record: RunRecord, placement: Placement, emit: Callable[[Event], None]
-    ) -> None:
-        self.record, self.placement, self.preset = record, placement, placement.preset
-        self.kind = kinds.get(self.preset.kind)
-        self.consumers = emit
-        self.local_dir = Path(record.local_dir)
-        self.by_id: Path | None = None  # OUT/by-id/RUN_ID, made at launch (Run.create)
-        self.finished: RunFinished | None = None
-        tgt = self.preset.section("target")
-        self.attempts = int(tgt["reconnect_attempts"])
-        self.fleet = placement.fleet
-        self.slots = {h.spec: Slot(h, placement.connect(h)) for h in placement.hosts}
-        self.only = next(iter(self.slots.values()))  # the host of a run on one host
-        self.target_name = record.target if self.fleet else self.only.target.name
-        # The run's cells on no host in particular: the judge needs only their indices,
-        # parameters and artifacts.
-        self.nominal = placement.plan(
-            run_id=record.run_id,
-            run_dir=f"{tgt['runs']}/{record.run_id}",
-            workdir=tgt["workdir"],
-            python=tgt["python"] or "python3",
-            date=record.date,
-            lock="",
-        )
-        self.cells = list(self.nominal.cells)
-        self.judge = self.kind.judge(
-            JudgeContext(
-                preset=self.preset,
-                local_dir=self.local_dir,
-                date=record.date,
-                emit=self.emit,
-                cells=self.cells,
-                progress=self.consumers,
-            )
-        )
-        self.sched = Scheduler(placement, self.slots, self.judge, self.local_dir, self.emit_at)
-        self.recorder: Recorder | None = None
-        self._cancelling = False
-        self._advancing = asyncio.Lock()
-        self._ending = Ending("done")  # a run on one host ends as its batch did
-        # How far launch() got: "" (not begun), "connecting", "uploading", "starting" (the
-        # launcher was asked; the run may be going), "started".
-        self.stage = ""
-        # The consumer says it is behind (the console's buffer is full): wait before reading
-        # more, so a backlog of any size flows through in bounded steps.
-        self.pressure: Callable[[], bool] | None = None
-
-    # -- the one path of every event ---------------------------------------------------------
-
-    def _fold(self, event: Event) -> None:
-        slot = self.slots.get(event.host) if self.fleet else self.only
-        if isinstance(event, HostAssigned) and slot is not None:
-            start.assigned(self, slot, event)
-        member = slot.active if slot is not None else None
-        if member is not None and not member.ended:
-            member.follower.fold(event)
-            if isinstance(event, LockAcquired):
-                member.started = True
-            elif isinstance(event, CellRequeued):
-                member.requeued.add(event.cell)
-            elif isinstance(event, HostState) and event.state not in (RUNNING, CONNECTING):
-                member.ended = True
-        if slot is not None and isinstance(event, HostState):
-            slot.state, slot.message = event.state, event.message
-        self.judge.fold(event)
-        if isinstance(event, RunFinished):
-            self.finished = event
-
-    def emit(self, event: Event) -> None:
-        if self.recorder is not None:
-            self.recorder(event)
-        self._fold(event)
-        self.consumers(event)
-
-    def emit_at(self, slot: Slot | None, event: Event) -> None:
-        """An event of a host's part: it carries its host, in a fleet."""
-        if self.fleet and slot is not None:
-            event.host = slot.place.spec
-        self.emit(event)
-
-    async def advance(self) -> None:
-        """The judge judges for every host, one host at a time (no pair judged twice)."""
-        async with self._advancing:
-            await self.judge.advance()
 
     # -- creating, launching, attaching ----------------------------------------------------------
 
@@ -308,11 +215,6 @@ class Run:
                 self.finished = event
             self.consumers(event)
 
-    def stop_recording(self) -> None:
-        if self.recorder is not None:
-            self.recorder.close()
-            self.recorder = None
-
     # -- held artifacts, cancelling, closing ----------------------------------------------------
 
     def _members(self) -> list[tuple[Slot, Member]]:
@@ -376,13 +278,13 @@ def from_record(local_dir: Path, emit: Callable[[Event], None]) -> Run:
             lock=record.lock,
         )
         judged_there = extra.get("judge_on") == "host"
-        start.new_member(run, run.only, plan, extra["judge_python"] if judged_there else "")
+        run.new_member(run.only, plan, extra["judge_python"] if judged_there else "")
     for m in (fleet or {}).get("members") or []:  # every batch: cancel reaches each
         slot = run.slots.get(m["host"])
         if slot is not None:
             keys = ("member", "cells", "run_dir", "lock", "workdir", "python")
             event = HostAssigned(**{k: m[k] for k in keys}, judge_python=m.get("judge_python", ""))
-            start.assigned(run, slot, event)
+            run.assigned(slot, event)
     return run
 
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 import contextlib
 import shlex
 import shutil
-from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import orjson
 
@@ -18,7 +16,6 @@ from runners.determinism import run_env
 from runners.events import (
     EngineVersion,
     Error,
-    Event,
     HostAssigned,
     LockAcquired,
     LockBusy,
@@ -31,12 +28,10 @@ from runners.member import Member, reconnect
 from runners.placement import CONSOLE, HOST, link_by_id
 from runners.plan import RunPlan, dir_command, interpreter, plan_document
 from runners.record import EVENTS, FLEET, RECORD_LOCK, RUN_JSON, Recorder
+from runners.run_core import RunCore
 from runners.scheduler import CONNECTING, IDLE, RUNNING, Slot
 from runners.targets.base import ConnectionLost, Target, TargetError
 from runners.templates import render
-
-if TYPE_CHECKING:
-    from runners.run import Run
 
 DISCONNECTED = "DISCONNECTED"  # the console stopped following; the run goes on
 VERSION_TIMEOUT_S = 30.0  # [engine] version_command: a version query, not work
@@ -54,7 +49,7 @@ async def resolve_dir(target: Target, path: str, key: str) -> str:
     return result.stdout.strip()
 
 
-async def launch(run: Run) -> None:
+async def launch(run: RunCore) -> None:
     """Record the run; on one host connect, upload the plan, take the lock and start it
     detached (a fleet's hosts each start their part as they follow).
 
@@ -76,7 +71,7 @@ async def launch(run: Run) -> None:
         raise
 
 
-async def discard(run: Run, made_local: bool, remote: bool) -> None:
+async def discard(run: RunCore, made_local: bool, remote: bool) -> None:
     """Remove what this launch made: the local directory, its by-id link, and (remote) the
     run's directory on the target. Only ever this run's own fresh directories."""
     run.stop_recording()
@@ -97,7 +92,7 @@ async def discard(run: Run, made_local: bool, remote: bool) -> None:
             await run.only.target.run(f"rm -rf -- {shlex.quote(run_dir)}")
 
 
-def _open_record(run: Run, plan: RunPlan) -> None:
+def _open_record(run: RunCore, plan: RunPlan) -> None:
     run.record.save()
     if run.by_id is not None:
         with contextlib.suppress(OSError):  # a convenience: find_run also scans the out dir
@@ -107,7 +102,7 @@ def _open_record(run: Run, plan: RunPlan) -> None:
     (run.local_dir / "plan.json").write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
 
 
-async def _launch(run: Run) -> None:
+async def _launch(run: RunCore) -> None:
     run.stage = "connecting"
     run.local_dir.mkdir(parents=True, exist_ok=True)
     if run.fleet:
@@ -151,7 +146,7 @@ async def _launch(run: Run) -> None:
     member.started = True
 
 
-async def batch(run: Run, slot: Slot, groups: list[list[int]]) -> Member | None:
+async def batch(run: RunCore, slot: Slot, groups: list[list[int]]) -> Member | None:
     """A fleet host's next batch, uploaded and started under the host's lock; None (the
     groups back in the queue) when the host cannot take it now."""
     sched, spec, cells = run.sched, slot.place.spec, sorted(c for g in groups for c in g)
@@ -191,7 +186,7 @@ async def batch(run: Run, slot: Slot, groups: list[list[int]]) -> Member | None:
         if not isinstance(exc, ConnectionLost):
             sched.fail(slot, str(exc))
         elif (
-            said := await reconnect(slot.target, run.attempts, slot_emit(run, slot), str(exc))
+            said := await reconnect(slot.target, run.attempts, run.emitter(slot), str(exc))
         ) is None:
             sched.set_state(slot, IDLE, "reconnected; the batch goes back to the queue")
         else:
@@ -203,7 +198,7 @@ async def batch(run: Run, slot: Slot, groups: list[list[int]]) -> Member | None:
     return member
 
 
-async def _member(run: Run, slot: Slot, cells: list[int] | None) -> Member:
+async def _member(run: RunCore, slot: Slot, cells: list[int] | None) -> Member:
     """The next batch on a host, planned on its paths (RUNS/RUN_ID alone; RUNS/RUN_ID/SLUG-N,
     with its own marker, in a fleet)."""
     if slot.dirs is None:
@@ -223,10 +218,10 @@ async def _member(run: Run, slot: Slot, cells: list[int] | None) -> Member:
         cells=cells,
         marker=f"{run_id}@{name}" if run.fleet else "",
     )
-    return new_member(run, slot, plan)
+    return run.new_member(slot, plan)
 
 
-async def _judging(run: Run, member: Member) -> tuple[str, str]:
+async def _judging(run: RunCore, member: Member) -> tuple[str, str]:
     """Judge on the batch's host when the placement says so and its python has what that
     needs: (that python, or "" when judged here; what the run says of it)."""
     judging, spec = run.placement.judging, run.kind.host_judging
@@ -247,7 +242,7 @@ async def _judging(run: Run, member: Member) -> tuple[str, str]:
     )
 
 
-def _notes(run: Run) -> list[str]:
+def _notes(run: RunCore) -> list[str]:
     """Where the run is judged, when the placement says so before any host is asked."""
     judging = run.placement.judging
     if judging is None:
@@ -265,7 +260,7 @@ def _notes(run: Run) -> list[str]:
 
 
 async def _engine_version(
-    run: Run, target: Target, workdir: str, python: str
+    run: RunCore, target: Target, workdir: str, python: str
 ) -> EngineVersion | None:
     """The engine's identity from [engine] version_command, run in the workdir (None when
     the preset has none). A failure is recorded, never fatal: it says nothing of results."""
@@ -291,16 +286,12 @@ async def _engine_version(
     return EngineVersion(command=command, version=first[:200])
 
 
-def slot_emit(run: Run, slot: Slot) -> Callable[[Event], None]:
-    return lambda event: run.emit_at(slot, event)
-
-
-def _holder(run: Run) -> dict[str, str]:
+def _holder(run: RunCore) -> dict[str, str]:
     keys = ("user", "console_host", "run_id", "preset", "started_at")
     return {k: getattr(run.record, k) for k in keys}
 
 
-def _run_started(run: Run, plan: RunPlan, notes: list[str]) -> RunStarted:
+def _run_started(run: RunCore, plan: RunPlan, notes: list[str]) -> RunStarted:
     runs, run_id = run.preset.section("target")["runs"], run.record.run_id
     return RunStarted(
         run_id=run_id,
@@ -318,52 +309,13 @@ def _run_started(run: Run, plan: RunPlan, notes: list[str]) -> RunStarted:
     )
 
 
-def new_member(run: Run, slot: Slot, plan: RunPlan, judge_python: str = "") -> Member:
-    """A batch of the run on a host (judged there with judge_python when it is set)."""
-    made = Member(
-        slot.place,
-        slot.target,
-        plan,
-        run.placement.launcher(slot.place, slot.target),
-        run.judge,
-        run.local_dir,
-        slot_emit(run, slot),
-        progress=run.consumers,
-        advance=run.advance,
-        attempts=run.attempts,
-        pressure=lambda: run.pressure is not None and run.pressure(),
-    )
-    if judge_python:
-        remote = made.remote_judge(judge_python, run.local_dir)
-        run.judge.ctx.hosts.update({c.index: remote for c in plan.cells})
-    slot.members.append(made)
-    return made
-
-
-def assigned(run: Run, slot: Slot, event: HostAssigned) -> None:
-    """The batch a recorded HostAssigned names, on its host (once)."""
-    if any(m.plan.run_id == event.member for m in slot.members):
-        return  # started by this console: already there
-    plan = run.placement.plan(
-        run_id=run.record.run_id,
-        run_dir=event.run_dir,
-        workdir=event.workdir,
-        python=event.python,
-        date=run.record.date,
-        lock=event.lock,
-        cells=list(event.cells),
-        marker=event.member,
-    )
-    new_member(run, slot, plan, event.judge_python)
-
-
-async def connect(run: Run, slot: Slot) -> bool:
+async def connect(run: RunCore, slot: Slot) -> bool:
     """Connect (with the run's reconnect attempts); False when the host is lost."""
     try:
         await slot.target.connect()
         return True
     except ConnectionLost as exc:
-        said = await reconnect(slot.target, run.attempts, slot_emit(run, slot), str(exc))
+        said = await reconnect(slot.target, run.attempts, run.emitter(slot), str(exc))
         if said is not None:
             link_lost(run, slot, said)
         return said is None
@@ -374,7 +326,7 @@ async def connect(run: Run, slot: Slot) -> bool:
         return False
 
 
-def link_lost(run: Run, slot: Slot, message: str) -> None:
+def link_lost(run: RunCore, slot: Slot, message: str) -> None:
     """Reconnecting failed: a fleet host is lost (its cells go elsewhere); a run on one
     host stops being followed (it goes on there)."""
     if run.fleet:
