@@ -317,7 +317,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from runners import dryrun
+    from console import plan_text
+    from runners import preflight, preview
     from runners.kinds import load_preset
     from runners.placement import default_out_dir
     from runners.presets import PresetError, resolve_preset
@@ -325,22 +326,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
     try:
         preset = load_preset(resolve_preset(args.preset), args.overrides, chosen_options(args))
         target = args.target or preset.section("target")["host"]
-        view = dryrun.preview(preset, target, args.out or default_out_dir())
+        view = preview.preview(preset, target, args.out or default_out_dir())
     except (PresetError, ValueError) as exc:
         _err(str(exc))
         return EXIT_USAGE
-    checked = asyncio.run(dryrun.check(view)) if args.check else None
+    checked = asyncio.run(preflight.check(view)) if args.check else None
     shown = checked.preview if checked is not None and checked.preview is not None else view
     if args.json:
-        doc = dryrun.plan_document(shown)
+        doc = preview.plan_document(shown)
         if checked is not None:
-            doc["checks"] = dryrun.checked_document(checked)
-        print(dryrun.to_json(doc))
+            doc["checks"] = preflight.checked_document(checked)
+        print(plan_text.to_json(doc))
     else:
-        print("\n".join(dryrun.plan_lines(shown)))
+        print("\n".join(plan_text.plan_lines(shown)))
         if checked is not None:
             print(f"\ncheck of {view.target_name} (read-only):")
-            print("\n".join(dryrun.check_lines(checked)))
+            print("\n".join(plan_text.check_lines(checked)))
     if checked is not None and checked.problems:
         for problem in checked.problems:
             _err(f"{view.target_name}: {problem.what}: {problem.text}")

@@ -31,9 +31,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
+    from console.plan_text import check_lines
     from runners.doctor import check_here, check_target
-    from runners.dryrun import check_lines, checked_document
     from runners.placement import default_out_dir
+    from runners.preflight import checked_document
 
     out_dir = args.out or default_out_dir()
     here = check_here(out_dir, CONSOLE_PACKAGES)

@@ -13,9 +13,10 @@ import shutil
 import sys
 from pathlib import Path
 
-from runners.dryrun import OK, PROBLEM, WARN, Checked, check, preview
 from runners.kinds import load_preset
+from runners.preflight import OK, PROBLEM, WARN, Checked, check
 from runners.presets import SHIPPED_DIR, PresetError
+from runners.preview import preview
 
 PROBE_PRESET = "b3_67_smoke"
 FREE_MIN = 1 << 30  # less than this free under the records is a warning

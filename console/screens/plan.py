@@ -10,8 +10,10 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Button, Footer, Label, Log, Static
 
+from console.plan_text import check_lines, plan_lines
 from console.widgets.text import clean
-from runners.dryrun import PROBLEM, WARN, Checked, Preview, check, check_lines, plan_lines
+from runners.preflight import PROBLEM, WARN, Checked, check
+from runners.preview import Preview
 
 LEVEL_STYLES = {PROBLEM: "bold red", WARN: "yellow"}
 

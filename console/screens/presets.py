@@ -22,10 +22,10 @@ from console.screens.sources import LiveSource
 from console.widgets.text import clean, plain
 from runners.atomic import write_atomic
 from runners.config import check_target, fleet_names
-from runners.dryrun import preview
 from runners.events import Event
 from runners.kinds import load_preset
 from runners.presets import SHIPPED_DIR, Preset, PresetError, user_dir
+from runners.preview import preview
 from runners.run import Run
 from runners.targets.base import HostKeyUnknown, TargetError
 from runners.targets.factory import ssh_config_aliases
