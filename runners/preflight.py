@@ -13,6 +13,8 @@ import shlex
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import orjson
+
 from runners.launchers.detached import holder_path, parse_holder
 from runners.launchers.slurm import SlurmSettings
 from runners.placement import (
@@ -21,6 +23,7 @@ from runners.placement import (
 from runners.plan import PYTHON_RULE, interpreter
 from runners.presets import Preset
 from runners.preview import Preview, judging, preview, target_path, uses_python
+from runners.remote_judge import imports_argv
 from runners.targets.base import HostKeyMismatch, HostKeyUnknown, Target, TargetError
 
 # The reference engine's imports (runners/reference): needed where it is shipped to run.
@@ -333,10 +336,21 @@ async def _check_judging(target: Target, out: Checked, p: Preview, python: str) 
         return
     judge["python"] = p.placement.judging.python or python  # type: ignore[union-attr]
     imports = ", ".join(judge["requires"])
-    # -I: the judge runs isolated (runners/hosted/boot.py), so PYTHONPATH and ~/.local do not count
-    code, _, err = await _sh(target, f"{_q(judge['python'])} -I -c {_q(f'import {imports}')}")
+    # Started as the judge is (runners/hosted/boot.py): PYTHONPATH, ~/.local and whatever a
+    # .pth line would add do not count.
+    argv = imports_argv(judge["python"], list(judge["requires"]))
+    code, said_out, err = await _sh(target, " ".join(_q(a) for a in argv))
     if code == 0:
         out.add(OK, "judging", f"on the host: {judge['python']} there has {imports}")
+        writable = [orjson.loads(line) for line in said_out.splitlines() if line.startswith("{")]
+        for found in (f for f in writable if f.get("writable")):
+            out.add(
+                WARN,
+                "judging",
+                f"{found['module']} in {found['dir']} can be changed by the login user, who runs "
+                "the engine: the judge there imports it as it finds it. Point [judge] python at "
+                "an interpreter that user cannot write, or set [judge] on = console",
+            )
         return
     said = (err.splitlines() or [f"exit {code}"])[-1]
     if judge["on"] == "host":

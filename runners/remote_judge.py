@@ -3,9 +3,10 @@ run it there, and take its answer from the command's own stdout (never a file in
 the engine writes).
 
 The engine runs there as the same user, so the shipped files are not trusted to stay as they
-were shipped: every judging command is `python -I -c BOOT` (runners/hosted/boot.py, sent on the
+were shipped: every judging command is `python -I -S -c BOOT` (runners/hosted/boot.py, sent on the
 command line), which checks each file against the sha256 of the console's own copy and runs the
-modules from those checked bytes, with the engine's directory and PYTHON* variables off the path.
+modules from those checked bytes, with the engine's directory and PYTHON* variables off the path
+and nothing in the interpreter's site-packages run on its own (no sitecustomize, no .pth).
 
 The session decides where a run is judged before it starts ([judge] on) and says so in the run's
 header; the judge then uses `ctx.host` (a RemoteJudge, or None when it judges here).
@@ -19,6 +20,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from runners.hosted.boot import ISOLATED
 from runners.kind import HostJudging
 from runners.targets.base import Target, TargetError
 
@@ -44,6 +46,16 @@ def manifest(spec: HostJudging) -> dict[str, str]:
     return {
         rel: hashlib.sha256((SOURCE_ROOT / rel).read_bytes()).hexdigest() for rel in shipped(spec)
     }
+
+
+def judge_argv(python: str, judge_dir: str, hashes: dict[str, str], entry: str) -> list[str]:
+    """The command that runs `entry` of a shipped judge from its checked bytes, isolated."""
+    return [python, *ISOLATED, "-c", BOOT, judge_dir, json.dumps(hashes), entry]
+
+
+def imports_argv(python: str, modules: list[str]) -> list[str]:
+    """The command that says whether `python`, started as a judge is, imports `modules`."""
+    return [python, *ISOLATED, "-c", BOOT, "--imports", *modules]
 
 
 class RemoteJudge:
@@ -75,7 +87,7 @@ class RemoteJudge:
         to, of its own copy of the same files)."""
         if self.hashes is None:
             self.hashes = manifest(spec)
-        argv = [self.python, "-I", "-c", BOOT, self.judge_dir, json.dumps(self.hashes), entry]
+        argv = judge_argv(self.python, self.judge_dir, self.hashes, entry)
         return " ".join(shlex.quote(a) for a in [*argv, *args])
 
     async def unusable(self, spec: HostJudging, module: str) -> str | None:
@@ -90,7 +102,7 @@ class RemoteJudge:
         said = (result.stderr.strip().splitlines() or [f"exit {result.exit_status}"])[-1]
         if result.stdout.strip():
             said = result.stdout.strip().splitlines()[-1]
-        return f"{self.python} -I on {self.target.name} cannot import {imports}: {said}"
+        return f"{self.python} -I -S on {self.target.name} cannot import {imports}: {said}"
 
     async def run(self, spec: HostJudging, args: list[str], timeout: float | None = None) -> Any:
         """Run the kind's judge entry in the artifacts directory; its one JSON line, parsed.

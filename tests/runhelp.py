@@ -209,3 +209,11 @@ def toy_override(preset: str) -> str:
 def toy_engine(preset: str) -> list[str]:
     """--set arguments that run a shipped preset on the toy engine."""
     return ["--set", toy_override(preset)]
+
+
+def python_without_numpy(tmp: Path) -> Path:
+    """A python whose site-packages lack numpy: a venv of its own (-S alone no longer hides
+    site-packages from a judge, which puts them on its path itself)."""
+    venv = tmp / "py-without-numpy"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    return venv / "bin" / "python"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +26,7 @@ from analysis.kv_invariance import PASS_INVARIANCE, SUMMARY, global_verdict
 from analysis.kv_invariance_llamacpp import read_log
 from analysis.readout import TraceError, parse_line
 from runners.kind import HostJudging
-from runners.remote_judge import BOOT, manifest
+from runners.remote_judge import imports_argv, judge_argv, manifest
 
 pytestmark = pytest.mark.fault  # after each: the hosts scanned (conftest.py)
 
@@ -228,7 +229,7 @@ def test_boot_ignores_the_engines_directory_home_and_python_variables(tmp_path: 
         "PYTHONUSERBASE": str(home / ".local"),
     }
     done = subprocess.run(
-        [sys.executable, "-I", "-c", BOOT, str(judge), json.dumps(hashes), "runners.hosted.check"]
+        judge_argv(sys.executable, str(judge), hashes, "runners.hosted.check")
         + ["json", "hashlib", "runners.atomic"],
         cwd=out,
         env=env,
@@ -366,31 +367,48 @@ def test_a_result_json_giving_a_key_twice_is_not_believed(tmp_path: Path) -> Non
     assert "'deterministic' is given twice (False, then True)" in result.reason
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not closed: `-I` still runs the interpreter's own site-packages (sitecustomize, "
-    ".pth); a judging python in a venv the engine's user can write is trusted as installed",
-)
-def test_a_sitecustomize_planted_in_the_judging_pythons_venv_never_runs(tmp_path: Path) -> None:
+@pytest.mark.parametrize("plant", ["sitecustomize", "pth"])
+def test_code_planted_in_the_judging_pythons_venv_never_runs(tmp_path: Path, plant: str) -> None:
+    """The engine's user can write the venv of the python that judges on the host: a
+    sitecustomize or a .pth line there ran inside the judge under `-I` (site imports both)
+    before it could check anything. Started `-I -S`, neither runs, and the venv's packages are
+    still found (a judge needs numpy), for the judge, for plan --check's probe, both."""
     venv = tmp_path / "hostpy"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     (site,) = venv.glob("lib/python3*/site-packages")
     mark = tmp_path / "ran"
-    (site / "sitecustomize.py").write_text(f"open({str(mark)!r}, 'w').write('ran')\n")
+    code = f"open({str(mark)!r}, 'a').write('ran')"
+    if plant == "sitecustomize":
+        (site / "sitecustomize.py").write_text(code + "\n")
+    else:
+        (site / "evil.pth").write_text(f"import os; {code}\n")
+    (site / "venvmark.py").write_text("WHERE = 'venv'\n")  # a package only the venv has
     spec = HostJudging(modules=(), requires=(), held=lambda _: False, entry="runners.hosted.check")
     judge = tmp_path / "judge"
     hashes = manifest(spec)
     for rel in hashes:
         (judge / rel).parent.mkdir(parents=True, exist_ok=True)
         (judge / rel).write_bytes((ROOT / rel).read_bytes())
-    subprocess.run(
-        [str(venv / "bin" / "python"), "-I", "-c", BOOT, str(judge), json.dumps(hashes)]
-        + ["runners.hosted.check", "json"],
+    python = str(venv / "bin" / "python")
+    judged = subprocess.run(
+        judge_argv(python, str(judge), hashes, "runners.hosted.check") + ["json", "venvmark"],
         cwd=tmp_path,
         capture_output=True,
+        text=True,
         timeout=patience(60),
     )
-    assert not mark.exists()
+    probe = subprocess.run(
+        imports_argv(python, ["venvmark"]), capture_output=True, text=True, timeout=patience(60)
+    )
+    assert not mark.exists(), "planted code ran inside the judge"
+    assert judged.returncode == 0, judged.stdout + judged.stderr
+    assert probe.returncode == 0, probe.stderr
+    [found] = [json.loads(line) for line in probe.stdout.splitlines()]
+    assert found == {"module": "venvmark", "dir": str(site), "writable": os.access(site, os.W_OK)}
+    missing = subprocess.run(
+        imports_argv(python, ["no_such_module_here"]), capture_output=True, text=True
+    )
+    assert missing.returncode != 0 and "no_such_module_here" in missing.stderr
 
 
 # ---------------------------------------------------------------- links in a tree handed to analyze

@@ -16,7 +16,16 @@ from pathlib import Path
 import pytest
 from faults import assert_run_gone, record_of
 from patience import patience
-from runhelp import cli_env, events, run_dirs, toy_command, toy_engine, tracedeck, wait_for
+from runhelp import (
+    cli_env,
+    events,
+    python_without_numpy,
+    run_dirs,
+    toy_command,
+    toy_engine,
+    tracedeck,
+    wait_for,
+)
 from sshd import CuttableProxy, SshHome
 
 pytestmark = pytest.mark.fault  # after each: the hosts scanned (conftest.py)
@@ -105,9 +114,7 @@ def test_judged_on_the_host_or_here_the_verdicts_are_the_same_and_the_logits_sta
 def test_a_host_python_that_cannot_judge_is_judged_here_and_the_run_says_why(
     ssh_home: SshHome, tmp_path: Path
 ) -> None:
-    bare = tmp_path / "bare-python"
-    bare.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')  # no site-packages: no numpy
-    bare.chmod(0o755)
+    bare = python_without_numpy(tmp_path)
     done, local = smoke(
         ssh_home, tmp_path, "auto", "--set", "matrix.seed=[0]", "--set", f'judge.python="{bare}"'
     )

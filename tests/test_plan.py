@@ -5,13 +5,15 @@ fail (exit 3), locally and over a real sshd; target.workdir / target.runs mean w
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
-from runhelp import cli_env, run_dirs, tracedeck, wait_until_held
+from runhelp import cli_env, python_without_numpy, run_dirs, tracedeck, wait_until_held
 from sshd import SshHome
 
 from console.cli import main
@@ -241,14 +243,18 @@ def test_plan_says_where_b3_67_is_judged_and_what_stays_on_the_host(
     held = [f["remote"] for c in doc["cells"] for f in c["fetch"] if f["held"]]
     assert len(held) == 4 and all(h.endswith("/logits.jsonl.gz") for h in held)
     # A python that cannot judge, where the preset says judge there or not at all: exit 3.
-    no_numpy = tmp_path / "py-without-numpy"
-    no_numpy.write_text('#!/bin/sh\nexec python3 -S -I "$@"\n')  # -S: no site-packages
-    no_numpy.chmod(0o755)
+    no_numpy = python_without_numpy(tmp_path)
     done = tracedeck(
         *argv, "--check", "--set", 'judge.on="host"', "--set", f'judge.python="{no_numpy}"',
         env=env,
     )  # fmt: skip
     assert done.returncode == 3, done.stdout + done.stderr
     assert "judging: [judge] on = host, but" in done.stderr and "numpy" in done.stderr
+    # A python that can judge, whose numpy the login user (the engine's) can write: said.
+    can = tracedeck(*argv, "--check", "--set", f'judge.python="{sys.executable}"', env=env)
+    numpy_dir = Path(np.__file__).parent
+    warned = f"WARNING judging: numpy in {numpy_dir} can be changed by the login user"
+    assert (warned in can.stdout) == os.access(numpy_dir, os.W_OK), can.stdout + can.stderr
+    assert f"ok      judging: on the host: {sys.executable} there has numpy" in can.stdout
     local = tracedeck("plan", "b3_67_smoke", "--json", env=env)  # the data is already here
     assert json.loads(local.stdout)["judge"]["where"] == "console"

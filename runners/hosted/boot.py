@@ -1,11 +1,14 @@
 """The one way a shipped judge runs on the target: from bytes checked against the console's hashes.
 
-    python -I -c "$(this file's text)" JUDGE_DIR MANIFEST ENTRY [ARGS...]
+    python -I -S -c "$(this file's text)" JUDGE_DIR MANIFEST ENTRY [ARGS...]
+    python -I -S -c "$(this file's text)" --imports MODULE...   (can this python judge?)
 
 The console sends this program's text on the command line (it is never read from the target)
 and MANIFEST, a JSON object mapping each shipped file (relative to JUDGE_DIR) to the sha256 of
 the console's own copy. `-I` keeps the current directory (the engine's output), PYTHON*
-variables and the user's site-packages off the path. Every shipped file is read once and
+variables and the user's site-packages off the path; `-S` keeps `site` from running anything
+in the interpreter's site-packages (a sitecustomize, a .pth line: the engine's user may be able
+to write a venv), which are then put on the path as `site` would, as plain directories. Every shipped file is read once and
 checked before any of it runs; the modules are then made from those checked bytes (the files,
 which the engine's process can write, are never read again), and a module of the shipped
 packages that the manifest does not hold is refused rather than looked for elsewhere.
@@ -18,9 +21,12 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import json
+import os
+import site
 import sys
 
 TAMPERED_EXIT = 3
+ISOLATED = ("-I", "-S")  # how every judging python starts
 
 
 class CheckedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -70,7 +76,35 @@ def checked_sources(root, manifest):
     return sources
 
 
+def site_packages():
+    """The interpreter's site-packages on sys.path, as `site` finds them (a venv's own, and its
+    base's when pyvenv.cfg includes them), with nothing in them run."""
+    exe_dir = os.path.dirname(os.path.abspath(sys.executable))
+    prefixes = [sys.prefix]
+    for conf in (
+        os.path.join(exe_dir, "pyvenv.cfg"),
+        os.path.join(os.path.dirname(exe_dir), "pyvenv.cfg"),
+    ):
+        if os.path.isfile(conf):
+            with open(conf, encoding="utf-8") as fh:
+                keys = dict(line.partition("=")[::2] for line in fh)
+            system = {k.strip().lower(): v.strip().lower() for k, v in keys.items()}
+            venv = os.path.dirname(conf)
+            both = system.get("include-system-site-packages") == "true"
+            prefixes = [venv, sys.prefix] if both else [venv]
+            break
+    for path in site.getsitepackages(prefixes):
+        if os.path.isdir(path) and path not in sys.path:
+            sys.path.append(path)
+
+
 def main():
+    site_packages()
+    if sys.argv[1] == "--imports":  # plan --check: can this python import what judging needs?
+        for name in sys.argv[2:]:  # and can the login user (the engine's) change what it found?
+            found = os.path.dirname(importlib.import_module(name).__file__ or ".")
+            print(json.dumps({"module": name, "dir": found, "writable": os.access(found, os.W_OK)}))
+        return 0
     root, manifest, entry, args = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], sys.argv[4:]
     try:
         sources = checked_sources(root, manifest)
@@ -83,7 +117,7 @@ def main():
         # these hashes (never `python -c` with the engine's directory first on its path).
         code = sys.orig_argv[sys.orig_argv.index("-c") + 1]
         parallel = importlib.import_module("analysis.parallel")
-        parallel.HELPER_COMMAND = [sys.executable, "-I", "-c", code, root, sys.argv[2]]
+        parallel.HELPER_COMMAND = [sys.executable, *ISOLATED, "-c", code, root, sys.argv[2]]
     return importlib.import_module(entry).main(args)
 
 
