@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from analysis.dsa_record import Ragged, cut_positions
+from analysis.dsa_record import Batch, Ragged, _Pool
 from analysis.dsa_scan import Scanned, TraceInfo, scan_span
 
 I64, F64, STR, BOOL = pa.int64(), pa.float64(), pa.string(), pa.bool_()
@@ -82,38 +82,21 @@ SCHEMA = pa.schema(
 RECORD_KEYS = [f.name for f in SCHEMA][7:]
 
 
-class _Pool(msgspec.Struct, gc=False):
-    hit_blocks: list[int]
-    bytes_read: int
-    read_ops: int
-    latency_us: float | None
-    batch_size: int
+# The csv's selected_token_pos is JSON text: record_table(s, pos_json=True) makes it at once.
+CSV_SOURCE = SCHEMA.set(
+    SCHEMA.get_field_index("selected_token_pos"), pa.field("selected_token_pos", STR)
+)
 
 
-class _Hbm(msgspec.Struct, gc=False):
-    hit_blocks: msgspec.Raw
-    read_ops: int
+def _as_encoded(text: bytes) -> bool:
+    """A JSON array of integers that msgspec would write as this very text: no space, no -0
+    (a two-byte search is slow: looked for only where a minus sign is)."""
+    if b" " in text or b"\n" in text or b"\t" in text or b"\r" in text:
+        return False
+    return b"-" not in text or b"-0" not in text
 
 
-class _KV(msgspec.Struct, gc=False):
-    hbm: _Hbm
-    local_pool: _Pool
-    remote_pool: _Pool
-
-
-class _Extra(msgspec.Struct, gc=False):
-    """What a Batch does not keep as columns (the decoder skips every other key)."""
-
-    event: str
-    kv_fetch: _KV
-
-
-_EXTRA = msgspec.json.Decoder(_Extra)
-
-
-def _extra(raw: bytes) -> _Extra:
-    cut = cut_positions(raw)
-    return _EXTRA.decode(raw if cut is None else raw[: cut[0]] + b"0" + raw[cut[1] + 1 :])
+_UNUSED_POOL = _Pool([], 0, 0, None, 0)
 
 
 def _lists(r: Ragged, rows: list[int] | None = None) -> pa.Array:
@@ -137,63 +120,100 @@ def _pool(pools: list[_Pool]) -> pa.StructArray:
     )
 
 
-def record_table(s: Scanned) -> pa.Table:
-    """The chunk's lines as rows of SCHEMA, in line order."""
+def _unused_pool(n: int) -> pa.StructArray:
+    """n unused tiers (the HBM-only demo's all-zero placeholders), without a Python list."""
+    zeros = pa.array(np.zeros(n, np.int64))
+    empty = pa.ListArray.from_arrays(pa.array(np.zeros(n + 1, np.int32)), pa.array([], I64))
+    return pa.StructArray.from_arrays(
+        [empty, zeros, zeros, pa.nulls(n, F64), zeros], fields=list(POOL)
+    )
+
+
+def _pos_json(b: Batch) -> pa.Array:
+    """Each row's selected_token_pos as flat_for_csv writes a list of integers ("[1,2,3]"):
+    the array as its line wrote it, where that is this very text (no space, no -0), else
+    encoded from the parsed values."""
+    n = len(b)
+    texts: list[Any] = b.pos_text if len(b.pos_text) == n else [None] * n
+    whole = b"".join(texts) if None not in texts else None
+    if whole is None or not _as_encoded(whole):
+        texts = [
+            t if t is not None and _as_encoded(bytes(t)) else msgspec.json.encode(b.pos[r].tolist())
+            for r, t in enumerate(texts)
+        ]
+        whole = b"".join(texts)
+    if len(whole) >= 1 << 31:  # pragma: no cover - beyond a string array's offsets
+        return _int_lists_json(_lists(b.pos))
+    offsets = np.zeros(n + 1, dtype=np.int32)
+    np.cumsum(np.fromiter(map(len, texts), np.int64, n), out=offsets[1:])
+    return pa.Array.from_buffers(STR, n, [None, pa.py_buffer(offsets), pa.py_buffer(whole)])
+
+
+def record_table(s: Scanned, pos_json: bool = False) -> pa.Table:
+    """The chunk's lines as rows of SCHEMA, in line order (pos_json: of CSV_SOURCE, whose
+    selected_token_pos is the JSON text flat_for_csv makes of it)."""
+    schema = CSV_SOURCE if pos_json else SCHEMA
     parts = []
     if len(s.batch):
-        parts.append(_parsed(s))
+        parts.append(_parsed(s, pos_json))
     if s.bad:
-        parts.append(_unparsed(s))
+        parts.append(_unparsed(s, schema))
     if not parts:
-        return SCHEMA.empty_table()
+        return schema.empty_table()
     table = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
     return table.sort_by("line") if len(parts) > 1 else table
 
 
-def _parsed(s: Scanned) -> pa.Table:
+def _parsed(s: Scanned, pos_json: bool = False) -> pa.Table:
+    """The rows that parsed, from the scan's one parse of each line (no second read)."""
     b = s.batch
     c = b.col
     n = len(b)
-    extras = [_extra(s.raw(line)) for line in b.lines]
     invalid = np.flatnonzero(~s.valid).tolist()
-    reasons: dict[int, Any] = {r: s.fail(r) for r in invalid}
-    hbm_hits = b.blocks
-    if not c["hits_eq"].all():  # a hit list that differs from selected_block_ids, as written
-        rows = [
-            b.blocks[r]
-            if c["hits_eq"][r]
-            else np.array(msgspec.json.decode(bytes(extras[r].kv_fetch.hbm.hit_blocks)), np.int64)
-            for r in range(n)
+    if invalid:
+        reason = {r: s.fail(r) for r in invalid}
+        reasons = [
+            pa.array([reason[r].field if r in reason else None for r in range(n)], STR),
+            pa.array([reason[r].expected if r in reason else None for r in range(n)], STR),
+            pa.array([reason[r].found if r in reason else None for r in range(n)], STR),
         ]
-        hbm_hits = Ragged.of(rows)
+    else:
+        reasons = [pa.nulls(n, STR)] * 3
+    hbm_hits = b.blocks
+    if b.hits:  # a hit list written otherwise than selected_block_ids: its own ids
+        hbm_hits = Ragged.of([b.hits.get(r, b.blocks[r]) for r in range(n)])
     names = list(zip(*b.names, strict=True)) if n else [[], [], []]
     ratio = c["tbr"]
     hbm = pa.StructArray.from_arrays(
         [
             _lists(hbm_hits),
             pa.array(c["bytes"]),
-            pa.array([e.kv_fetch.hbm.read_ops for e in extras], type=I64),
+            pa.array(c["hbm_ops"]),
             pa.array(c["latency"], mask=np.isnan(c["latency"])),
             pa.array(c["hbm_batch"]),
         ],
         fields=list(POOL),
     )
-    scores = [b.scores[r].tolist() if r in b.scores else None for r in range(n)]
+    if all(loc == _UNUSED_POOL and rem == _UNUSED_POOL for loc, rem in b.pools):
+        local = remote = _unused_pool(n)
+    else:
+        local = _pool([loc for loc, _ in b.pools])
+        remote = _pool([rem for _, rem in b.pools])
+    if b.scores:
+        scores = pa.array(
+            [b.scores[r].tolist() if r in b.scores else None for r in range(n)], pa.list_(F64)
+        )
+    else:
+        scores = pa.nulls(n, pa.list_(F64))
     cols: dict[str, Any] = {
         "shard": pa.array([s.file.name] * n, type=STR),
         "line": pa.array(b.lines, type=I64),
         "valid": pa.array(s.valid, type=BOOL),
-        "invalid_field": pa.array(
-            [reasons[r].field if r in reasons else None for r in range(n)], STR
-        ),  # fmt: skip
-        "invalid_expected": pa.array(
-            [reasons[r].expected if r in reasons else None for r in range(n)], STR
-        ),  # fmt: skip
-        "invalid_found": pa.array(
-            [reasons[r].found if r in reasons else None for r in range(n)], STR
-        ),  # fmt: skip
+        "invalid_field": reasons[0],
+        "invalid_expected": reasons[1],
+        "invalid_found": reasons[2],
         "raw": pa.nulls(n, STR),
-        "event": pa.array([e.event for e in extras], STR),
+        "event": pa.array(b.events, STR),
         "run_name": pa.array(names[0], STR),
         "dataset": pa.array(names[1], STR),
         "rank": pa.array(c["rank"]),
@@ -216,12 +236,7 @@ def _parsed(s: Scanned) -> pa.Table:
             names=["mean", "p50", "p95"],
         ),
         "kv_fetch": pa.StructArray.from_arrays(
-            [
-                hbm,
-                _pool([e.kv_fetch.local_pool for e in extras]),
-                _pool([e.kv_fetch.remote_pool for e in extras]),
-            ],
-            names=["hbm", "local_pool", "remote_pool"],
+            [hbm, local, remote], names=["hbm", "local_pool", "remote_pool"]
         ),
         "prefix": pa.StructArray.from_arrays(
             [
@@ -239,14 +254,15 @@ def _parsed(s: Scanned) -> pa.Table:
                 "intersection_blocks",
             ],
         ),
-        "selected_token_pos": _lists(b.pos),
+        "selected_token_pos": _pos_json(b) if pos_json else _lists(b.pos),
         "scores_stats": pa.StructArray.from_arrays(
             [pa.array(c["s_min"]), pa.array(c["s_mean"]), pa.array(c["s_max"])],
             names=["min", "mean", "max"],
         ),
-        "scores_topk": pa.array(scores, type=pa.list_(F64)),
+        "scores_topk": scores,
     }
-    return pa.Table.from_arrays([cols[f.name] for f in SCHEMA], schema=SCHEMA)
+    schema = CSV_SOURCE if pos_json else SCHEMA
+    return pa.Table.from_arrays([cols[f.name] for f in schema], schema=schema)
 
 
 class ExportChunk:
@@ -262,16 +278,17 @@ class ExportChunk:
     ) -> tuple[pa.Table, int]:
         tables, invalid = [], 0
         for s in scan_span(self.info, Path(path), lines, first_line, torn):
-            tables.append(record_table(s))
+            tables.append(record_table(s, pos_json=self.csv))
             invalid += int((~s.valid).sum()) + len(s.bad)
-        table = pa.concat_tables(tables) if len(tables) > 1 else tables[0] if tables else SCHEMA.empty_table()  # fmt: skip
+        schema = CSV_SOURCE if self.csv else SCHEMA
+        table = pa.concat_tables(tables) if len(tables) > 1 else tables[0] if tables else schema.empty_table()  # fmt: skip
         return (flat_for_csv(table) if self.csv else table), invalid
 
 
-def _unparsed(s: Scanned) -> pa.Table:
+def _unparsed(s: Scanned, schema: pa.Schema = SCHEMA) -> pa.Table:
     """Lines that are no record: their place, reason and text; the id where it was readable."""
     n = len(s.bad)
-    cols: dict[str, Any] = {name: pa.nulls(n, SCHEMA.field(name).type) for name in SCHEMA.names}
+    cols: dict[str, Any] = {name: pa.nulls(n, schema.field(name).type) for name in schema.names}
     cols["shard"] = pa.array([s.file.name] * n, STR)
     cols["line"] = pa.array([line for line, _, _ in s.bad], I64)
     cols["valid"] = pa.array([False] * n, BOOL)
@@ -281,7 +298,7 @@ def _unparsed(s: Scanned) -> pa.Table:
     cols["raw"] = pa.array([s.raw(line).decode("utf-8", "replace") for line, _, _ in s.bad], STR)
     for i, name in enumerate(("request_id", "layer_id", "step_idx")):
         cols[name] = pa.array([ident[i] if ident else None for _, _, ident in s.bad], I64)
-    return pa.Table.from_arrays([cols[f.name] for f in SCHEMA], schema=SCHEMA)
+    return pa.Table.from_arrays([cols[f.name] for f in schema], schema=schema)
 
 
 def flat_for_csv(table: pa.Table) -> pa.Table:
@@ -293,6 +310,8 @@ def flat_for_csv(table: pa.Table) -> pa.Table:
     for col in flat.columns:
         if pa.types.is_list(col.type) and pa.types.is_integer(col.type.value_type):
             col = pa.chunked_array([_int_lists_json(a) for a in col.chunks], STR)
+        elif pa.types.is_list(col.type) and col.null_count == len(col):
+            col = pa.nulls(len(col), STR)
         elif pa.types.is_list(col.type):
             values = col.to_pylist()
             col = pa.array(
@@ -310,4 +329,9 @@ def _int_lists_json(lists: pa.ListArray) -> pa.Array:
     offsets = pc.subtract(offsets, pa.scalar(start, offsets.type))
     values = lists.values.slice(start, offsets[-1].as_py())
     text = pa.ListArray.from_arrays(offsets, pc.cast(values, STR), mask=lists.is_null())
-    return pc.binary_join_element_wise("[", pc.binary_join(text, ","), "]", "")
+    return pc.binary_join_element_wise(_OPEN, pc.binary_join(text, _COMMA), _CLOSE, _NOTHING)
+
+
+# Typed scalars: a Python str becomes one through type inference, which tries to import
+# dateutil (absent: ~75 us an attempt, several per call).
+_OPEN, _COMMA, _CLOSE, _NOTHING = (pa.scalar(t, STR) for t in ("[", ",", "]", ""))

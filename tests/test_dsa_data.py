@@ -268,6 +268,41 @@ def test_export_csv_flattens_and_keeps_the_positions(
     assert int(rows[0]["kv_fetch.hbm.bytes_read"]) == first["kv_fetch"]["hbm"]["bytes_read"]
 
 
+def test_csv_positions_from_the_lines_text_equal_the_encoded_lists(
+    traces: dict[int, Path], tmp_path: Path
+) -> None:
+    """The csv's selected_token_pos is the array as its line wrote it when that is msgspec's
+    text of it; a line written otherwise (spaces, -0) or read by the exact path is encoded."""
+    import shutil
+
+    import msgspec
+
+    from analysis.dsa_export import flat_for_csv, record_table
+
+    folder = tmp_path / "trace" / "block16"
+    shutil.copytree(traces[16], folder)
+    shard = sorted(folder.glob("trace_steps_*.jsonl"))[0]
+    lines = shard.read_bytes().splitlines(keepends=True)
+    recs = [orjson.loads(x) for x in lines[:3]]
+    lines[0] = json.dumps(recs[0]).encode() + b"\n"  # ", " between the positions
+    lines[1] = lines[1].replace(b'"selected_token_pos":[', b'"selected_token_pos":[-0,', 1)
+    recs[2]["dataset"] = "selected_token_pos"  # the key's name first as a value: the exact path
+    lines[2] = orjson.dumps(recs[2]) + b"\n"
+    shard.write_bytes(b"".join(lines))
+    seen = 0
+    first = next(scan_block(trace_info(folder))).batch
+    assert first.lines[:3] == [1, 2, 3] and first.pos_text[2] is None  # the exact path's line
+    assert b", " in bytes(first.pos_text[0]) and b"-0," in bytes(first.pos_text[1])
+    for chunk in scan_block(trace_info(folder)):
+        fast = flat_for_csv(record_table(chunk, pos_json=True))
+        assert fast.equals(flat_for_csv(record_table(chunk)))
+        for r, text in enumerate(fast["selected_token_pos"].to_pylist()):
+            assert text == msgspec.json.encode(chunk.batch.pos[r].tolist()).decode()
+            seen += 1
+    assert seen == 36
+    assert chunk.batch.pos_text and None not in chunk.batch.pos_text  # the usual lines: as written
+
+
 def test_export_keeps_stored_scores(tmp_path: Path) -> None:
     folder = engine(tmp_path / "s", 16, "--trace-store-scores", "--limit", "1")
     out = tmp_path / "s.parquet"
