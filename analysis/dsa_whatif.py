@@ -18,12 +18,13 @@ Everything is folded into bounded histograms (never a list of records).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from analysis.dsa_record import Batch, Ragged
+from analysis.dsa_record import Batch, Ragged, _starts
 from analysis.dsa_scan import Scanned, TraceInfo
 from analysis.dsa_stats import percentile
 
@@ -229,8 +230,17 @@ def _row_percentiles(counts: np.ndarray, n: np.ndarray, b: int) -> tuple[np.ndar
     def kth(k: np.ndarray) -> np.ndarray:  # 0-based rank -> value: the counts <= it
         return np.searchsorted(flat, k + shift, side="right") - first
 
+    p50, p95 = _percentiles(kth, n, (Q50, Q95))
+    return p50, p95
+
+
+def _percentiles(
+    kth: Callable[[np.ndarray], np.ndarray], n: np.ndarray, qs: tuple[float, ...]
+) -> list[np.ndarray]:
+    """numpy's linear percentiles of each row's n values, kth(k) being each row's k-th
+    smallest (0-based; NaN where a row has none)."""
     out = []
-    for q in (Q50, Q95):
+    for q in qs:
         v = (n - 1) * q  # numpy: (n - 1) * quantiles
         prev = np.floor(v)
         above = v >= n - 1
@@ -241,7 +251,142 @@ def _row_percentiles(counts: np.ndarray, n: np.ndarray, b: int) -> tuple[np.ndar
         d = z - a
         res = np.where(t >= 0.5, z - d * (1 - t), a + d * t)
         out.append(np.where(n > 0, res, np.nan))
-    return out[0], out[1]
+    return out
+
+
+@dataclass
+class Summary:
+    """What SizeAgg keeps of one block size's rows: per row unique_blocks, touched_block_ratio,
+    the tokens_per_touched_block p50 and the prefix intersection ratio (NaN: undetermined);
+    over the rows the histogram of tokens per touched block (tpb[v]: the blocks holding v
+    positions) and the sum of bytes_read."""
+
+    unique_blocks: np.ndarray
+    ratio: np.ndarray
+    tpb: np.ndarray
+    tpb_p50: np.ndarray
+    inter_ratio: np.ndarray
+    bytes_read: int
+
+    @classmethod
+    def of(cls, rows: Rows) -> Summary:
+        flat = rows.counts.flat
+        return cls(
+            unique_blocks=rows.unique_blocks,
+            ratio=rows.ratio,
+            tpb=np.bincount(flat) if len(flat) else np.zeros(0, np.int64),
+            tpb_p50=rows.tpb_p50,
+            inter_ratio=rows.inter_ratio,
+            bytes_read=int(rows.bytes_read.sum()),
+        )
+
+
+_POPCOUNT8 = np.bitwise_count(np.arange(256, dtype=np.uint8)).astype(np.int64)
+
+
+def row_hist(
+    d: Any, b: int, cache: dict[str, Any] | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, Callable[[np.ndarray], np.ndarray]] | None:
+    """Every row's histogram of positions per block at size b (rows x b + 1: [r, v] is how
+    many of row r's blocks hold v positions), read off the validator's occupancy
+    (analysis.dsa_checks.Derived), with each row's blocks at b, where they start (rows back to
+    back) and which of the blocks so numbered are touched; None for a b that neither divides
+    nor is a multiple of the recorded size. cache: shared by the sizes of one batch."""
+    rows = len(d.total_blocks)
+    if d.words is not None and 8 % b == 0:
+        return _row_hist_bytes(d, b, {} if cache is None else cache)
+    counted = block_counts(d, b)
+    if counted is None:
+        return None
+    counts, nb = counted
+    b0 = d.block_size
+    owner = np.arange(rows, dtype=np.int64) * (b + 1)
+    if b0 % b == 0 and len(counts):  # each recorded block's b0 / b blocks, in their row
+        key = (np.repeat(owner, d.total_blocks)[:, None] + counts.reshape(-1, b0 // b)).ravel()
+    else:
+        key = np.repeat(owner, nb) + counts
+    hist = np.bincount(key, minlength=rows * (b + 1)).reshape(rows, b + 1)
+    return hist, nb, _starts(nb), lambda at: counts[at] > 0
+
+
+def _row_hist_bytes(
+    d: Any, b: int, cache: dict[str, Any]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, Callable[[np.ndarray], np.ndarray]]:
+    """row_hist for a b that divides 8, from each row's histogram of its occupancy bytes (one
+    bincount for every such b of a batch): a byte holds 8 / b blocks, and a block's count is
+    the popcount of its b bits."""
+    rows = len(d.total_blocks)
+    data = d.words.view(np.uint8)
+    if "bytes" not in cache:
+        owner = np.repeat(np.arange(rows, dtype=np.int64) * 256, d.total_blocks)
+        key = (owner[:, None] + data.reshape(len(owner), -1)).ravel()
+        cache["bytes"] = np.bincount(key, minlength=rows * 256).reshape(rows, 256)
+    per_byte = cache["bytes"]
+    k, v = 8 // b, 1 << b
+    cube = per_byte.reshape((rows,) + (v,) * k)  # byte = its k b-bit values, the last first
+    axes = range(1, k + 1)
+    values = sum(cube.sum(axis=tuple(a for a in axes if a != keep)) for keep in axes)
+    assert isinstance(values, np.ndarray)  # rows x 2**b: the row's blocks holding each bit value
+    by_count = np.argsort(_POPCOUNT8[:v], kind="stable")
+    first = np.searchsorted(_POPCOUNT8[:v][by_count], np.arange(b + 1))
+    hist = np.add.reduceat(values[:, by_count], first, axis=1)
+    nb = d.total_blocks * (d.block_size // b)
+    mask = v - 1
+
+    def touched(at: np.ndarray) -> np.ndarray:
+        bit = at * b
+        return ((data[bit >> 3] >> (bit & 7).astype(np.uint8)) & mask) != 0
+
+    return hist, nb, _starts(nb), touched
+
+
+def summary_counted(
+    d: Any,
+    b: int,
+    seq: np.ndarray,
+    bpt: int,
+    plo: np.ndarray,
+    phi: np.ndarray,
+    cache: dict[str, Any] | None = None,
+) -> Summary | None:
+    """The Summary at block size b of every row of a checked batch, from the rows' histograms
+    of positions per block (row_hist): no list of blocks is made, and the same values as
+    Summary.of(_rows(...)). None: see row_hist."""
+    got = row_hist(d, b, cache)
+    if got is None:
+        return None
+    hist, nb, base, touched_at = got
+    ub = nb - hist[:, 0]
+    tb = -(-seq // b)
+    safe = np.maximum(ub, 1)
+    pc_lo, pc_hi = -(-plo // b), -(-phi // b)
+    known = pc_lo == pc_hi
+    # the touched blocks among each row's first prefix_cached_blocks blocks (where known)
+    take = np.minimum(np.where(known, pc_lo, 0), nb)
+    start = np.zeros(len(take), dtype=np.int64)
+    if len(take) > 1:
+        np.cumsum(take[:-1], out=start[1:])
+    total = int(take.sum())
+    touched = touched_at(np.repeat(base - start, take) + np.arange(total))
+    run = np.zeros(total + 1, dtype=np.int64)
+    np.cumsum(touched, out=run[1:])
+    ilens = run[start + take] - run[start]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        inter_ratio = np.where(known, ilens / safe, np.nan)
+    upto = hist[:, 1:].cumsum(axis=1)  # [r, v - 1]: row r's touched blocks holding <= v
+
+    def kth(k: np.ndarray) -> np.ndarray:  # 0-based rank -> value
+        return (upto <= k[:, None]).sum(axis=1) + 1
+
+    (p50,) = _percentiles(kth, ub, (Q50,))
+    return Summary(
+        unique_blocks=ub,
+        ratio=ub / np.maximum(tb, 1),
+        tpb=np.concatenate([np.zeros(1, np.int64), hist[:, 1:].sum(axis=0)]),
+        tpb_p50=p50,
+        inter_ratio=inter_ratio,
+        bytes_read=int((ub * b * bpt).sum()),
+    )
 
 
 # -- the distributions -------------------------------------------------------------------------
@@ -264,20 +409,22 @@ class SizeAgg:
     prefix_undetermined: int = 0
     bytes_total: int = 0
 
-    def add(self, rows: Rows) -> None:
+    def add(self, rows: Rows | Summary) -> None:
+        if isinstance(rows, Rows):
+            rows = Summary.of(rows)
         self.records += len(rows.unique_blocks)
         self.unique_blocks = _bump_ints(self.unique_blocks, rows.unique_blocks)
         r = np.round(rows.ratio, RATIO_DIGITS)
         _bump(self.ratio, r)
         self.ratio_sum += float(rows.ratio.sum())
-        self.tpb = _bump_ints(self.tpb, rows.counts.flat)
+        self.tpb = _add_hist(self.tpb, rows.tpb)
         _bump(self.tpb_p50, rows.tpb_p50)
         known = np.isfinite(rows.inter_ratio)
         self.prefix_undetermined += int((~known).sum())
         ir = rows.inter_ratio[known]
         _bump(self.inter_ratio, np.round(ir, RATIO_DIGITS))
         self.inter_sum += float(ir.sum())
-        self.bytes_total += int(rows.bytes_read.sum())
+        self.bytes_total += rows.bytes_read
 
     def merge(self, o: SizeAgg) -> None:
         """Fold in another part's histograms (its float sums added as add() would have)."""
@@ -420,13 +567,11 @@ class WhatIf:
         if not len(rows):
             return
         self.used += len(rows)
-        b0 = self.info.block_size
-        wanted = self.sizes if b0 is None or b0 in self.sizes else [*self.sizes, b0]
-        got = compute(self.info, b, rows, wanted, s.derived)
+        got, own = summarize(self.info, b, rows, self.sizes, s.derived)
         for b_size in self.sizes:
             self.aggs[b_size].add(got[b_size])
-        if b0 is not None:
-            self._compare(s, rows, got[b0])
+        if own is not None:
+            self._compare(s, rows, own)
 
     def _compare(self, s: Scanned, rows: np.ndarray, own: Rows) -> None:
         """The recorded B/C/D fields against the recomputation at the recorded size, per row
@@ -560,15 +705,7 @@ def compute(
 ) -> dict[int, Rows]:
     """The fields at each block size for the given (valid) rows of a batch (derived: the
     validator's Derived for the batch, whose occupancy gives the sorted positions)."""
-    c = batch.col
-    seq = c["seq"][rows]
-    prompt = None
-    if info.prompt_tokens:
-        get = info.prompt_tokens.get
-        prompt = np.array([get(int(q), -1) for q in c["request"][rows]], dtype=np.int64)
-    b0 = info.block_size or int(c["bs"][rows[0]])
-    plo, phi = prefix_range(c["pcb"][rows], b0, info.prefix_key_tokens, prompt)
-    bpt = info.bytes_per_token or 0
+    seq, bpt, plo, phi = _inputs(info, batch, rows)
     out: dict[int, Rows] = {}
     spos: Ragged | None = None
     every = derived is not None and len(rows) == len(batch)
@@ -581,6 +718,47 @@ def compute(
             spos = sorted_positions(batch, rows, derived)
         out[b] = at_block_size(spos, seq, b, bpt, plo, phi)
     return out
+
+
+def summarize(
+    info: TraceInfo, batch: Batch, rows: np.ndarray, sizes: list[int], derived: Any = None
+) -> tuple[dict[int, Summary], Rows | None]:
+    """What SizeAgg keeps of the given (valid) rows at each size, and every field at the
+    recorded size (None where it is not known) for the comparison with the recorded ones.
+    With every row of the batch and its Derived, a size other than the recorded one is read
+    off the rows' histograms of positions per block (summary_counted); the others come from
+    compute()."""
+    b0 = info.block_size
+    fast: dict[int, Summary] = {}
+    if derived is not None and len(rows) == len(batch):
+        seq, bpt, plo, phi = _inputs(info, batch, rows)
+        cache: dict[str, Any] = {}
+        for b in sizes:
+            got = summary_counted(derived, b, seq, bpt, plo, phi, cache) if b != b0 else None
+            if got is not None:
+                fast[b] = got
+    rest = [b for b in sizes if b not in fast]
+    if b0 is not None and b0 not in rest:
+        rest.append(b0)
+    full = compute(info, batch, rows, rest, derived) if rest else {}
+    out = {b: fast[b] if b in fast else Summary.of(full[b]) for b in sizes}
+    return out, full.get(b0) if b0 is not None else None
+
+
+def _inputs(
+    info: TraceInfo, batch: Batch, rows: np.ndarray
+) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
+    """The rows' seq_len_current, the KV bytes per token (0: unknown) and each row's prefix
+    range in tokens (prefix_range)."""
+    c = batch.col
+    seq = c["seq"][rows]
+    prompt = None
+    if info.prompt_tokens:
+        get = info.prompt_tokens.get
+        prompt = np.array([get(int(q), -1) for q in c["request"][rows]], dtype=np.int64)
+    b0 = info.block_size or int(c["bs"][rows[0]])
+    plo, phi = prefix_range(c["pcb"][rows], b0, info.prefix_key_tokens, prompt)
+    return seq, info.bytes_per_token or 0, plo, phi
 
 
 # -- text ----------------------------------------------------------------------------------------
