@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from analysis.dsa_record import Batch, Ragged, _Pool
+from analysis.dsa_record import Ragged, _Pool
 from analysis.dsa_scan import Scanned, TraceInfo, scan_span
 
 I64, F64, STR, BOOL = pa.int64(), pa.float64(), pa.string(), pa.bool_()
@@ -82,10 +82,16 @@ SCHEMA = pa.schema(
 RECORD_KEYS = [f.name for f in SCHEMA][7:]
 
 
-# The csv's selected_token_pos is JSON text: record_table(s, pos_json=True) makes it at once.
-CSV_SOURCE = SCHEMA.set(
-    SCHEMA.get_field_index("selected_token_pos"), pa.field("selected_token_pos", STR)
-)
+def _ints_as_text(t: pa.DataType) -> pa.DataType:
+    if pa.types.is_struct(t):
+        return pa.struct([pa.field(f.name, _ints_as_text(f.type)) for f in t])
+    return STR if pa.types.is_list(t) and pa.types.is_integer(t.value_type) else t
+
+
+# The csv's lists of integers are JSON text: record_table(s, json_lists=True) makes them so at
+# once (from the lines' own text where it is that text), flat_for_csv flattens the rest.
+CSV_SOURCE = pa.schema([pa.field(f.name, _ints_as_text(f.type)) for f in SCHEMA])
+_UNUSED_POOL = _Pool([], 0, 0, None, 0)
 
 
 def _as_encoded(text: bytes) -> bool:
@@ -107,55 +113,64 @@ def _lists(r: Ragged, rows: list[int] | None = None) -> pa.Array:
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(r.flat, type=I64))
 
 
-def _pool(pools: list[_Pool]) -> pa.StructArray:
+def _pool(pools: list[_Pool], json_lists: bool = False) -> pa.StructArray:
+    hits = [p.hit_blocks for p in pools]
     return pa.StructArray.from_arrays(
         [
-            pa.array([p.hit_blocks for p in pools], type=IDS),
+            pa.array([msgspec.json.encode(h) for h in hits], STR)
+            if json_lists
+            else pa.array(hits, type=IDS),
             pa.array([p.bytes_read for p in pools], type=I64),
             pa.array([p.read_ops for p in pools], type=I64),
             pa.array([p.latency_us for p in pools], type=F64),
             pa.array([p.batch_size for p in pools], type=I64),
         ],
-        fields=list(POOL),
+        fields=list(POOL) if not json_lists else list(CSV_SOURCE.field("kv_fetch").type[1].type),
     )
 
 
-def _unused_pool(n: int) -> pa.StructArray:
+def _unused_pool(n: int, json_lists: bool = False) -> pa.StructArray:
     """n unused tiers (the HBM-only demo's all-zero placeholders), without a Python list."""
     zeros = pa.array(np.zeros(n, np.int64))
-    empty = pa.ListArray.from_arrays(pa.array(np.zeros(n + 1, np.int32)), pa.array([], I64))
-    return pa.StructArray.from_arrays(
-        [empty, zeros, zeros, pa.nulls(n, F64), zeros], fields=list(POOL)
-    )
+    if json_lists:
+        offsets = pa.py_buffer(np.arange(0, 2 * n + 1, 2, dtype=np.int32))
+        empty = pa.Array.from_buffers(STR, n, [None, offsets, pa.py_buffer(b"[]" * n)])
+    else:
+        empty = pa.ListArray.from_arrays(pa.array(np.zeros(n + 1, np.int32)), pa.array([], I64))
+    fields = list(CSV_SOURCE.field("kv_fetch").type[1].type) if json_lists else list(POOL)
+    return pa.StructArray.from_arrays([empty, zeros, zeros, pa.nulls(n, F64), zeros], fields=fields)
 
 
-def _pos_json(b: Batch) -> pa.Array:
-    """Each row's selected_token_pos as flat_for_csv writes a list of integers ("[1,2,3]"):
-    the array as its line wrote it, where that is this very text (no space, no -0), else
-    encoded from the parsed values."""
-    n = len(b)
-    texts: list[Any] = b.pos_text if len(b.pos_text) == n else [None] * n
+def _json_lists(texts: list[Any], values: Ragged) -> pa.Array:
+    """Each row's list of integers as flat_for_csv writes it ("[1,2,3]", msgspec's text): the
+    array as its line wrote it (texts[r]) where that is this very text (no space, no -0),
+    else encoded from the parsed values (a text of None: the line was read otherwise)."""
+    n = len(values)
+    if len(texts) != n:
+        texts = [None] * n
     whole = b"".join(texts) if None not in texts else None
     if whole is None or not _as_encoded(whole):
         texts = [
-            t if t is not None and _as_encoded(bytes(t)) else msgspec.json.encode(b.pos[r].tolist())
+            t
+            if t is not None and _as_encoded(bytes(t))
+            else msgspec.json.encode(values[r].tolist())
             for r, t in enumerate(texts)
         ]
         whole = b"".join(texts)
     if len(whole) >= 1 << 31:  # pragma: no cover - beyond a string array's offsets
-        return _int_lists_json(_lists(b.pos))
+        return _int_lists_json(_lists(values))
     offsets = np.zeros(n + 1, dtype=np.int32)
     np.cumsum(np.fromiter(map(len, texts), np.int64, n), out=offsets[1:])
     return pa.Array.from_buffers(STR, n, [None, pa.py_buffer(offsets), pa.py_buffer(whole)])
 
 
-def record_table(s: Scanned, pos_json: bool = False) -> pa.Table:
-    """The chunk's lines as rows of SCHEMA, in line order (pos_json: of CSV_SOURCE, whose
-    selected_token_pos is the JSON text flat_for_csv makes of it)."""
-    schema = CSV_SOURCE if pos_json else SCHEMA
+def record_table(s: Scanned, json_lists: bool = False) -> pa.Table:
+    """The chunk's lines as rows of SCHEMA, in line order (json_lists: of CSV_SOURCE, whose
+    lists of integers are the JSON text flat_for_csv makes of them)."""
+    schema = CSV_SOURCE if json_lists else SCHEMA
     parts = []
     if len(s.batch):
-        parts.append(_parsed(s, pos_json))
+        parts.append(_parsed(s, json_lists))
     if s.bad:
         parts.append(_unparsed(s, schema))
     if not parts:
@@ -164,7 +179,7 @@ def record_table(s: Scanned, pos_json: bool = False) -> pa.Table:
     return table.sort_by("line") if len(parts) > 1 else table
 
 
-def _parsed(s: Scanned, pos_json: bool = False) -> pa.Table:
+def _parsed(s: Scanned, json_lists: bool = False) -> pa.Table:
     """The rows that parsed, from the scan's one parse of each line (no second read)."""
     b = s.batch
     c = b.col
@@ -179,26 +194,33 @@ def _parsed(s: Scanned, pos_json: bool = False) -> pa.Table:
         ]
     else:
         reasons = [pa.nulls(n, STR)] * 3
-    hbm_hits = b.blocks
+
+    def ids(values: Ragged, texts: list[Any]) -> pa.Array:
+        return _json_lists(texts, values) if json_lists else _lists(values)
+
+    blocks = ids(b.blocks, b.blocks_text)
+    hbm_hits = blocks
     if b.hits:  # a hit list written otherwise than selected_block_ids: its own ids
-        hbm_hits = Ragged.of([b.hits.get(r, b.blocks[r]) for r in range(n)])
+        own = Ragged.of([b.hits.get(r, b.blocks[r]) for r in range(n)])
+        texts = b.blocks_text if len(b.blocks_text) == n else [None] * n
+        hbm_hits = ids(own, [None if r in b.hits else t for r, t in enumerate(texts)])
     names = list(zip(*b.names, strict=True)) if n else [[], [], []]
     ratio = c["tbr"]
     hbm = pa.StructArray.from_arrays(
         [
-            _lists(hbm_hits),
+            hbm_hits,
             pa.array(c["bytes"]),
             pa.array(c["hbm_ops"]),
             pa.array(c["latency"], mask=np.isnan(c["latency"])),
             pa.array(c["hbm_batch"]),
         ],
-        fields=list(POOL),
+        fields=list(CSV_SOURCE.field("kv_fetch").type[0].type) if json_lists else list(POOL),
     )
     if all(loc == _UNUSED_POOL and rem == _UNUSED_POOL for loc, rem in b.pools):
-        local = remote = _unused_pool(n)
+        local = remote = _unused_pool(n, json_lists)
     else:
-        local = _pool([loc for loc, _ in b.pools])
-        remote = _pool([rem for _, rem in b.pools])
+        local = _pool([loc for loc, _ in b.pools], json_lists)
+        remote = _pool([rem for _, rem in b.pools], json_lists)
     if b.scores:
         scores = pa.array(
             [b.scores[r].tolist() if r in b.scores else None for r in range(n)], pa.list_(F64)
@@ -227,7 +249,7 @@ def _parsed(s: Scanned, pos_json: bool = False) -> pa.Table:
         "offset_p50": pa.array(c["off_p50"]),
         "offset_max": pa.array(c["off_max"]),
         "block_size_tokens": pa.array(c["bs"]),
-        "selected_block_ids": _lists(b.blocks),
+        "selected_block_ids": blocks,
         "unique_blocks": pa.array(c["ublocks"]),
         "total_blocks_in_use": pa.array(c["total_blocks"], mask=~c["has_total"]),
         "touched_block_ratio": pa.array(ratio, mask=np.isnan(ratio)),
@@ -244,7 +266,7 @@ def _parsed(s: Scanned, pos_json: bool = False) -> pa.Table:
                 pa.array(c["pcb"]),
                 pa.array(names[2], STR),
                 pa.array(c["ratio"]),
-                _lists(b.inter),
+                ids(b.inter, b.inter_text),
             ],
             names=[
                 "prefix_cache_hit",
@@ -254,14 +276,14 @@ def _parsed(s: Scanned, pos_json: bool = False) -> pa.Table:
                 "intersection_blocks",
             ],
         ),
-        "selected_token_pos": _pos_json(b) if pos_json else _lists(b.pos),
+        "selected_token_pos": ids(b.pos, b.pos_text),
         "scores_stats": pa.StructArray.from_arrays(
             [pa.array(c["s_min"]), pa.array(c["s_mean"]), pa.array(c["s_max"])],
             names=["min", "mean", "max"],
         ),
         "scores_topk": scores,
     }
-    schema = CSV_SOURCE if pos_json else SCHEMA
+    schema = CSV_SOURCE if json_lists else SCHEMA
     return pa.Table.from_arrays([cols[f.name] for f in schema], schema=schema)
 
 
@@ -278,7 +300,7 @@ class ExportChunk:
     ) -> tuple[pa.Table, int]:
         tables, invalid = [], 0
         for s in scan_span(self.info, Path(path), lines, first_line, torn):
-            tables.append(record_table(s, pos_json=self.csv))
+            tables.append(record_table(s, json_lists=self.csv))
             invalid += int((~s.valid).sum()) + len(s.bad)
         schema = CSV_SOURCE if self.csv else SCHEMA
         table = pa.concat_tables(tables) if len(tables) > 1 else tables[0] if tables else schema.empty_table()  # fmt: skip

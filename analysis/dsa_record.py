@@ -335,12 +335,15 @@ class Batch:
     scores: dict[int, np.ndarray] = field(default_factory=dict)  # row -> scores_topk
     # What only the export uses, kept from the one parse (no pass of their own): each row's
     # event, its kv_fetch local_pool and remote_pool, its own hbm.hit_blocks where they differ
-    # from selected_block_ids (row -> ids), and its selected_token_pos as written (a slice of
-    # the line; None where the exact path read the line).
+    # from selected_block_ids (row -> ids), and its selected_token_pos (a slice of the line;
+    # None where the exact path read the line), selected_block_ids and intersection_blocks
+    # as written.
     events: list[str] = field(default_factory=list)
     pools: list[tuple[_Pool, _Pool]] = field(default_factory=list)
     hits: dict[int, np.ndarray] = field(default_factory=dict)
     pos_text: list[Any] = field(default_factory=list)
+    blocks_text: list[Any] = field(default_factory=list)
+    inter_text: list[Any] = field(default_factory=list)
     bad: list[tuple[int, Fail, tuple[int, int, int] | None]] = field(default_factory=list)
     col: dict[str, np.ndarray] = field(default_factory=dict)
 
@@ -363,6 +366,8 @@ class Batch:
             pools=self.pools[r0:r1],
             hits={r - r0: v for r, v in self.hits.items() if r0 <= r < r1},
             pos_text=self.pos_text[r0:r1],
+            blocks_text=self.blocks_text[r0:r1],
+            inter_text=self.inter_text[r0:r1],
             col={k: v[r0:r1] for k, v in self.col.items()},
         )
 
@@ -605,8 +610,9 @@ def read_batch(lines: Sequence[bytes], first_line: int) -> Batch:
                 why = Fail("selected_token_pos", "an array of integers that fit 64 bits", _text(texts[r]))  # fmt: skip
                 reject(r, why)
         pos = rows
-    blocks = _arrays(list(map(_BLOCKS_OF, rests)))
-    inter = _arrays(list(map(_INTER_OF, rests)))
+    btexts, itexts = list(map(_BLOCKS_OF, rests)), list(map(_INTER_OF, rests))
+    blocks = _arrays(btexts)
+    inter = _arrays(itexts)
     for name, got, of in (
         ("selected_block_ids", blocks, _BLOCKS_OF),
         ("prefix.intersection_blocks", inter, _INTER_OF),
@@ -628,9 +634,10 @@ def read_batch(lines: Sequence[bytes], first_line: int) -> Batch:
         rests = [rests[r] for r in keep]
         imat, totals, hits_eq = imat[keep], totals[keep], hits_eq[keep]
         texts = [texts[r] for r in keep]
+        btexts, itexts = [btexts[r] for r in keep], [itexts[r] for r in keep]
         at = {r: i for i, r in enumerate(keep)}
         hits = {at[r]: a for r, a in hits.items() if r in at}
-    batch.pos_text = texts
+    batch.pos_text, batch.blocks_text, batch.inter_text = texts, btexts, itexts
     batch.hits = hits
     batch.lines = [nums[r] for r in keep]
     batch.pos, batch.blocks, batch.inter = (

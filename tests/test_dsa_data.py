@@ -268,11 +268,12 @@ def test_export_csv_flattens_and_keeps_the_positions(
     assert int(rows[0]["kv_fetch.hbm.bytes_read"]) == first["kv_fetch"]["hbm"]["bytes_read"]
 
 
-def test_csv_positions_from_the_lines_text_equal_the_encoded_lists(
+def test_csv_lists_from_the_lines_text_equal_the_encoded_lists(
     traces: dict[int, Path], tmp_path: Path
 ) -> None:
-    """The csv's selected_token_pos is the array as its line wrote it when that is msgspec's
-    text of it; a line written otherwise (spaces, -0) or read by the exact path is encoded."""
+    """The csv's lists of integers are the arrays as their line wrote them when that is
+    msgspec's text of them; a line written otherwise (spaces, -0) or read by the exact path,
+    a hit list of its own and a used tier are encoded: the same table as flat_for_csv's."""
     import shutil
 
     import msgspec
@@ -283,22 +284,32 @@ def test_csv_positions_from_the_lines_text_equal_the_encoded_lists(
     shutil.copytree(traces[16], folder)
     shard = sorted(folder.glob("trace_steps_*.jsonl"))[0]
     lines = shard.read_bytes().splitlines(keepends=True)
-    recs = [orjson.loads(x) for x in lines[:3]]
-    lines[0] = json.dumps(recs[0]).encode() + b"\n"  # ", " between the positions
+    recs = [orjson.loads(x) for x in lines[:5]]
+    lines[0] = json.dumps(recs[0]).encode() + b"\n"  # ", " between the values of every list
     lines[1] = lines[1].replace(b'"selected_token_pos":[', b'"selected_token_pos":[-0,', 1)
     recs[2]["dataset"] = "selected_token_pos"  # the key's name first as a value: the exact path
     lines[2] = orjson.dumps(recs[2]) + b"\n"
+    recs[3]["kv_fetch"]["hbm"]["hit_blocks"] = [0, 1]  # not selected_block_ids
+    lines[3] = orjson.dumps(recs[3]) + b"\n"
+    recs[4]["kv_fetch"]["local_pool"]["hit_blocks"] = [3, 4]  # a tier in use
+    lines[4] = orjson.dumps(recs[4]) + b"\n"
     shard.write_bytes(b"".join(lines))
-    seen = 0
     first = next(scan_block(trace_info(folder))).batch
-    assert first.lines[:3] == [1, 2, 3] and first.pos_text[2] is None  # the exact path's line
+    assert first.lines[:5] == [1, 2, 3, 4, 5] and first.pos_text[2] is None  # the exact path's
     assert b", " in bytes(first.pos_text[0]) and b"-0," in bytes(first.pos_text[1])
+    seen = 0
     for chunk in scan_block(trace_info(folder)):
-        fast = flat_for_csv(record_table(chunk, pos_json=True))
+        fast = flat_for_csv(record_table(chunk, json_lists=True))
         assert fast.equals(flat_for_csv(record_table(chunk)))
+        b = chunk.batch
         for r, text in enumerate(fast["selected_token_pos"].to_pylist()):
-            assert text == msgspec.json.encode(chunk.batch.pos[r].tolist()).decode()
+            assert text == msgspec.json.encode(b.pos[r].tolist()).decode()
             seen += 1
+        if chunk.file == shard and b.lines[0] == 1:
+            got = fast.slice(0, 5).to_pylist()
+            assert got[3]["kv_fetch.hbm.hit_blocks"] == "[0,1]"
+            assert got[4]["kv_fetch.local_pool.hit_blocks"] == "[3,4]"
+            assert got[0]["selected_block_ids"] == json.dumps(recs[0]["selected_block_ids"]).replace(" ", "")  # fmt: skip
     assert seen == 36
     assert chunk.batch.pos_text and None not in chunk.batch.pos_text  # the usual lines: as written
 
