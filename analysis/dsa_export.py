@@ -82,6 +82,23 @@ SCHEMA = pa.schema(
 RECORD_KEYS = [f.name for f in SCHEMA][7:]
 
 
+def _leaves(t: pa.StructType | pa.Schema, prefix: str = "") -> list[str]:
+    """The parquet column paths of a schema's leaves ("kv_fetch.hbm.hit_blocks.list.element")."""
+    out = []
+    for f in t:
+        name = prefix + f.name
+        if pa.types.is_struct(f.type):
+            out += _leaves(f.type, name + ".")
+        else:
+            out.append(name + ".list.element" if pa.types.is_list(f.type) else name)
+    return out
+
+
+# Min/max statistics for every column but the positions (0 .. seq_len in every row group: no
+# use to a reader's filter, and ~2,000 values a row to scan).
+STATISTICS = [c for c in _leaves(SCHEMA) if not c.startswith("selected_token_pos.")]
+
+
 def _ints_as_text(t: pa.DataType) -> pa.DataType:
     if pa.types.is_struct(t):
         return pa.struct([pa.field(f.name, _ints_as_text(f.type)) for f in t])
