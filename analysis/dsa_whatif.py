@@ -17,6 +17,7 @@ Everything is folded into bounded histograms (never a list of records).
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -254,6 +255,14 @@ def _percentiles(
     return out
 
 
+def _median(kth: Callable[[np.ndarray], np.ndarray], n: np.ndarray) -> np.ndarray:
+    """_percentiles(kth, n, (Q50,)), its arithmetic for q = 1/2 written out: the middle value
+    of an odd n (t = 0), z - (z - a) x 0.5 of an even one (t = 0.5), in fewer passes."""
+    a, z = kth(np.maximum(n - 1, 0) // 2), kth(n // 2)
+    even = z - (z - a) * 0.5
+    return np.where(n > 0, np.where(n % 2 == 1, a, even), np.nan)
+
+
 @dataclass
 class Summary:
     """What SizeAgg keeps of one block size's rows: per row unique_blocks, touched_block_ratio,
@@ -282,62 +291,81 @@ class Summary:
 
 
 _POPCOUNT8 = np.bitwise_count(np.arange(256, dtype=np.uint8)).astype(np.int64)
+_WORD_OF = {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}
+
+
+@functools.cache
+def _per_code(f: int, b: int) -> np.ndarray:
+    """For f dividing b dividing 8: per byte code at f (_byte_codes: the popcounts of the
+    byte's 8 / f blocks of f bits, as the digits of a number base f + 1, its first block the
+    lowest), how many of the byte's blocks of b bits (b / f digits each, added) hold each
+    count (codes x b + 1)."""
+    k, radix, g = 8 // f, f + 1, b // f
+    digits = (np.arange(radix**k)[:, None] // radix ** np.arange(k)) % radix
+    counts = digits.reshape(len(digits), k // g, g).sum(axis=2)
+    per = np.stack([(counts == v).sum(axis=1) for v in range(b + 1)], axis=1)
+    return per.astype(np.int64)
+
+
+def _byte_codes(data: np.ndarray, b: int) -> np.ndarray:
+    """Each byte's code (see _per_code; < 256), in a few passes of uint8 arithmetic."""
+    if b == 8:
+        return np.bitwise_count(data)
+    if b == 1:
+        return data
+    radix, mask = b + 1, (1 << b) - 1
+    code = np.bitwise_count(data & mask)
+    for i in range(1, 8 // b):
+        code += np.bitwise_count((data >> (i * b)) & mask) * np.uint8(radix**i)
+    return code
 
 
 def row_hist(
-    d: Any, b: int, cache: dict[str, Any] | None = None
+    d: Any, b: int, fine: int | None = None, cache: dict[int, np.ndarray] | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, Callable[[np.ndarray], np.ndarray]] | None:
     """Every row's histogram of positions per block at size b (rows x b + 1: [r, v] is how
     many of row r's blocks hold v positions), read off the validator's occupancy
     (analysis.dsa_checks.Derived), with each row's blocks at b, where they start (rows back to
     back) and which of the blocks so numbered are touched; None for a b that neither divides
-    nor is a multiple of the recorded size. cache: shared by the sizes of one batch."""
+    nor is a multiple of the recorded size. fine: the smallest size dividing 8 that the batch
+    is asked for (its rows' histograms of byte codes, kept in cache, give every b it divides)."""
     rows = len(d.total_blocks)
-    if d.words is not None and 8 % b == 0:
-        return _row_hist_bytes(d, b, {} if cache is None else cache)
-    counted = block_counts(d, b)
-    if counted is None:
-        return None
-    counts, nb = counted
     b0 = d.block_size
+    if d.words is not None and 8 % b == 0:  # one code a byte (_byte_codes): one bincount
+        data = d.words.view(np.uint8)
+        f = fine if fine is not None and b % fine == 0 else b
+        codes = None if cache is None else cache.get(f)
+        if codes is None:
+            n_codes = (f + 1) ** (8 // f)
+            owner = np.repeat(np.arange(rows, dtype=np.int64) * n_codes, d.total_blocks)
+            key = (owner[:, None] + _byte_codes(data, f).reshape(len(owner), -1)).ravel()
+            codes = np.bincount(key, minlength=rows * n_codes).reshape(rows, n_codes)
+            if cache is not None:
+                cache[f] = codes
+        hist = codes if f == b == 8 else codes @ _per_code(f, b)  # (8: a code is its count)
+        mask = (1 << b) - 1
+
+        def touched(at: np.ndarray) -> np.ndarray:
+            bit = at * b
+            return ((data[bit >> 3] >> (bit & 7).astype(np.uint8)) & mask) != 0
+
+        nb = d.total_blocks * (b0 // b)
+        return hist, nb, _starts(nb), touched
     owner = np.arange(rows, dtype=np.int64) * (b + 1)
+    if d.words is not None and b in _WORD_OF and b0 % b == 0:  # a count a word of b bits
+        counts: np.ndarray = np.bitwise_count(d.words.view(_WORD_OF[b]))
+        nb = d.total_blocks * (b0 // b)
+    else:
+        counted = block_counts(d, b)
+        if counted is None:
+            return None
+        counts, nb = counted
     if b0 % b == 0 and len(counts):  # each recorded block's b0 / b blocks, in their row
         key = (np.repeat(owner, d.total_blocks)[:, None] + counts.reshape(-1, b0 // b)).ravel()
     else:
         key = np.repeat(owner, nb) + counts
     hist = np.bincount(key, minlength=rows * (b + 1)).reshape(rows, b + 1)
     return hist, nb, _starts(nb), lambda at: counts[at] > 0
-
-
-def _row_hist_bytes(
-    d: Any, b: int, cache: dict[str, Any]
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, Callable[[np.ndarray], np.ndarray]]:
-    """row_hist for a b that divides 8, from each row's histogram of its occupancy bytes (one
-    bincount for every such b of a batch): a byte holds 8 / b blocks, and a block's count is
-    the popcount of its b bits."""
-    rows = len(d.total_blocks)
-    data = d.words.view(np.uint8)
-    if "bytes" not in cache:
-        owner = np.repeat(np.arange(rows, dtype=np.int64) * 256, d.total_blocks)
-        key = (owner[:, None] + data.reshape(len(owner), -1)).ravel()
-        cache["bytes"] = np.bincount(key, minlength=rows * 256).reshape(rows, 256)
-    per_byte = cache["bytes"]
-    k, v = 8 // b, 1 << b
-    cube = per_byte.reshape((rows,) + (v,) * k)  # byte = its k b-bit values, the last first
-    axes = range(1, k + 1)
-    values = sum(cube.sum(axis=tuple(a for a in axes if a != keep)) for keep in axes)
-    assert isinstance(values, np.ndarray)  # rows x 2**b: the row's blocks holding each bit value
-    by_count = np.argsort(_POPCOUNT8[:v], kind="stable")
-    first = np.searchsorted(_POPCOUNT8[:v][by_count], np.arange(b + 1))
-    hist = np.add.reduceat(values[:, by_count], first, axis=1)
-    nb = d.total_blocks * (d.block_size // b)
-    mask = v - 1
-
-    def touched(at: np.ndarray) -> np.ndarray:
-        bit = at * b
-        return ((data[bit >> 3] >> (bit & 7).astype(np.uint8)) & mask) != 0
-
-    return hist, nb, _starts(nb), touched
 
 
 def summary_counted(
@@ -347,12 +375,13 @@ def summary_counted(
     bpt: int,
     plo: np.ndarray,
     phi: np.ndarray,
-    cache: dict[str, Any] | None = None,
+    fine: int | None = None,
+    cache: dict[int, np.ndarray] | None = None,
 ) -> Summary | None:
     """The Summary at block size b of every row of a checked batch, from the rows' histograms
     of positions per block (row_hist): no list of blocks is made, and the same values as
     Summary.of(_rows(...)). None: see row_hist."""
-    got = row_hist(d, b, cache)
+    got = row_hist(d, b, fine, cache)
     if got is None:
         return None
     hist, nb, base, touched_at = got
@@ -375,10 +404,10 @@ def summary_counted(
         inter_ratio = np.where(known, ilens / safe, np.nan)
     upto = hist[:, 1:].cumsum(axis=1)  # [r, v - 1]: row r's touched blocks holding <= v
 
-    def kth(k: np.ndarray) -> np.ndarray:  # 0-based rank -> value
-        return (upto <= k[:, None]).sum(axis=1) + 1
+    def kth(k: np.ndarray) -> np.ndarray:  # 0-based rank -> value: the first v above it
+        return np.argmax(upto > k[:, None], axis=1) + 1
 
-    (p50,) = _percentiles(kth, ub, (Q50,))
+    p50 = _median(kth, ub)
     return Summary(
         unique_blocks=ub,
         ratio=ub / np.maximum(tb, 1),
@@ -398,13 +427,14 @@ class SizeAgg:
 
     block_size: int
     records: int = 0
-    # integer histograms as arrays (hist[v]: how many), grown as needed: no Python loop a chunk
+    # integer histograms as arrays (hist[v]: how many), grown as needed: no Python loop a chunk;
+    # the ratios (0..1, kept to RATIO_DIGITS decimals) so too, indexed by ratio x 10**digits
     unique_blocks: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    ratio: Counter[float] = field(default_factory=Counter)
+    ratio: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     ratio_sum: float = 0.0
     tpb: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # over touched blocks
     tpb_p50: Counter[float] = field(default_factory=Counter)
-    inter_ratio: Counter[float] = field(default_factory=Counter)
+    inter_ratio: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     inter_sum: float = 0.0
     prefix_undetermined: int = 0
     bytes_total: int = 0
@@ -414,15 +444,14 @@ class SizeAgg:
             rows = Summary.of(rows)
         self.records += len(rows.unique_blocks)
         self.unique_blocks = _bump_ints(self.unique_blocks, rows.unique_blocks)
-        r = np.round(rows.ratio, RATIO_DIGITS)
-        _bump(self.ratio, r)
+        self.ratio = _bump_ints(self.ratio, _grid(rows.ratio))
         self.ratio_sum += float(rows.ratio.sum())
         self.tpb = _add_hist(self.tpb, rows.tpb)
         _bump(self.tpb_p50, rows.tpb_p50)
         known = np.isfinite(rows.inter_ratio)
         self.prefix_undetermined += int((~known).sum())
         ir = rows.inter_ratio[known]
-        _bump(self.inter_ratio, np.round(ir, RATIO_DIGITS))
+        self.inter_ratio = _bump_ints(self.inter_ratio, _grid(ir))
         self.inter_sum += float(ir.sum())
         self.bytes_total += rows.bytes_read
 
@@ -430,12 +459,12 @@ class SizeAgg:
         """Fold in another part's histograms (its float sums added as add() would have)."""
         self.records += o.records
         self.unique_blocks = _add_hist(self.unique_blocks, o.unique_blocks)
-        self.ratio.update(o.ratio)
+        self.ratio = _add_hist(self.ratio, o.ratio)
         self.ratio_sum += o.ratio_sum
         self.tpb = _add_hist(self.tpb, o.tpb)
         self.tpb_p50.update(o.tpb_p50)
         self.prefix_undetermined += o.prefix_undetermined
-        self.inter_ratio.update(o.inter_ratio)
+        self.inter_ratio = _add_hist(self.inter_ratio, o.inter_ratio)
         self.inter_sum += o.inter_sum
         self.bytes_total += o.bytes_total
 
@@ -451,14 +480,14 @@ class SizeAgg:
             "block_size": self.block_size,
             "records": self.records,
             "unique_blocks": ub,
-            "touched_block_ratio": stats(self.ratio, self.ratio_sum),
+            "touched_block_ratio": stats(_ratios(self.ratio), self.ratio_sum),
             "tokens_per_touched_block": stats(_counter(self.tpb)),
             "tokens_per_touched_block_p50": stats(self.tpb_p50),
             "bytes_read": nbytes,
-            "prefix_intersection_ratio": stats(self.inter_ratio, self.inter_sum),
+            "prefix_intersection_ratio": stats(_ratios(self.inter_ratio), self.inter_sum),
             "prefix_undetermined": self.prefix_undetermined,
             "hist": {
-                "touched_block_ratio": histogram(self.ratio, 0.0, 1.0),
+                "touched_block_ratio": histogram(_ratios(self.ratio), 0.0, 1.0),
                 "unique_blocks": histogram(unique_blocks),
             },
         }
@@ -470,6 +499,21 @@ def _bump(counter: Counter[Any], values: np.ndarray) -> None:
     vals, cnt = np.unique(values, return_counts=True)
     for v, c in zip(vals.tolist(), cnt.tolist(), strict=True):
         counter[v] += c
+
+
+_SCALE = 10**RATIO_DIGITS
+
+
+def _grid(ratios: np.ndarray) -> np.ndarray:
+    """Ratios (>= 0) as their index on the RATIO_DIGITS grid: np.round(r, RATIO_DIGITS) is
+    index / 10**RATIO_DIGITS exactly (numpy rounds so: rint(r x 10**d) / 10**d)."""
+    return np.rint(ratios * _SCALE).astype(np.int64)
+
+
+def _ratios(hist: np.ndarray) -> Counter[float]:
+    """A ratio histogram on the grid as {ratio: how many} (the ratios as np.round gives them)."""
+    nz = np.flatnonzero(hist)
+    return Counter({i / _SCALE: c for i, c in zip(nz.tolist(), hist[nz].tolist(), strict=True)})
 
 
 def _bump_ints(hist: np.ndarray, values: np.ndarray) -> np.ndarray:
@@ -732,9 +776,10 @@ def summarize(
     fast: dict[int, Summary] = {}
     if derived is not None and len(rows) == len(batch):
         seq, bpt, plo, phi = _inputs(info, batch, rows)
-        cache: dict[str, Any] = {}
+        fine = min((b for b in sizes if 8 % b == 0 and b != b0), default=None)
+        cache: dict[int, np.ndarray] = {}
         for b in sizes:
-            got = summary_counted(derived, b, seq, bpt, plo, phi, cache) if b != b0 else None
+            got = summary_counted(derived, b, seq, bpt, plo, phi, fine, cache) if b != b0 else None
             if got is not None:
                 fast[b] = got
     rest = [b for b in sizes if b not in fast]

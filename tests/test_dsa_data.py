@@ -511,15 +511,35 @@ def test_whatif_summaries_from_the_row_histograms_equal_the_per_block_path(
             rows = np.flatnonzero(chunk.valid)
             seq, bpt, plo, phi = _inputs(info, chunk.batch, rows)
             slow = compute(info, chunk.batch, rows, sizes)
-            cache: dict = {}
+            shared: dict = {}  # the finest size's byte codes, kept for the sizes it divides
             for b in sizes:
-                fast = summary_counted(chunk.derived, b, seq, bpt, plo, phi, cache)
-                if fast is None:  # 48 at 64 (neither divides the other)
-                    assert b == 48 and info.block_size == 64
-                    continue
-                want = Summary.of(slow[b])
-                for f in fields(want):
-                    value, other = getattr(fast, f.name), getattr(want, f.name)
-                    if f.name == "tpb":  # the same histogram, trailing zeros aside
-                        value, other = np.trim_zeros(value, "b"), np.trim_zeros(other, "b")
-                    np.testing.assert_array_equal(value, other, err_msg=f"{folder} {b} {f.name}")
+                for fine, cache in ((None, None), (1, shared)):
+                    fast = summary_counted(chunk.derived, b, seq, bpt, plo, phi, fine, cache)
+                    if fast is None:  # 48 at 64 (neither divides the other)
+                        assert b == 48 and info.block_size == 64
+                        continue
+                    want = Summary.of(slow[b])
+                    for f in fields(want):
+                        value, other = getattr(fast, f.name), getattr(want, f.name)
+                        if f.name == "tpb":  # the same histogram, trailing zeros aside
+                            value, other = np.trim_zeros(value, "b"), np.trim_zeros(other, "b")
+                        why = f"{folder} {b} {fine} {f.name}"
+                        np.testing.assert_array_equal(value, other, err_msg=why)
+
+
+def test_median_is_the_linear_percentiles_half_bit_for_bit() -> None:
+    from analysis.dsa_whatif import Q50, _median, _percentiles
+
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        n = rng.integers(0, 30, 40)
+        rows = [np.sort(rng.integers(1, 9, k)) for k in n]
+
+        def kth(k: np.ndarray, rows: list = rows, n: np.ndarray = n) -> np.ndarray:
+            return np.array([rows[r][k[r]] if n[r] else 1 for r in range(len(n))])
+
+        got = _median(kth, n)
+        (same,) = _percentiles(kth, n, (Q50,))
+        want = np.array([np.percentile(v, 50) if len(v) else np.nan for v in rows])
+        np.testing.assert_array_equal(got, same)
+        np.testing.assert_array_equal(got, want)
