@@ -124,6 +124,8 @@ def block_counts(d: Any, b: int) -> tuple[np.ndarray, np.ndarray] | None:
     it, from the recorded size's counts. (counts, blocks per row), rows back to back; None
     for a b that is neither."""
     b0 = d.block_size
+    if b == b0:  # the validator's own counts
+        return d.counts, d.total_blocks
     if b0 % b == 0:
         nb = d.total_blocks * (b0 // b)
         if d.words is not None and b >= 8:
@@ -517,8 +519,12 @@ def _ratios(hist: np.ndarray) -> Counter[float]:
 
 
 def _bump_ints(hist: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """hist with values (non-negative integers) counted in."""
+    """hist with values (non-negative integers) counted in (in place where it is long
+    enough: a few values into a long histogram, a ratio grid's, touch only their bins)."""
     if len(values) == 0:
+        return hist
+    if len(values) < len(hist) and values.min() >= 0 and values.max() < len(hist):
+        np.add.at(hist, values, 1)
         return hist
     more = np.bincount(values, minlength=len(hist))
     more[: len(hist)] += hist
@@ -620,7 +626,8 @@ class WhatIf:
     def _compare(self, s: Scanned, rows: np.ndarray, own: Rows) -> None:
         """The recorded B/C/D fields against the recomputation at the recorded size, per row
         (all rows at once; names only for the first row that differs)."""
-        c = {k: v[rows] for k, v in s.batch.col.items()}
+        every = len(rows) == len(s.batch)  # (rows is then every row, in order)
+        c = s.batch.col if every else {k: v[rows] for k, v in s.batch.col.items()}
         recorded = s.batch.blocks
         inter = s.batch.inter
         checks = {
