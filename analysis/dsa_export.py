@@ -108,7 +108,7 @@ def _ints_as_text(t: pa.DataType) -> pa.DataType:
 # The csv's lists of integers are JSON text: record_table(s, json_lists=True) makes them so at
 # once (from the lines' own text where it is that text), flat_for_csv flattens the rest.
 CSV_SOURCE = pa.schema([pa.field(f.name, _ints_as_text(f.type)) for f in SCHEMA])
-_UNUSED_POOL = _Pool([], 0, 0, None, 0)
+TEXT_POOL = _ints_as_text(POOL)
 
 
 def _as_encoded(text: bytes) -> bool:
@@ -142,7 +142,7 @@ def _pool(pools: list[_Pool], json_lists: bool = False) -> pa.StructArray:
             pa.array([p.latency_us for p in pools], type=F64),
             pa.array([p.batch_size for p in pools], type=I64),
         ],
-        fields=list(POOL) if not json_lists else list(CSV_SOURCE.field("kv_fetch").type[1].type),
+        fields=list(TEXT_POOL if json_lists else POOL),
     )
 
 
@@ -154,7 +154,7 @@ def _unused_pool(n: int, json_lists: bool = False) -> pa.StructArray:
         empty = pa.Array.from_buffers(STR, n, [None, offsets, pa.py_buffer(b"[]" * n)])
     else:
         empty = pa.ListArray.from_arrays(pa.array(np.zeros(n + 1, np.int32)), pa.array([], I64))
-    fields = list(CSV_SOURCE.field("kv_fetch").type[1].type) if json_lists else list(POOL)
+    fields = list(TEXT_POOL if json_lists else POOL)
     return pa.StructArray.from_arrays([empty, zeros, zeros, pa.nulls(n, F64), zeros], fields=fields)
 
 
@@ -174,8 +174,8 @@ def _json_lists(texts: list[Any], values: Ragged) -> pa.Array:
             for r, t in enumerate(texts)
         ]
         whole = b"".join(texts)
-    if len(whole) >= 1 << 31:  # pragma: no cover - beyond a string array's offsets
-        return _int_lists_json(_lists(values))
+    # one chunk's text (a few MiB: READ_CHUNK and a line of at most MAX_RECORD_BYTES) fits a
+    # string array's 32-bit offsets
     offsets = np.zeros(n + 1, dtype=np.int32)
     np.cumsum(np.fromiter(map(len, texts), np.int64, n), out=offsets[1:])
     return pa.Array.from_buffers(STR, n, [None, pa.py_buffer(offsets), pa.py_buffer(whole)])
@@ -231,7 +231,7 @@ def _parsed(s: Scanned, json_lists: bool = False) -> pa.Table:
             pa.array(c["latency"], mask=np.isnan(c["latency"])),
             pa.array(c["hbm_batch"]),
         ],
-        fields=list(CSV_SOURCE.field("kv_fetch").type[0].type) if json_lists else list(POOL),
+        fields=list(TEXT_POOL if json_lists else POOL),
     )
     if all(loc == _UNUSED_POOL and rem == _UNUSED_POOL for loc, rem in b.pools):
         local = remote = _unused_pool(n, json_lists)
