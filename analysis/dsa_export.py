@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from analysis.dsa_record import Ragged, cut_positions
+from analysis.dsa_record import Ragged, _Pool
 from analysis.dsa_scan import Scanned, TraceInfo, scan_span
 
 I64, F64, STR, BOOL = pa.int64(), pa.float64(), pa.string(), pa.bool_()
@@ -82,38 +82,44 @@ SCHEMA = pa.schema(
 RECORD_KEYS = [f.name for f in SCHEMA][7:]
 
 
-class _Pool(msgspec.Struct, gc=False):
-    hit_blocks: list[int]
-    bytes_read: int
-    read_ops: int
-    latency_us: float | None
-    batch_size: int
+def _leaves(t: pa.StructType | pa.Schema, prefix: str = "") -> list[str]:
+    """The parquet column paths of a schema's leaves ("kv_fetch.hbm.hit_blocks.list.element")."""
+    out = []
+    for f in t:
+        name = prefix + f.name
+        if pa.types.is_struct(f.type):
+            out += _leaves(f.type, name + ".")
+        else:
+            out.append(name + ".list.element" if pa.types.is_list(f.type) else name)
+    return out
 
 
-class _Hbm(msgspec.Struct, gc=False):
-    hit_blocks: msgspec.Raw
-    read_ops: int
+# Min/max statistics for every column but the positions (0 .. seq_len in every row group: no
+# use to a reader's filter, and ~2,000 values a row to scan).
+STATISTICS = [c for c in _leaves(SCHEMA) if not c.startswith("selected_token_pos.")]
 
 
-class _KV(msgspec.Struct, gc=False):
-    hbm: _Hbm
-    local_pool: _Pool
-    remote_pool: _Pool
+def _ints_as_text(t: pa.DataType) -> pa.DataType:
+    if pa.types.is_struct(t):
+        return pa.struct([pa.field(f.name, _ints_as_text(f.type)) for f in t])
+    return STR if pa.types.is_list(t) and pa.types.is_integer(t.value_type) else t
 
 
-class _Extra(msgspec.Struct, gc=False):
-    """What a Batch does not keep as columns (the decoder skips every other key)."""
-
-    event: str
-    kv_fetch: _KV
-
-
-_EXTRA = msgspec.json.Decoder(_Extra)
+# The csv's lists of integers are JSON text: record_table(s, json_lists=True) makes them so at
+# once (from the lines' own text where it is that text), flat_for_csv flattens the rest.
+CSV_SOURCE = pa.schema([pa.field(f.name, _ints_as_text(f.type)) for f in SCHEMA])
+TEXT_POOL = _ints_as_text(POOL)
 
 
-def _extra(raw: bytes) -> _Extra:
-    cut = cut_positions(raw)
-    return _EXTRA.decode(raw if cut is None else raw[: cut[0]] + b"0" + raw[cut[1] + 1 :])
+def _as_encoded(text: bytes) -> bool:
+    """A JSON array of integers that msgspec would write as this very text: no space, no -0
+    (a two-byte search is slow: looked for only where a minus sign is)."""
+    if b" " in text or b"\n" in text or b"\t" in text or b"\r" in text:
+        return False
+    return b"-" not in text or b"-0" not in text
+
+
+_UNUSED_POOL = _Pool([], 0, 0, None, 0)
 
 
 def _lists(r: Ragged, rows: list[int] | None = None) -> pa.Array:
@@ -124,76 +130,129 @@ def _lists(r: Ragged, rows: list[int] | None = None) -> pa.Array:
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(r.flat, type=I64))
 
 
-def _pool(pools: list[_Pool]) -> pa.StructArray:
+def _pool(pools: list[_Pool], json_lists: bool = False) -> pa.StructArray:
+    hits = [p.hit_blocks for p in pools]
     return pa.StructArray.from_arrays(
         [
-            pa.array([p.hit_blocks for p in pools], type=IDS),
+            pa.array([msgspec.json.encode(h) for h in hits], STR)
+            if json_lists
+            else pa.array(hits, type=IDS),
             pa.array([p.bytes_read for p in pools], type=I64),
             pa.array([p.read_ops for p in pools], type=I64),
             pa.array([p.latency_us for p in pools], type=F64),
             pa.array([p.batch_size for p in pools], type=I64),
         ],
-        fields=list(POOL),
+        fields=list(TEXT_POOL if json_lists else POOL),
     )
 
 
-def record_table(s: Scanned) -> pa.Table:
-    """The chunk's lines as rows of SCHEMA, in line order."""
+def _unused_pool(n: int, json_lists: bool = False) -> pa.StructArray:
+    """n unused tiers (the HBM-only demo's all-zero placeholders), without a Python list."""
+    zeros = pa.array(np.zeros(n, np.int64))
+    if json_lists:
+        offsets = pa.py_buffer(np.arange(0, 2 * n + 1, 2, dtype=np.int32))
+        empty = pa.Array.from_buffers(STR, n, [None, offsets, pa.py_buffer(b"[]" * n)])
+    else:
+        empty = pa.ListArray.from_arrays(pa.array(np.zeros(n + 1, np.int32)), pa.array([], I64))
+    fields = list(TEXT_POOL if json_lists else POOL)
+    return pa.StructArray.from_arrays([empty, zeros, zeros, pa.nulls(n, F64), zeros], fields=fields)
+
+
+def _json_lists(texts: list[Any], values: Ragged) -> pa.Array:
+    """Each row's list of integers as flat_for_csv writes it ("[1,2,3]", msgspec's text): the
+    array as its line wrote it (texts[r]) where that is this very text (no space, no -0),
+    else encoded from the parsed values (a text of None: the line was read otherwise)."""
+    n = len(values)
+    if len(texts) != n:
+        texts = [None] * n
+    whole = b"".join(texts) if None not in texts else None
+    if whole is None or not _as_encoded(whole):
+        texts = [
+            t
+            if t is not None and _as_encoded(bytes(t))
+            else msgspec.json.encode(values[r].tolist())
+            for r, t in enumerate(texts)
+        ]
+        whole = b"".join(texts)
+    # one chunk's text (a few MiB: READ_CHUNK and a line of at most MAX_RECORD_BYTES) fits a
+    # string array's 32-bit offsets
+    offsets = np.zeros(n + 1, dtype=np.int32)
+    np.cumsum(np.fromiter(map(len, texts), np.int64, n), out=offsets[1:])
+    return pa.Array.from_buffers(STR, n, [None, pa.py_buffer(offsets), pa.py_buffer(whole)])
+
+
+def record_table(s: Scanned, json_lists: bool = False) -> pa.Table:
+    """The chunk's lines as rows of SCHEMA, in line order (json_lists: of CSV_SOURCE, whose
+    lists of integers are the JSON text flat_for_csv makes of them)."""
+    schema = CSV_SOURCE if json_lists else SCHEMA
     parts = []
     if len(s.batch):
-        parts.append(_parsed(s))
+        parts.append(_parsed(s, json_lists))
     if s.bad:
-        parts.append(_unparsed(s))
+        parts.append(_unparsed(s, schema))
     if not parts:
-        return SCHEMA.empty_table()
+        return schema.empty_table()
     table = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
     return table.sort_by("line") if len(parts) > 1 else table
 
 
-def _parsed(s: Scanned) -> pa.Table:
+def _parsed(s: Scanned, json_lists: bool = False) -> pa.Table:
+    """The rows that parsed, from the scan's one parse of each line (no second read)."""
     b = s.batch
     c = b.col
     n = len(b)
-    extras = [_extra(s.raw(line)) for line in b.lines]
     invalid = np.flatnonzero(~s.valid).tolist()
-    reasons: dict[int, Any] = {r: s.fail(r) for r in invalid}
-    hbm_hits = b.blocks
-    if not c["hits_eq"].all():  # a hit list that differs from selected_block_ids, as written
-        rows = [
-            b.blocks[r]
-            if c["hits_eq"][r]
-            else np.array(msgspec.json.decode(bytes(extras[r].kv_fetch.hbm.hit_blocks)), np.int64)
-            for r in range(n)
+    if invalid:
+        reason = {r: s.fail(r) for r in invalid}
+        reasons = [
+            pa.array([reason[r].field if r in reason else None for r in range(n)], STR),
+            pa.array([reason[r].expected if r in reason else None for r in range(n)], STR),
+            pa.array([reason[r].found if r in reason else None for r in range(n)], STR),
         ]
-        hbm_hits = Ragged.of(rows)
+    else:
+        reasons = [pa.nulls(n, STR)] * 3
+
+    def ids(values: Ragged, texts: list[Any]) -> pa.Array:
+        return _json_lists(texts, values) if json_lists else _lists(values)
+
+    blocks = ids(b.blocks, b.blocks_text)
+    hbm_hits = blocks
+    if b.hits:  # a hit list written otherwise than selected_block_ids: its own ids
+        own = Ragged.of([b.hits.get(r, b.blocks[r]) for r in range(n)])
+        texts = b.blocks_text if len(b.blocks_text) == n else [None] * n
+        hbm_hits = ids(own, [None if r in b.hits else t for r, t in enumerate(texts)])
     names = list(zip(*b.names, strict=True)) if n else [[], [], []]
     ratio = c["tbr"]
     hbm = pa.StructArray.from_arrays(
         [
-            _lists(hbm_hits),
+            hbm_hits,
             pa.array(c["bytes"]),
-            pa.array([e.kv_fetch.hbm.read_ops for e in extras], type=I64),
+            pa.array(c["hbm_ops"]),
             pa.array(c["latency"], mask=np.isnan(c["latency"])),
             pa.array(c["hbm_batch"]),
         ],
-        fields=list(POOL),
+        fields=list(TEXT_POOL if json_lists else POOL),
     )
-    scores = [b.scores[r].tolist() if r in b.scores else None for r in range(n)]
+    if all(loc == _UNUSED_POOL and rem == _UNUSED_POOL for loc, rem in b.pools):
+        local = remote = _unused_pool(n, json_lists)
+    else:
+        local = _pool([loc for loc, _ in b.pools], json_lists)
+        remote = _pool([rem for _, rem in b.pools], json_lists)
+    if b.scores:
+        scores = pa.array(
+            [b.scores[r].tolist() if r in b.scores else None for r in range(n)], pa.list_(F64)
+        )
+    else:
+        scores = pa.nulls(n, pa.list_(F64))
     cols: dict[str, Any] = {
         "shard": pa.array([s.file.name] * n, type=STR),
         "line": pa.array(b.lines, type=I64),
         "valid": pa.array(s.valid, type=BOOL),
-        "invalid_field": pa.array(
-            [reasons[r].field if r in reasons else None for r in range(n)], STR
-        ),  # fmt: skip
-        "invalid_expected": pa.array(
-            [reasons[r].expected if r in reasons else None for r in range(n)], STR
-        ),  # fmt: skip
-        "invalid_found": pa.array(
-            [reasons[r].found if r in reasons else None for r in range(n)], STR
-        ),  # fmt: skip
+        "invalid_field": reasons[0],
+        "invalid_expected": reasons[1],
+        "invalid_found": reasons[2],
         "raw": pa.nulls(n, STR),
-        "event": pa.array([e.event for e in extras], STR),
+        "event": pa.array(b.events, STR),
         "run_name": pa.array(names[0], STR),
         "dataset": pa.array(names[1], STR),
         "rank": pa.array(c["rank"]),
@@ -207,7 +266,7 @@ def _parsed(s: Scanned) -> pa.Table:
         "offset_p50": pa.array(c["off_p50"]),
         "offset_max": pa.array(c["off_max"]),
         "block_size_tokens": pa.array(c["bs"]),
-        "selected_block_ids": _lists(b.blocks),
+        "selected_block_ids": blocks,
         "unique_blocks": pa.array(c["ublocks"]),
         "total_blocks_in_use": pa.array(c["total_blocks"], mask=~c["has_total"]),
         "touched_block_ratio": pa.array(ratio, mask=np.isnan(ratio)),
@@ -216,12 +275,7 @@ def _parsed(s: Scanned) -> pa.Table:
             names=["mean", "p50", "p95"],
         ),
         "kv_fetch": pa.StructArray.from_arrays(
-            [
-                hbm,
-                _pool([e.kv_fetch.local_pool for e in extras]),
-                _pool([e.kv_fetch.remote_pool for e in extras]),
-            ],
-            names=["hbm", "local_pool", "remote_pool"],
+            [hbm, local, remote], names=["hbm", "local_pool", "remote_pool"]
         ),
         "prefix": pa.StructArray.from_arrays(
             [
@@ -229,7 +283,7 @@ def _parsed(s: Scanned) -> pa.Table:
                 pa.array(c["pcb"]),
                 pa.array(names[2], STR),
                 pa.array(c["ratio"]),
-                _lists(b.inter),
+                ids(b.inter, b.inter_text),
             ],
             names=[
                 "prefix_cache_hit",
@@ -239,14 +293,15 @@ def _parsed(s: Scanned) -> pa.Table:
                 "intersection_blocks",
             ],
         ),
-        "selected_token_pos": _lists(b.pos),
+        "selected_token_pos": ids(b.pos, b.pos_text),
         "scores_stats": pa.StructArray.from_arrays(
             [pa.array(c["s_min"]), pa.array(c["s_mean"]), pa.array(c["s_max"])],
             names=["min", "mean", "max"],
         ),
-        "scores_topk": pa.array(scores, type=pa.list_(F64)),
+        "scores_topk": scores,
     }
-    return pa.Table.from_arrays([cols[f.name] for f in SCHEMA], schema=SCHEMA)
+    schema = CSV_SOURCE if json_lists else SCHEMA
+    return pa.Table.from_arrays([cols[f.name] for f in schema], schema=schema)
 
 
 class ExportChunk:
@@ -262,16 +317,17 @@ class ExportChunk:
     ) -> tuple[pa.Table, int]:
         tables, invalid = [], 0
         for s in scan_span(self.info, Path(path), lines, first_line, torn):
-            tables.append(record_table(s))
+            tables.append(record_table(s, json_lists=self.csv))
             invalid += int((~s.valid).sum()) + len(s.bad)
-        table = pa.concat_tables(tables) if len(tables) > 1 else tables[0] if tables else SCHEMA.empty_table()  # fmt: skip
+        schema = CSV_SOURCE if self.csv else SCHEMA
+        table = pa.concat_tables(tables) if len(tables) > 1 else tables[0] if tables else schema.empty_table()  # fmt: skip
         return (flat_for_csv(table) if self.csv else table), invalid
 
 
-def _unparsed(s: Scanned) -> pa.Table:
+def _unparsed(s: Scanned, schema: pa.Schema = SCHEMA) -> pa.Table:
     """Lines that are no record: their place, reason and text; the id where it was readable."""
     n = len(s.bad)
-    cols: dict[str, Any] = {name: pa.nulls(n, SCHEMA.field(name).type) for name in SCHEMA.names}
+    cols: dict[str, Any] = {name: pa.nulls(n, schema.field(name).type) for name in schema.names}
     cols["shard"] = pa.array([s.file.name] * n, STR)
     cols["line"] = pa.array([line for line, _, _ in s.bad], I64)
     cols["valid"] = pa.array([False] * n, BOOL)
@@ -281,7 +337,7 @@ def _unparsed(s: Scanned) -> pa.Table:
     cols["raw"] = pa.array([s.raw(line).decode("utf-8", "replace") for line, _, _ in s.bad], STR)
     for i, name in enumerate(("request_id", "layer_id", "step_idx")):
         cols[name] = pa.array([ident[i] if ident else None for _, _, ident in s.bad], I64)
-    return pa.Table.from_arrays([cols[f.name] for f in SCHEMA], schema=SCHEMA)
+    return pa.Table.from_arrays([cols[f.name] for f in schema], schema=schema)
 
 
 def flat_for_csv(table: pa.Table) -> pa.Table:
@@ -293,6 +349,8 @@ def flat_for_csv(table: pa.Table) -> pa.Table:
     for col in flat.columns:
         if pa.types.is_list(col.type) and pa.types.is_integer(col.type.value_type):
             col = pa.chunked_array([_int_lists_json(a) for a in col.chunks], STR)
+        elif pa.types.is_list(col.type) and col.null_count == len(col):
+            col = pa.nulls(len(col), STR)
         elif pa.types.is_list(col.type):
             values = col.to_pylist()
             col = pa.array(
@@ -310,4 +368,9 @@ def _int_lists_json(lists: pa.ListArray) -> pa.Array:
     offsets = pc.subtract(offsets, pa.scalar(start, offsets.type))
     values = lists.values.slice(start, offsets[-1].as_py())
     text = pa.ListArray.from_arrays(offsets, pc.cast(values, STR), mask=lists.is_null())
-    return pc.binary_join_element_wise("[", pc.binary_join(text, ","), "]", "")
+    return pc.binary_join_element_wise(_OPEN, pc.binary_join(text, _COMMA), _CLOSE, _NOTHING)
+
+
+# Typed scalars: a Python str becomes one through type inference, which tries to import
+# dateutil (absent: ~75 us an attempt, several per call).
+_OPEN, _COMMA, _CLOSE, _NOTHING = (pa.scalar(t, STR) for t in ("[", ",", "]", ""))

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from analysis import parallel
-from analysis.dsa_lines import READ_CHUNK, chunk_spans, read_span, torn_line
+from analysis.dsa_lines import READ_CHUNK, chunk_spans, complete_lines, read_span, torn_line
 from analysis.dsa_stream import Checked, TraceStream
 
 _FRAME = struct.Struct("<cQ")  # tag, payload length
@@ -322,9 +322,15 @@ def map_chunks(
     chunk: int = READ_CHUNK,
 ) -> Iterator[Any]:
     """job(path, lines, first line, torn) of every chunk of the files, in order: here while
-    ready() says no (the job learns from its first chunks what it needs) or workers < 2,
+    ready() says no (the job learns from its first chunks what it needs) or workers < 2
+    (then each chunk is read once, by complete_lines: the same chunks, the same lines),
     then by `workers` processes, each handed a copy of the job as it is then."""
     workers = _worth(files, workers, chunk)
+    if workers < 2:  # every chunk here: read once, as complete_lines reads it (no spans first)
+        for path in files:
+            for line_no, lines, torn in complete_lines(path, chunk):
+                yield job(str(path), lines, line_no, torn)  # type: ignore[arg-type]
+        return
     pool: Workers | None = None
     pending = 0
     try:

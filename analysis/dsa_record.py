@@ -259,6 +259,7 @@ INT_COLS = {
     "ublocks": "unique_blocks",
     "bytes": "kv_fetch.hbm.bytes_read",
     "hbm_batch": "kv_fetch.hbm.batch_size",
+    "hbm_ops": "kv_fetch.hbm.read_ops",
     "pcb": "prefix.prefix_cached_blocks",
     "hit": "prefix.prefix_cache_hit",
     "rank": "rank",
@@ -332,6 +333,17 @@ class Batch:
     blocks: Ragged = field(default_factory=lambda: Ragged(_EMPTY, _EMPTY))
     inter: Ragged = field(default_factory=lambda: Ragged(_EMPTY, _EMPTY))
     scores: dict[int, np.ndarray] = field(default_factory=dict)  # row -> scores_topk
+    # What only the export uses, kept from the one parse (no pass of their own): each row's
+    # event, its kv_fetch local_pool and remote_pool, its own hbm.hit_blocks where they differ
+    # from selected_block_ids (row -> ids), and its selected_token_pos (a slice of the line;
+    # None where the exact path read the line), selected_block_ids and intersection_blocks
+    # as written.
+    events: list[str] = field(default_factory=list)
+    pools: list[tuple[_Pool, _Pool]] = field(default_factory=list)
+    hits: dict[int, np.ndarray] = field(default_factory=dict)
+    pos_text: list[Any] = field(default_factory=list)
+    blocks_text: list[Any] = field(default_factory=list)
+    inter_text: list[Any] = field(default_factory=list)
     bad: list[tuple[int, Fail, tuple[int, int, int] | None]] = field(default_factory=list)
     col: dict[str, np.ndarray] = field(default_factory=dict)
 
@@ -350,6 +362,12 @@ class Batch:
             blocks=self.blocks.sub(r0, r1),
             inter=self.inter.sub(r0, r1),
             scores={r - r0: v for r, v in self.scores.items() if r0 <= r < r1},
+            events=self.events[r0:r1],
+            pools=self.pools[r0:r1],
+            hits={r - r0: v for r, v in self.hits.items() if r0 <= r < r1},
+            pos_text=self.pos_text[r0:r1],
+            blocks_text=self.blocks_text[r0:r1],
+            inter_text=self.inter_text[r0:r1],
             col={k: v[r0:r1] for k, v in self.col.items()},
         )
 
@@ -592,8 +610,9 @@ def read_batch(lines: Sequence[bytes], first_line: int) -> Batch:
                 why = Fail("selected_token_pos", "an array of integers that fit 64 bits", _text(texts[r]))  # fmt: skip
                 reject(r, why)
         pos = rows
-    blocks = _arrays(list(map(_BLOCKS_OF, rests)))
-    inter = _arrays(list(map(_INTER_OF, rests)))
+    btexts, itexts = list(map(_BLOCKS_OF, rests)), list(map(_INTER_OF, rests))
+    blocks = _arrays(btexts)
+    inter = _arrays(itexts)
     for name, got, of in (
         ("selected_block_ids", blocks, _BLOCKS_OF),
         ("prefix.intersection_blocks", inter, _INTER_OF),
@@ -603,13 +622,23 @@ def read_batch(lines: Sequence[bytes], first_line: int) -> Batch:
                 if a is None:
                     why = Fail(name, "an array of integers that fit 64 bits", _text(of(rests[r])))
                     reject(r, why)
-    hits_eq = _hits_equal(rests, blocks, reject)
+    hits: dict[int, np.ndarray] = {}
+    hits_eq = _hits_equal(rests, blocks, reject, hits)
     imat, totals = _int_matrix(rests, nums, rejected)
     keep = [r for r in range(len(rests)) if r not in rejected]
+    if slow:
+        for r in slow:
+            texts[r] = None
     if rejected:
         batch.bad += rejected.values()
         rests = [rests[r] for r in keep]
         imat, totals, hits_eq = imat[keep], totals[keep], hits_eq[keep]
+        texts = [texts[r] for r in keep]
+        btexts, itexts = [btexts[r] for r in keep], [itexts[r] for r in keep]
+        at = {r: i for i, r in enumerate(keep)}
+        hits = {at[r]: a for r, a in hits.items() if r in at}
+    batch.pos_text, batch.blocks_text, batch.inter_text = texts, btexts, itexts
+    batch.hits = hits
     batch.lines = [nums[r] for r in keep]
     batch.pos, batch.blocks, batch.inter = (
         _ragged(a, keep, rejected) for a in (pos, blocks, inter)
@@ -635,10 +664,14 @@ def _ragged(
 
 
 def _hits_equal(
-    rests: list[_Rest], blocks: Ragged | list[np.ndarray | None], reject: Any
+    rests: list[_Rest],
+    blocks: Ragged | list[np.ndarray | None],
+    reject: Any,
+    own: dict[int, np.ndarray],
 ) -> np.ndarray:
     """kv_fetch.hbm.hit_blocks == selected_block_ids, per row: as written (the usual case),
-    else as lists of integers (a hit list that is none makes the row a bad record)."""
+    else as lists of integers (a hit list that is none makes the row a bad record); the rows
+    whose hit lists are written otherwise go to `own` (row -> their ids)."""
     out = np.ones(len(rests), dtype=bool)
     for r, rest in enumerate(rests):
         hits = rest.kv_fetch.hbm.hit_blocks
@@ -648,6 +681,7 @@ def _hits_equal(
         if mine is None:
             reject(r, Fail("kv_fetch.hbm.hit_blocks", "an array of integers", _text(hits)))
             continue
+        own[r] = mine
         listed = blocks[r]
         out[r] = listed is not None and np.array_equal(mine, listed)
     return out
@@ -696,11 +730,10 @@ def _columns(
     for i, name in enumerate(FLOAT_COLS):
         c[name] = fmat[i]
     e = _UNUSED  # the usual tier, compared at once (in C); any other is looked at field by field
-    pools_ok = [
-        (loc == e or _empty(loc)) and (rem == e or _empty(rem))
-        for loc, rem in map(_POOLS_OF, rests)
-    ]
-    event_ok = [ev == "dsa_topk" for ev in map(_EVENT_OF, rests)]
+    batch.pools = pools = list(map(_POOLS_OF, rests))
+    pools_ok = [(loc == e or _empty(loc)) and (rem == e or _empty(rem)) for loc, rem in pools]
+    batch.events = events = list(map(_EVENT_OF, rests))
+    event_ok = [ev == "dsa_topk" for ev in events]
     for row, scores in enumerate(map(_SCORES_OF, rests)):
         if scores is not unset:
             batch.scores[row] = np.asarray(scores, dtype=np.float64)

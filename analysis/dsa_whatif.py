@@ -17,13 +17,15 @@ Everything is folded into bounded histograms (never a list of records).
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from analysis.dsa_record import Batch, Ragged
+from analysis.dsa_record import Batch, Ragged, _starts
 from analysis.dsa_scan import Scanned, TraceInfo
 from analysis.dsa_stats import percentile
 
@@ -122,6 +124,8 @@ def block_counts(d: Any, b: int) -> tuple[np.ndarray, np.ndarray] | None:
     it, from the recorded size's counts. (counts, blocks per row), rows back to back; None
     for a b that is neither."""
     b0 = d.block_size
+    if b == b0:  # the validator's own counts
+        return d.counts, d.total_blocks
     if b0 % b == 0:
         nb = d.total_blocks * (b0 // b)
         if d.words is not None and b >= 8:
@@ -229,8 +233,17 @@ def _row_percentiles(counts: np.ndarray, n: np.ndarray, b: int) -> tuple[np.ndar
     def kth(k: np.ndarray) -> np.ndarray:  # 0-based rank -> value: the counts <= it
         return np.searchsorted(flat, k + shift, side="right") - first
 
+    p50, p95 = _percentiles(kth, n, (Q50, Q95))
+    return p50, p95
+
+
+def _percentiles(
+    kth: Callable[[np.ndarray], np.ndarray], n: np.ndarray, qs: tuple[float, ...]
+) -> list[np.ndarray]:
+    """numpy's linear percentiles of each row's n values, kth(k) being each row's k-th
+    smallest (0-based; NaN where a row has none)."""
     out = []
-    for q in (Q50, Q95):
+    for q in qs:
         v = (n - 1) * q  # numpy: (n - 1) * quantiles
         prev = np.floor(v)
         above = v >= n - 1
@@ -241,7 +254,170 @@ def _row_percentiles(counts: np.ndarray, n: np.ndarray, b: int) -> tuple[np.ndar
         d = z - a
         res = np.where(t >= 0.5, z - d * (1 - t), a + d * t)
         out.append(np.where(n > 0, res, np.nan))
-    return out[0], out[1]
+    return out
+
+
+def _median(kth: Callable[[np.ndarray], np.ndarray], n: np.ndarray) -> np.ndarray:
+    """_percentiles(kth, n, (Q50,)), its arithmetic for q = 1/2 written out: the middle value
+    of an odd n (t = 0), z - (z - a) x 0.5 of an even one (t = 0.5), in fewer passes."""
+    a, z = kth(np.maximum(n - 1, 0) // 2), kth(n // 2)
+    even = z - (z - a) * 0.5
+    return np.where(n > 0, np.where(n % 2 == 1, a, even), np.nan)
+
+
+@dataclass
+class Summary:
+    """What SizeAgg keeps of one block size's rows: per row unique_blocks, touched_block_ratio,
+    the tokens_per_touched_block p50 and the prefix intersection ratio (NaN: undetermined);
+    over the rows the histogram of tokens per touched block (tpb[v]: the blocks holding v
+    positions) and the sum of bytes_read."""
+
+    unique_blocks: np.ndarray
+    ratio: np.ndarray
+    tpb: np.ndarray
+    tpb_p50: np.ndarray
+    inter_ratio: np.ndarray
+    bytes_read: int
+
+    @classmethod
+    def of(cls, rows: Rows) -> Summary:
+        flat = rows.counts.flat
+        return cls(
+            unique_blocks=rows.unique_blocks,
+            ratio=rows.ratio,
+            tpb=np.bincount(flat) if len(flat) else np.zeros(0, np.int64),
+            tpb_p50=rows.tpb_p50,
+            inter_ratio=rows.inter_ratio,
+            bytes_read=int(rows.bytes_read.sum()),
+        )
+
+
+_POPCOUNT8 = np.bitwise_count(np.arange(256, dtype=np.uint8)).astype(np.int64)
+_WORD_OF = {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}
+
+
+@functools.cache
+def _per_code(f: int, b: int) -> np.ndarray:
+    """For f dividing b dividing 8: per byte code at f (_byte_codes: the popcounts of the
+    byte's 8 / f blocks of f bits, as the digits of a number base f + 1, its first block the
+    lowest), how many of the byte's blocks of b bits (b / f digits each, added) hold each
+    count (codes x b + 1)."""
+    k, radix, g = 8 // f, f + 1, b // f
+    digits = (np.arange(radix**k)[:, None] // radix ** np.arange(k)) % radix
+    counts = digits.reshape(len(digits), k // g, g).sum(axis=2)
+    per = np.stack([(counts == v).sum(axis=1) for v in range(b + 1)], axis=1)
+    return per.astype(np.int64)
+
+
+def _byte_codes(data: np.ndarray, b: int) -> np.ndarray:
+    """Each byte's code (see _per_code; < 256), in a few passes of uint8 arithmetic."""
+    if b == 8:
+        return np.bitwise_count(data)
+    if b == 1:
+        return data
+    radix, mask = b + 1, (1 << b) - 1
+    code = np.bitwise_count(data & mask)
+    for i in range(1, 8 // b):
+        code += np.bitwise_count((data >> (i * b)) & mask) * np.uint8(radix**i)
+    return code
+
+
+def row_hist(
+    d: Any, b: int, fine: int | None = None, cache: dict[int, np.ndarray] | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, Callable[[np.ndarray], np.ndarray]] | None:
+    """Every row's histogram of positions per block at size b (rows x b + 1: [r, v] is how
+    many of row r's blocks hold v positions), read off the validator's occupancy
+    (analysis.dsa_checks.Derived), with each row's blocks at b, where they start (rows back to
+    back) and which of the blocks so numbered are touched; None for a b that neither divides
+    nor is a multiple of the recorded size. fine: the smallest size dividing 8 that the batch
+    is asked for (its rows' histograms of byte codes, kept in cache, give every b it divides)."""
+    rows = len(d.total_blocks)
+    b0 = d.block_size
+    if d.words is not None and 8 % b == 0:  # one code a byte (_byte_codes): one bincount
+        data = d.words.view(np.uint8)
+        f = fine if fine is not None and b % fine == 0 else b
+        codes = None if cache is None else cache.get(f)
+        if codes is None:
+            n_codes = (f + 1) ** (8 // f)
+            owner = np.repeat(np.arange(rows, dtype=np.int64) * n_codes, d.total_blocks)
+            key = (owner[:, None] + _byte_codes(data, f).reshape(len(owner), -1)).ravel()
+            codes = np.bincount(key, minlength=rows * n_codes).reshape(rows, n_codes)
+            if cache is not None:
+                cache[f] = codes
+        hist = codes if f == b == 8 else codes @ _per_code(f, b)  # (8: a code is its count)
+        mask = (1 << b) - 1
+
+        def touched(at: np.ndarray) -> np.ndarray:
+            bit = at * b
+            return ((data[bit >> 3] >> (bit & 7).astype(np.uint8)) & mask) != 0
+
+        nb = d.total_blocks * (b0 // b)
+        return hist, nb, _starts(nb), touched
+    owner = np.arange(rows, dtype=np.int64) * (b + 1)
+    if d.words is not None and b in _WORD_OF and b0 % b == 0:  # a count a word of b bits
+        counts: np.ndarray = np.bitwise_count(d.words.view(_WORD_OF[b]))
+        nb = d.total_blocks * (b0 // b)
+    else:
+        counted = block_counts(d, b)
+        if counted is None:
+            return None
+        counts, nb = counted
+    if b0 % b == 0 and len(counts):  # each recorded block's b0 / b blocks, in their row
+        key = (np.repeat(owner, d.total_blocks)[:, None] + counts.reshape(-1, b0 // b)).ravel()
+    else:
+        key = np.repeat(owner, nb) + counts
+    hist = np.bincount(key, minlength=rows * (b + 1)).reshape(rows, b + 1)
+    return hist, nb, _starts(nb), lambda at: counts[at] > 0
+
+
+def summary_counted(
+    d: Any,
+    b: int,
+    seq: np.ndarray,
+    bpt: int,
+    plo: np.ndarray,
+    phi: np.ndarray,
+    fine: int | None = None,
+    cache: dict[int, np.ndarray] | None = None,
+) -> Summary | None:
+    """The Summary at block size b of every row of a checked batch, from the rows' histograms
+    of positions per block (row_hist): no list of blocks is made, and the same values as
+    Summary.of(_rows(...)). None: see row_hist."""
+    got = row_hist(d, b, fine, cache)
+    if got is None:
+        return None
+    hist, nb, base, touched_at = got
+    ub = nb - hist[:, 0]
+    tb = -(-seq // b)
+    safe = np.maximum(ub, 1)
+    pc_lo, pc_hi = -(-plo // b), -(-phi // b)
+    known = pc_lo == pc_hi
+    # the touched blocks among each row's first prefix_cached_blocks blocks (where known)
+    take = np.minimum(np.where(known, pc_lo, 0), nb)
+    start = np.zeros(len(take), dtype=np.int64)
+    if len(take) > 1:
+        np.cumsum(take[:-1], out=start[1:])
+    total = int(take.sum())
+    touched = touched_at(np.repeat(base - start, take) + np.arange(total))
+    run = np.zeros(total + 1, dtype=np.int64)
+    np.cumsum(touched, out=run[1:])
+    ilens = run[start + take] - run[start]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        inter_ratio = np.where(known, ilens / safe, np.nan)
+    upto = hist[:, 1:].cumsum(axis=1)  # [r, v - 1]: row r's touched blocks holding <= v
+
+    def kth(k: np.ndarray) -> np.ndarray:  # 0-based rank -> value: the first v above it
+        return np.argmax(upto > k[:, None], axis=1) + 1
+
+    p50 = _median(kth, ub)
+    return Summary(
+        unique_blocks=ub,
+        ratio=ub / np.maximum(tb, 1),
+        tpb=np.concatenate([np.zeros(1, np.int64), hist[:, 1:].sum(axis=0)]),
+        tpb_p50=p50,
+        inter_ratio=inter_ratio,
+        bytes_read=int((ub * b * bpt).sum()),
+    )
 
 
 # -- the distributions -------------------------------------------------------------------------
@@ -253,42 +429,44 @@ class SizeAgg:
 
     block_size: int
     records: int = 0
-    # integer histograms as arrays (hist[v]: how many), grown as needed: no Python loop a chunk
+    # integer histograms as arrays (hist[v]: how many), grown as needed: no Python loop a chunk;
+    # the ratios (0..1, kept to RATIO_DIGITS decimals) so too, indexed by ratio x 10**digits
     unique_blocks: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    ratio: Counter[float] = field(default_factory=Counter)
+    ratio: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     ratio_sum: float = 0.0
     tpb: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # over touched blocks
     tpb_p50: Counter[float] = field(default_factory=Counter)
-    inter_ratio: Counter[float] = field(default_factory=Counter)
+    inter_ratio: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     inter_sum: float = 0.0
     prefix_undetermined: int = 0
     bytes_total: int = 0
 
-    def add(self, rows: Rows) -> None:
+    def add(self, rows: Rows | Summary) -> None:
+        if isinstance(rows, Rows):
+            rows = Summary.of(rows)
         self.records += len(rows.unique_blocks)
         self.unique_blocks = _bump_ints(self.unique_blocks, rows.unique_blocks)
-        r = np.round(rows.ratio, RATIO_DIGITS)
-        _bump(self.ratio, r)
+        self.ratio = _bump_ints(self.ratio, _grid(rows.ratio))
         self.ratio_sum += float(rows.ratio.sum())
-        self.tpb = _bump_ints(self.tpb, rows.counts.flat)
+        self.tpb = _add_hist(self.tpb, rows.tpb)
         _bump(self.tpb_p50, rows.tpb_p50)
         known = np.isfinite(rows.inter_ratio)
         self.prefix_undetermined += int((~known).sum())
         ir = rows.inter_ratio[known]
-        _bump(self.inter_ratio, np.round(ir, RATIO_DIGITS))
+        self.inter_ratio = _bump_ints(self.inter_ratio, _grid(ir))
         self.inter_sum += float(ir.sum())
-        self.bytes_total += int(rows.bytes_read.sum())
+        self.bytes_total += rows.bytes_read
 
     def merge(self, o: SizeAgg) -> None:
         """Fold in another part's histograms (its float sums added as add() would have)."""
         self.records += o.records
         self.unique_blocks = _add_hist(self.unique_blocks, o.unique_blocks)
-        self.ratio.update(o.ratio)
+        self.ratio = _add_hist(self.ratio, o.ratio)
         self.ratio_sum += o.ratio_sum
         self.tpb = _add_hist(self.tpb, o.tpb)
         self.tpb_p50.update(o.tpb_p50)
         self.prefix_undetermined += o.prefix_undetermined
-        self.inter_ratio.update(o.inter_ratio)
+        self.inter_ratio = _add_hist(self.inter_ratio, o.inter_ratio)
         self.inter_sum += o.inter_sum
         self.bytes_total += o.bytes_total
 
@@ -304,14 +482,14 @@ class SizeAgg:
             "block_size": self.block_size,
             "records": self.records,
             "unique_blocks": ub,
-            "touched_block_ratio": stats(self.ratio, self.ratio_sum),
+            "touched_block_ratio": stats(_ratios(self.ratio), self.ratio_sum),
             "tokens_per_touched_block": stats(_counter(self.tpb)),
             "tokens_per_touched_block_p50": stats(self.tpb_p50),
             "bytes_read": nbytes,
-            "prefix_intersection_ratio": stats(self.inter_ratio, self.inter_sum),
+            "prefix_intersection_ratio": stats(_ratios(self.inter_ratio), self.inter_sum),
             "prefix_undetermined": self.prefix_undetermined,
             "hist": {
-                "touched_block_ratio": histogram(self.ratio, 0.0, 1.0),
+                "touched_block_ratio": histogram(_ratios(self.ratio), 0.0, 1.0),
                 "unique_blocks": histogram(unique_blocks),
             },
         }
@@ -325,9 +503,28 @@ def _bump(counter: Counter[Any], values: np.ndarray) -> None:
         counter[v] += c
 
 
+_SCALE = 10**RATIO_DIGITS
+
+
+def _grid(ratios: np.ndarray) -> np.ndarray:
+    """Ratios (>= 0) as their index on the RATIO_DIGITS grid: np.round(r, RATIO_DIGITS) is
+    index / 10**RATIO_DIGITS exactly (numpy rounds so: rint(r x 10**d) / 10**d)."""
+    return np.rint(ratios * _SCALE).astype(np.int64)
+
+
+def _ratios(hist: np.ndarray) -> Counter[float]:
+    """A ratio histogram on the grid as {ratio: how many} (the ratios as np.round gives them)."""
+    nz = np.flatnonzero(hist)
+    return Counter({i / _SCALE: c for i, c in zip(nz.tolist(), hist[nz].tolist(), strict=True)})
+
+
 def _bump_ints(hist: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """hist with values (non-negative integers) counted in."""
+    """hist with values (non-negative integers) counted in (in place where it is long
+    enough: a few values into a long histogram, a ratio grid's, touch only their bins)."""
     if len(values) == 0:
+        return hist
+    if len(values) < len(hist) and values.min() >= 0 and values.max() < len(hist):
+        np.add.at(hist, values, 1)
         return hist
     more = np.bincount(values, minlength=len(hist))
     more[: len(hist)] += hist
@@ -420,18 +617,17 @@ class WhatIf:
         if not len(rows):
             return
         self.used += len(rows)
-        b0 = self.info.block_size
-        wanted = self.sizes if b0 is None or b0 in self.sizes else [*self.sizes, b0]
-        got = compute(self.info, b, rows, wanted, s.derived)
+        got, own = summarize(self.info, b, rows, self.sizes, s.derived)
         for b_size in self.sizes:
             self.aggs[b_size].add(got[b_size])
-        if b0 is not None:
-            self._compare(s, rows, got[b0])
+        if own is not None:
+            self._compare(s, rows, own)
 
     def _compare(self, s: Scanned, rows: np.ndarray, own: Rows) -> None:
         """The recorded B/C/D fields against the recomputation at the recorded size, per row
         (all rows at once; names only for the first row that differs)."""
-        c = {k: v[rows] for k, v in s.batch.col.items()}
+        every = len(rows) == len(s.batch)  # (rows is then every row, in order)
+        c = s.batch.col if every else {k: v[rows] for k, v in s.batch.col.items()}
         recorded = s.batch.blocks
         inter = s.batch.inter
         checks = {
@@ -560,15 +756,7 @@ def compute(
 ) -> dict[int, Rows]:
     """The fields at each block size for the given (valid) rows of a batch (derived: the
     validator's Derived for the batch, whose occupancy gives the sorted positions)."""
-    c = batch.col
-    seq = c["seq"][rows]
-    prompt = None
-    if info.prompt_tokens:
-        get = info.prompt_tokens.get
-        prompt = np.array([get(int(q), -1) for q in c["request"][rows]], dtype=np.int64)
-    b0 = info.block_size or int(c["bs"][rows[0]])
-    plo, phi = prefix_range(c["pcb"][rows], b0, info.prefix_key_tokens, prompt)
-    bpt = info.bytes_per_token or 0
+    seq, bpt, plo, phi = _inputs(info, batch, rows)
     out: dict[int, Rows] = {}
     spos: Ragged | None = None
     every = derived is not None and len(rows) == len(batch)
@@ -581,6 +769,48 @@ def compute(
             spos = sorted_positions(batch, rows, derived)
         out[b] = at_block_size(spos, seq, b, bpt, plo, phi)
     return out
+
+
+def summarize(
+    info: TraceInfo, batch: Batch, rows: np.ndarray, sizes: list[int], derived: Any = None
+) -> tuple[dict[int, Summary], Rows | None]:
+    """What SizeAgg keeps of the given (valid) rows at each size, and every field at the
+    recorded size (None where it is not known) for the comparison with the recorded ones.
+    With every row of the batch and its Derived, a size other than the recorded one is read
+    off the rows' histograms of positions per block (summary_counted); the others come from
+    compute()."""
+    b0 = info.block_size
+    fast: dict[int, Summary] = {}
+    if derived is not None and len(rows) == len(batch):
+        seq, bpt, plo, phi = _inputs(info, batch, rows)
+        fine = min((b for b in sizes if 8 % b == 0 and b != b0), default=None)
+        cache: dict[int, np.ndarray] = {}
+        for b in sizes:
+            got = summary_counted(derived, b, seq, bpt, plo, phi, fine, cache) if b != b0 else None
+            if got is not None:
+                fast[b] = got
+    rest = [b for b in sizes if b not in fast]
+    if b0 is not None and b0 not in rest:
+        rest.append(b0)
+    full = compute(info, batch, rows, rest, derived) if rest else {}
+    out = {b: fast[b] if b in fast else Summary.of(full[b]) for b in sizes}
+    return out, full.get(b0) if b0 is not None else None
+
+
+def _inputs(
+    info: TraceInfo, batch: Batch, rows: np.ndarray
+) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
+    """The rows' seq_len_current, the KV bytes per token (0: unknown) and each row's prefix
+    range in tokens (prefix_range)."""
+    c = batch.col
+    seq = c["seq"][rows]
+    prompt = None
+    if info.prompt_tokens:
+        get = info.prompt_tokens.get
+        prompt = np.array([get(int(q), -1) for q in c["request"][rows]], dtype=np.int64)
+    b0 = info.block_size or int(c["bs"][rows[0]])
+    plo, phi = prefix_range(c["pcb"][rows], b0, info.prefix_key_tokens, prompt)
+    return seq, info.bytes_per_token or 0, plo, phi
 
 
 # -- text ----------------------------------------------------------------------------------------

@@ -188,7 +188,7 @@ def export_block(
     import pyarrow.csv as pacsv
     import pyarrow.parquet as pq
 
-    from analysis.dsa_export import SCHEMA, ExportChunk, flat_for_csv
+    from analysis.dsa_export import SCHEMA, STATISTICS, ExportChunk, flat_for_csv
     from analysis.dsa_parallel import map_chunks
     from analysis.dsa_scan import known
     from analysis.dsa_tree import shard_files
@@ -210,7 +210,7 @@ def export_block(
 
     try:
         if fmt == "parquet":
-            writer = pq.ParquetWriter(part, SCHEMA, compression="zstd")
+            writer = pq.ParquetWriter(part, SCHEMA, compression="zstd", write_statistics=STATISTICS)
         job = ExportChunk(info, csv=fmt == "csv")
         files = shard_files(info.folder)
         for table, bad in map_chunks(files, job, workers, lambda: known(info), chunk):

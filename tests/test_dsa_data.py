@@ -268,6 +268,52 @@ def test_export_csv_flattens_and_keeps_the_positions(
     assert int(rows[0]["kv_fetch.hbm.bytes_read"]) == first["kv_fetch"]["hbm"]["bytes_read"]
 
 
+def test_csv_lists_from_the_lines_text_equal_the_encoded_lists(
+    traces: dict[int, Path], tmp_path: Path
+) -> None:
+    """The csv's lists of integers are the arrays as their line wrote them when that is
+    msgspec's text of them; a line written otherwise (spaces, -0) or read by the exact path,
+    a hit list of its own and a used tier are encoded: the same table as flat_for_csv's."""
+    import shutil
+
+    import msgspec
+
+    from analysis.dsa_export import flat_for_csv, record_table
+
+    folder = tmp_path / "trace" / "block16"
+    shutil.copytree(traces[16], folder)
+    shard = sorted(folder.glob("trace_steps_*.jsonl"))[0]
+    lines = shard.read_bytes().splitlines(keepends=True)
+    recs = [orjson.loads(x) for x in lines[:5]]
+    lines[0] = json.dumps(recs[0]).encode() + b"\n"  # ", " between the values of every list
+    lines[1] = lines[1].replace(b'"selected_token_pos":[', b'"selected_token_pos":[-0,', 1)
+    recs[2]["dataset"] = "selected_token_pos"  # the key's name first as a value: the exact path
+    lines[2] = orjson.dumps(recs[2]) + b"\n"
+    recs[3]["kv_fetch"]["hbm"]["hit_blocks"] = [0, 1]  # not selected_block_ids
+    lines[3] = orjson.dumps(recs[3]) + b"\n"
+    recs[4]["kv_fetch"]["local_pool"]["hit_blocks"] = [3, 4]  # a tier in use
+    lines[4] = orjson.dumps(recs[4]) + b"\n"
+    shard.write_bytes(b"".join(lines))
+    first = next(scan_block(trace_info(folder))).batch
+    assert first.lines[:5] == [1, 2, 3, 4, 5] and first.pos_text[2] is None  # the exact path's
+    assert b", " in bytes(first.pos_text[0]) and b"-0," in bytes(first.pos_text[1])
+    seen = 0
+    for chunk in scan_block(trace_info(folder)):
+        fast = flat_for_csv(record_table(chunk, json_lists=True))
+        assert fast.equals(flat_for_csv(record_table(chunk)))
+        b = chunk.batch
+        for r, text in enumerate(fast["selected_token_pos"].to_pylist()):
+            assert text == msgspec.json.encode(b.pos[r].tolist()).decode()
+            seen += 1
+        if chunk.file == shard and b.lines[0] == 1:
+            got = fast.slice(0, 5).to_pylist()
+            assert got[3]["kv_fetch.hbm.hit_blocks"] == "[0,1]"
+            assert got[4]["kv_fetch.local_pool.hit_blocks"] == "[3,4]"
+            assert got[0]["selected_block_ids"] == json.dumps(recs[0]["selected_block_ids"]).replace(" ", "")  # fmt: skip
+    assert seen == 36
+    assert chunk.batch.pos_text and None not in chunk.batch.pos_text  # the usual lines: as written
+
+
 def test_export_keeps_stored_scores(tmp_path: Path) -> None:
     folder = engine(tmp_path / "s", 16, "--trace-store-scores", "--limit", "1")
     out = tmp_path / "s.parquet"
@@ -447,3 +493,53 @@ def test_block_counts_from_the_occupancy_equal_the_sorted_positions_path(
                         np.testing.assert_array_equal(value.lens, other.lens)
                         value, other = value.flat, other.flat
                     np.testing.assert_array_equal(value, other, err_msg=f"{folder} {b} {f.name}")
+
+
+def test_whatif_summaries_from_the_row_histograms_equal_the_per_block_path(
+    traces: dict[int, Path],
+) -> None:
+    """What the what-if keeps of each size, read off the rows' histograms of positions per
+    block (summary_counted), is the per-block path's (Summary.of(compute(...))) exactly."""
+    from dataclasses import fields
+
+    from analysis.dsa_whatif import Summary, _inputs, summary_counted
+
+    sizes = [1, 2, 4, 8, 16, 32, 48, 64, 128, 256]
+    for folder in traces.values():
+        info = trace_info(folder)
+        for chunk in scan_block(info):
+            rows = np.flatnonzero(chunk.valid)
+            seq, bpt, plo, phi = _inputs(info, chunk.batch, rows)
+            slow = compute(info, chunk.batch, rows, sizes)
+            shared: dict = {}  # the finest size's byte codes, kept for the sizes it divides
+            for b in sizes:
+                for fine, cache in ((None, None), (1, shared)):
+                    fast = summary_counted(chunk.derived, b, seq, bpt, plo, phi, fine, cache)
+                    if fast is None:  # 48 at 64 (neither divides the other)
+                        assert b == 48 and info.block_size == 64
+                        continue
+                    want = Summary.of(slow[b])
+                    for f in fields(want):
+                        value, other = getattr(fast, f.name), getattr(want, f.name)
+                        if f.name == "tpb":  # the same histogram, trailing zeros aside
+                            value, other = np.trim_zeros(value, "b"), np.trim_zeros(other, "b")
+                        why = f"{folder} {b} {fine} {f.name}"
+                        np.testing.assert_array_equal(value, other, err_msg=why)
+
+
+def test_median_is_the_linear_percentiles_half_bit_for_bit() -> None:
+    from analysis.dsa_whatif import Q50, _median, _percentiles
+
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        n = rng.integers(0, 30, 40)
+        rows = [np.sort(rng.integers(1, 9, k)) for k in n]
+
+        def kth(k: np.ndarray, rows: list = rows, n: np.ndarray = n) -> np.ndarray:
+            return np.array([rows[r][k[r]] if n[r] else 1 for r in range(len(n))])
+
+        got = _median(kth, n)
+        (same,) = _percentiles(kth, n, (Q50,))
+        want = np.array([np.percentile(v, 50) if len(v) else np.nan for v in rows])
+        np.testing.assert_array_equal(got, same)
+        np.testing.assert_array_equal(got, want)
