@@ -32,7 +32,7 @@ connect_timeout_s = 5
 keepalive_s = 1
 
 [engine]
-command = "sh -c 'i=1; while [ $i -le $1 ]; do echo \\"cell $2 line $i\\"; i=$((i+1)); sleep $3; done; exit $4' x {{lines}} {{n}} {{pause}} {{rc}}"
+command = "sh -c 'i=1; while [ $i -le $1 ]; do echo \\"cell $2 line $i\\"; i=$((i+1)); [ $3 = 0 ] || sleep $3; done; exit $4' x {{lines}} {{n}} {{pause}} {{rc}}"
 
 [matrix]
 n = [1, 2, 3]
