@@ -272,13 +272,13 @@ def _launching(path: Path) -> set[str]:
     return found
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def _uses_module_fixture(item: pytest.Item) -> bool:
     info = getattr(item, "_fixtureinfo", None)
     defs = info.name2fixturedefs.values() if info is not None else ()
     return any(d[-1].scope == "module" for d in defs if d)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (test_suite_groups.py)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark e2e every test that starts a real server, a process or the console app, or is
     marked slow/ssh/slurm, so the fast tier (`-m "not e2e"`) selects itself; put the Slurm

@@ -1,7 +1,11 @@
-"""`tracedeck diff`, --junit / --summary-md and [notify], on real runs of the reference engine.
+"""`tracedeck diff`, --junit / --summary-md and [notify], on real runs of the shipped presets.
 
 Each preset runs at the smallest size its smoke allows: once clean, once again clean (B3.67),
-and once with the canary its seed names (readout_offset, split_reduction, b3_11).
+and once with the canary its seed names (readout_offset, split_reduction, b3_11). B3.67 and 03C
+run on the torch-free toy engine (tests/engines/toy.py: the same files; GIT_COMMIT and the
+readout_offset and split_reduction canaries honoured): what is tested is the diff of two runs'
+records, not the engine's numbers, which test_reference_engine, test_equivalence_runs and
+test_kv_invariance_runs check on torch. B3.11 and DSA (no toy) run on torch.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import xmlschema
-from runhelp import cli_env, events, run_dirs, tracedeck, write_lines_preset
+from runhelp import cli_env, events, run_dirs, toy_override, tracedeck, write_lines_preset
 
 SCHEMA = Path(__file__).parent / "data" / "junit.xsd"
 
@@ -23,6 +27,7 @@ SMALL = {
     "b3_11_readout": ['matrix.prompt=["p0_short"]'],
     "dsa_smoke": [],
 }
+TOY = {"b3_67_smoke", "kv_invariance_smoke"}  # presets run on the toy engine
 CANARY = {
     "b3_67_smoke": "readout_offset",
     "kv_invariance_smoke": "split_reduction",
@@ -59,7 +64,7 @@ class Runs:
         if (preset, name) in self.made:
             return self.made[(preset, name)]
         before = set(run_dirs(self.out))
-        sets = [*SMALL[preset]]
+        sets = [*SMALL[preset], *([toy_override(preset)] if preset in TOY else [])]
         canary = name.startswith("canary")
         if canary:
             sets.append(f'matrix.inject=["{CANARY[preset]}"]')

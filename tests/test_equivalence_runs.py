@@ -1,4 +1,5 @@
-"""B3.67 end to end: the shipped smoke preset on the real torch engine, locally and over SSH."""
+"""B3.67 end to end: the shipped smoke preset on the real torch engine, locally and over SSH
+(attach's catching up, an orchestration test, on the torch-free toy engine)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from runhelp import cli_env, events, run_dirs, tracedeck
+from runhelp import cli_env, events, run_dirs, toy_engine, tracedeck
 from sshd import SshHome
 
 SEED_LAYOUT = [
@@ -220,7 +221,8 @@ def test_analyze_reports_bad_input_with_its_location(tmp_path: Path) -> None:
 
 
 def test_attach_fetches_artifacts_a_killed_console_never_brought_home(tmp_path: Path) -> None:
-    """Console gone between cell_finished and the artifact download: attach catches up."""
+    """Console gone between cell_finished and the artifact download: attach catches up. What is
+    tested is attach's catching up, so the cells run on the toy engine (no torch)."""
     home = tmp_path / "home"
     home.mkdir()
     out = tmp_path / "out"
@@ -234,6 +236,7 @@ def test_attach_fetches_artifacts_a_killed_console_never_brought_home(tmp_path: 
         "matrix.seed=[0]",
         "--set",
         "matrix.kv_aligned=[1]",
+        *toy_engine("b3_67_smoke"),
         env=cli_env(home),
         timeout=300,
     )

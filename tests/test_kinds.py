@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from runhelp import ROOT, cli_env, run_dirs, tracedeck
+from runhelp import ROOT, cli_env, run_dirs, toy_engine, tracedeck
 from test_console import LOADED_S, wait_for, wait_for_screen
 
 import console.panels
@@ -22,6 +22,11 @@ from runners.kinds import all_kinds, load_preset
 from runners.presets import PresetError, resolve_preset
 
 KINDS = sorted(all_kinds())
+# Kinds whose smoke runs on the torch-free toy engine (tests/engines/toy.py) here: this test checks
+# the kind's run, verdict word and panel; the engine's own numbers are checked on torch elsewhere
+# (test_equivalence_runs, test_kv_invariance_runs, test_reference_engine). The other kinds' smokes
+# (readout, dsa_trace: no toy) run their torch engine.
+TOY_KINDS = {"equivalence", "kv_invariance"}
 
 
 def isolated(tmp_path: Path) -> list[str]:
@@ -74,6 +79,8 @@ async def test_each_kind_runs_headless_and_the_console_shows_its_panel(
     home.mkdir()
     out = tmp_path / "out"
     sets = [a for o in overrides for a in ("--set", o)]
+    if name in TOY_KINDS:
+        sets += toy_engine(preset)
     done = tracedeck(
         "run", preset, "--out", str(out), *sets, *isolated(tmp_path), env=cli_env(home), timeout=400
     )

@@ -5,16 +5,18 @@ onto the grid (a stand-in binary prints the test's captured output)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import stat
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from runhelp import cli_env, events, run_dirs, tracedeck
+from runhelp import TOY_ENGINE, cli_env, events, run_dirs, tracedeck
 from sshd import SshHome
 
-from analysis.kv_invariance import SUMMARY, point_dir
+from analysis.kv_invariance import SUMMARY, judge_cell_dir, point_dir
 
 DATA = Path(__file__).resolve().parent / "data"
 SMOKE_POINTS = [
@@ -399,3 +401,38 @@ def test_attach_judges_the_cells_a_dead_console_left_unjudged(tmp_path: Path) ->
     assert "RESULT: PASS_INVARIANCE (exit 0)" in again.stdout
     cells = [e["cell"] for e in events(local_dir) if e["type"] == "kv_cell_verdict"]
     assert sorted(cells) == [0, 1, 2, 3]  # each cell judged once, none twice
+
+
+# -- the toy engine the orchestration tests run instead of torch ------------------------------
+
+
+def test_the_toy_engine_s_cells_are_judged_as_the_contract_says(tmp_path: Path) -> None:
+    """tests/engines/toy.py kv_invariance (test_diff and test_kinds run 03C on it): a clean cell
+    is BITWISE_EQUAL, split_reduction DIFFERS in the multi-step flows only, and a cell that would
+    abort on a precondition is refused (exit 2), nothing written."""
+    point = {"d": 64, "kv": 256, "b": 8, "gqa": 2, "mask": 1, "alibi": 1, "sinks": 1}
+    env = {**os.environ, "GGML_DETERMINISTIC": "1", "RUN_KVCACHE_CHUNK_TESTS": "1"}
+
+    def toy(name: str, *extra: str, env: dict[str, str] = env) -> int:
+        args = [a for k, v in point.items() for a in (f"--{k}", str(v))]
+        argv = [sys.executable, str(TOY_ENGINE), "kv_invariance", *args, "--heads", "4"]
+        argv += ["--out", str(tmp_path / name), *extra]
+        return subprocess.run(argv, env=env, capture_output=True, check=False).returncode
+
+    def judged(name: str) -> tuple[str, dict]:  # type: ignore[type-arg]
+        cell = judge_cell_dir(
+            tmp_path / name, point, True, {"heads": 4, "dtype": "fp32"}, deterministic=True
+        )
+        return cell.verdict, cell.detail
+
+    assert toy("clean") == 0
+    verdict, detail = judged("clean")
+    assert verdict == "BITWISE_EQUAL", detail
+    assert detail["flows"] == ["single", "incremental", "chunk8", "chunk33", "alone"]
+    assert toy("split", "--inject", "split_reduction") == 0
+    verdict, detail = judged("split")
+    assert verdict == "DIFFERS" and detail["max_ulp"] == 1, detail
+    assert [p["flows"][1] for p in detail["pairs"]] == ["incremental", "chunk8", "chunk33"]
+    assert toy("unpadded", "--inject", "unpadded_kv") == 2
+    assert toy("no-determinism", env={**env, "GGML_DETERMINISTIC": "0"}) == 2
+    assert not (tmp_path / "unpadded").exists() and not (tmp_path / "no-determinism").exists()

@@ -17,6 +17,7 @@ from runhelp import (
     notifier_alive,
     run_dirs,
     spawn,
+    toy_engine,
     tracedeck,
     wait_for,
 )
@@ -50,10 +51,10 @@ def test_a_two_host_fleet_judges_b3_67_on_its_hosts_and_moves_no_logits(
     fleet: Fleet, tmp_path: Path
 ) -> None:
     env = cli_env(fleet.home.path)
-    done = tracedeck(
+    done = tracedeck(  # the toy engine's cells (no torch): where judging happens is tested
         "run", "b3_67_smoke", "--target", "gpu-a,gpu-b", "--out", str(tmp_path / "out"),
         "--set", "matrix.seed=[0]", "--set", f'target.runs="{tmp_path}/remote"',
-        "--set", f'target.python="{sys.executable}"',
+        "--set", f'target.python="{sys.executable}"', *toy_engine("b3_67_smoke"),
         env=env, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
