@@ -27,7 +27,14 @@ def _stop(proc: subprocess.Popen[str]) -> None:
 def test_a_process_working_in_the_scenarios_directory_is_found(tmp_path: Path) -> None:
     proc = subprocess.Popen(["sleep", "3005"], cwd=tmp_path, start_new_session=True, text=True)
     try:
-        wait_for(lambda: os.readlink(f"/proc/{proc.pid}/cwd") == str(tmp_path), what="its cwd")
+        # Its cwd is set before its exec, and mid-exec its cmdline reads empty: wait for both.
+        wait_for(
+            lambda: (
+                os.readlink(f"/proc/{proc.pid}/cwd") == str(tmp_path)
+                and Path(f"/proc/{proc.pid}/cmdline").read_bytes().startswith(b"sleep")
+            ),
+            what="sleep running in the directory",
+        )
         procs, held = scan_left(tmp_path)
         assert any(p.startswith(f"{proc.pid}: ") and "sleep" in p for p in procs), procs
         assert held == []
