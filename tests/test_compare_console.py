@@ -89,7 +89,12 @@ async def test_compare_with_the_last_run_of_the_preset_names_the_regressed_pair(
         await pilot.press("escape")
         await until(pilot, lambda: isinstance(pilot.app.screen, HistoryScreen))
         await pilot.press("down", "l")
-        await pilot.pause(0.1)
-        assert isinstance(pilot.app.screen, HistoryScreen)
-        status = str(pilot.app.screen.query_one("#history-status").render())
-        assert "no earlier finished run of b3_67_smoke on local" in status
+        said = "no earlier finished run of b3_67_smoke on local"
+        await until(
+            pilot,
+            lambda: (
+                isinstance(pilot.app.screen, HistoryScreen)
+                and said in str(pilot.app.screen.query_one("#history-status").render())
+            ),
+        )
+        assert isinstance(pilot.app.screen, HistoryScreen)  # nothing opened

@@ -346,15 +346,21 @@ async def test_kv_grid_has_a_legend_in_the_console(home: Path) -> None:  # noqa:
     app = create_app(out_dir=out_dir(home), replay_dir=DATA / "kv_invariance_run", speed=0)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for_banner(pilot)
-        shown = screen_text(app)
-        assert (
-            "=  equal" in shown
-            and "X  differs" in shown
-            and "columns g=GQA group b=batch" in (shown)
-        ), shown
+        legend = ("=  equal", "X  differs", "columns g=GQA group b=batch")
+        # the grid's panel draws after the banner (an idle fresh-clone run read it too early)
+        await wait_for(
+            pilot,
+            lambda: all(part in screen_text(app) for part in legend),
+            LOADED_S,
+            "the kv grid's legend",
+        )
         await pilot.press("d")
-        await pilot.pause(0.1)
-        assert "m a s = mask ALiBi sinks on (- off)" in screen_text(app)
+        await wait_for(
+            pilot,
+            lambda: "m a s = mask ALiBi sinks on (- off)" in screen_text(app),
+            LOADED_S,
+            "the detail's legend",
+        )
 
 
 async def test_readout_gap_sparkline_says_its_scale(home: Path) -> None:  # noqa: F811
