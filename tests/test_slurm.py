@@ -107,7 +107,8 @@ def test_b3_67_smoke_as_a_job_array_ends_pass_guardrail(
         # above waits for RUNNING where a test holds its cells); that it began, is.
         words = [s for c, s in states if c == cell]
         assert words and words[-1] == "COMPLETED" and cell in began, (cell, words)
-        assert [order.index(w) for w in words] == sorted(order.index(w) for w in words), words
+        steps = [order.index(w) for w in words if w in order]  # also COMPLETING, CONFIGURING...
+        assert steps == sorted(steps), words
     assert all(
         e["node"] == slurm_cluster.node
         for e in evts
