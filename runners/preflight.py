@@ -17,9 +17,7 @@ import orjson
 
 from runners.launchers.detached import holder_path, parse_holder
 from runners.launchers.slurm import SlurmSettings
-from runners.placement import (
-    Host,
-)
+from runners.placement import Host
 from runners.plan import PYTHON_RULE, interpreter
 from runners.presets import Preset
 from runners.preview import Preview, judging, preview, target_path, uses_python

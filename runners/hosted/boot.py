@@ -8,8 +8,8 @@ and MANIFEST, a JSON object mapping each shipped file (relative to JUDGE_DIR) to
 the console's own copy. `-I` keeps the current directory (the engine's output), PYTHON*
 variables and the user's site-packages off the path; `-S` keeps `site` from running anything
 in the interpreter's site-packages (a sitecustomize, a .pth line: the engine's user may be able
-to write a venv), which are then put on the path as `site` would, as plain directories. Every shipped file is read once and
-checked before any of it runs; the modules are then made from those checked bytes (the files,
+to write a venv), which are then put on the path as `site` would, as plain directories. Every
+shipped file is read once and checked before any of it runs; the modules are then made from those checked bytes (the files,
 which the engine's process can write, are never read again), and a module of the shipped
 packages that the manifest does not hold is refused rather than looked for elsewhere.
 ENTRY's main(ARGS) then runs. A file that differs prints {"ok": false, "tampered": WHY} and
@@ -86,11 +86,13 @@ def site_packages():
         os.path.join(os.path.dirname(exe_dir), "pyvenv.cfg"),
     ):
         if os.path.isfile(conf):
+            cfg = {}
             with open(conf, encoding="utf-8") as fh:
-                keys = dict(line.partition("=")[::2] for line in fh)
-            system = {k.strip().lower(): v.strip().lower() for k, v in keys.items()}
+                for line in fh:
+                    key, _, value = line.partition("=")
+                    cfg[key.strip().lower()] = value.strip().lower()
             venv = os.path.dirname(conf)
-            both = system.get("include-system-site-packages") == "true"
+            both = cfg.get("include-system-site-packages") == "true"
             prefixes = [venv, sys.prefix] if both else [venv]
             break
     for path in site.getsitepackages(prefixes):
