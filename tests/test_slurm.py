@@ -161,7 +161,7 @@ def test_a_time_limit_is_reported_per_cell_as_timeout_exit_3(
     # The job's time limit (1 minute) ends now: slurmctld's own time-limit check (every 30 s)
     # kills it, as it kills any job that outlived its limit.
     [job] = slurm_jobs(record_of(local_dir))
-    slurm_cluster.run("scontrol", "update", f"JobId={job}_0", "EndTime=now")
+    slurm_cluster.expire(f"{job}_0")
     stdout, stderr = console.communicate(timeout=patience(90))
     assert console.returncode == 3, stdout + stderr
     assert "RESULT: TIMEOUT (exit 3)" in stdout

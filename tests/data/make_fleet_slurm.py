@@ -98,7 +98,7 @@ def slurm_run(base: Path) -> None:
         local_dir = wait_for(lambda: run_dirs(out), what="run dir")[0]
         wait_for(lambda: running(local_dir, {1}), timeout=60, what="cell 2 running")
         job = (Path(events(local_dir)[0]["remote_dir"]) / "slurm" / "job_id").read_text().split()[0]
-        cluster.run("scontrol", "update", f"JobId={job}_1", "EndTime=now")
+        cluster.expire(f"{job}_1")
         console.communicate(timeout=90)
         assert console.returncode == 3, console.returncode
         keep(local_dir, "slurm_run")
