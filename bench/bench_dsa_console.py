@@ -26,8 +26,12 @@ Where the live run's time went (issue 23): judging a batch (TraceStream.feed: pa
 2048-position records and the checks, about 7,000-10,000 records/s on one core here) ran in a
 thread beside the screen's event loop, holding the interpreter the loop needs; folding the
 digests (TraceBook.apply) is ~100x cheaper. The judge now feeds a helper process
-(runners/dsa_worker.py) and folds its digests back; one core still judges one stream, so a
-single shard faster than a core can parse is judged behind the writer (its rate is printed).
+(runners/dsa_worker.py) and folds its digests back. That helper waited while this process
+emitted each batch, and this one while it judged the next (11,700-12,000 records/s kept up
+with, against 17,700 in a thread); the follower now hands each batch over as soon as it is read
+(Judge.submit_lines), so the two overlap (15,400-16,500, the helper ~95% of a core, this process
+~40%). One core still judges one stream (TraceBook.feed: ~21,000 records/s on an idle core),
+so a single shard faster than that is judged behind the writer (its rate is printed).
 The screen's stalls (per-callback CPU, cProfile of each slow repaint): every panel update was a
 layout (Static.update lays the screen out unless told the size stays), and the five histograms
 and the layer bars were redrawn in one tick (the layer bars alone 13-18 ms: a span per

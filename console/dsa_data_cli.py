@@ -14,6 +14,9 @@ from runners.exits import EXIT_INFRA, EXIT_USAGE
 DEFAULT_SIZES = "4,8,16,64,128"
 
 
+HELP_WORKERS = "processes reading the trace (default: as many as cores and memory allow)"
+
+
 def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     export = sub.add_parser(
         "export", help="write a DSA trace's records as parquet or csv (invalid ones marked)"
@@ -32,7 +35,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     export.add_argument(
         "--workers",
         type=int,
-        help="processes reading the trace (default 1: more are slower here, see bench_dsa_analyze)",
+        help="processes reading the trace (default: for csv as many as cores and memory allow; "
+        "for parquet 1, as each record is compressed here)",
     )
 
     dsa = sub.add_parser("dsa", help="DSA trace data tools: block-size what-if, KV-tier simulator")
@@ -49,7 +53,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     whatif.add_argument(
         "--workers",
         type=int,
-        help="processes reading the trace (default 1: more are slower here, see bench_dsa_analyze)",
+        help=HELP_WORKERS,
     )
 
     tiers = tools.add_parser(
@@ -86,7 +90,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     tiers.add_argument(
         "--workers",
         type=int,
-        help="processes reading the trace (default 1: more are slower here, see bench_dsa_analyze)",
+        help="processes reading the trace (default 1: the replay runs here, in order)",
     )
 
 
@@ -154,7 +158,12 @@ def cmd_export(args: argparse.Namespace) -> int:
             return EXIT_USAGE
         try:
             info = trace_info(folder, args.topk)
-            records, invalid = export_block(info, out, args.format, dsa_workers(args.workers))
+            records, invalid = export_block(
+                info,
+                out,
+                args.format,
+                dsa_workers(args.workers, answers_heavy=args.format == "parquet"),
+            )
         except WorkerError as exc:
             _err(f"{folder}: not exported: {exc}")
             return EXIT_INFRA
@@ -333,7 +342,7 @@ def cmd_tiers(args: argparse.Namespace) -> int:
             bytes_per_token=args.kv_bytes_per_token,
             remote_latency_us=args.remote_latency_us,
             bandwidth_gbs=args.bandwidth_gbs,
-            workers=dsa_workers(args.workers),
+            workers=dsa_workers(args.workers, answers_heavy=True),
         ),
         format_tiers,
         "no valid dsa_topk record to replay",

@@ -18,12 +18,14 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import queue
 import signal
 import struct
 import subprocess
 import sys
 import threading
 import weakref
+from collections import deque
 from pathlib import Path
 from typing import IO, Any, Protocol
 
@@ -41,6 +43,7 @@ _LEN = struct.Struct("<Q")
 _OK, _RAISED = "ok", "raised"
 _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 _CHILD = "from runners.dsa_worker import serve; serve()"
+AHEAD = 2  # batches a helper may hold at once (the one judged, the next)
 # False: every judge feeds its book in this process (bench/bench_dsa_console.py's baseline).
 USE_HELPER = True
 BOOK_CLASS = "runners.kinds.dsa_trace.TraceBook"
@@ -67,17 +70,25 @@ def _receive(stream: IO[bytes]) -> Any:
 
 def serve() -> None:
     """In the helper: the parent's TraceBook (the first message), then each batch fed to it in
-    order and its digest (or what it raised) sent back; ends when the parent closes the pipe."""
+    order and its digest (or what it raised) sent back; ends when the parent closes the pipe.
+
+    A thread reads the batches as they come, so the parent can hand over the next one while
+    this one is judged (BookFeeder.submit) and never waits on its own write."""
     # Ctrl-C is the parent's to handle: it closes the pipe, and this process ends with it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     try:
         book = _receive(inp)
-        # unpickling it imported its class; only runners.kinds.dsa_trace's book is served
-        if f"{type(book).__module__}.{type(book).__qualname__}" != BOOK_CLASS:
-            raise EOFError  # not from a parent of ours
-        while True:
-            file, lines, first_line = _receive(inp)
+    except (EOFError, BrokenPipeError):
+        return
+    # unpickling it imported its class; only runners.kinds.dsa_trace's book is served
+    if f"{type(book).__module__}.{type(book).__qualname__}" != BOOK_CLASS:
+        return  # not from a parent of ours
+    batches: queue.Queue[Any] = queue.Queue(maxsize=AHEAD + 1)
+    threading.Thread(target=_read_batches, args=(inp, batches), daemon=True).start()
+    try:
+        while (batch := batches.get()) is not None:
+            file, lines, first_line = batch
             try:
                 reply: tuple[str, Any] = (_OK, book.feed(file, lines, first_line))
             except Exception as exc:  # the in-process feed would have raised it: so does this
@@ -86,8 +97,16 @@ def serve() -> None:
                 _send(out, reply)
             except (pickle.PicklingError, TypeError, AttributeError):
                 _send(out, (_RAISED, RuntimeError(repr(reply[1]))))
-    except (EOFError, BrokenPipeError):
+    except BrokenPipeError:
         return
+
+
+def _read_batches(inp: IO[bytes], batches: queue.Queue[Any]) -> None:
+    try:
+        while True:
+            batches.put(_receive(inp))
+    except (EOFError, OSError, pickle.UnpicklingError):
+        batches.put(None)
 
 
 class HelperGone(Exception):
@@ -111,11 +130,17 @@ class _Helper:
         # goes on from the same state
         _send(self.stdin, book)
 
-    def feed(self, file: str, lines: list[bytes], first_line: int) -> dict[str, Any]:
+    def submit(self, file: str, lines: list[bytes], first_line: int) -> None:
         try:
             _send(self.stdin, (file, lines, first_line))
+        except (OSError, ValueError) as exc:  # ValueError: the pipe was closed here
+            raise HelperGone(str(exc) or type(exc).__name__) from exc
+
+    def collect(self) -> dict[str, Any]:
+        """The digest of the oldest batch submitted and not collected."""
+        try:
             tag, value = _receive(self.stdout)
-        except (EOFError, OSError, pickle.UnpicklingError) as exc:
+        except (EOFError, OSError, ValueError, pickle.UnpicklingError) as exc:
             raise HelperGone(str(exc) or type(exc).__name__) from exc
         if tag == _RAISED:
             raise value
@@ -136,27 +161,58 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 class BookFeeder:
-    """Feeds a TraceBook's batches through a helper process (started at the first batch)."""
+    """Feeds a TraceBook's batches through a helper process (started at the first batch).
+
+    A batch may be submitted ahead (at most AHEAD at once): the helper judges it while this
+    process emits the one before; feed() of the same batch, in the same order, collects it."""
 
     def __init__(self, book: TraceBook, use_helper: bool | None = None) -> None:
         self.book = book
         self._helper: _Helper | None = None
         self._use_helper = USE_HELPER if use_helper is None else use_helper
-        self._lock = threading.Lock()  # one batch at a time, in order
+        self._lock = threading.Lock()  # one caller at a time; batches in order
+        self._sent: deque[list[bytes]] = deque()  # the batches the helper has, oldest first
         self.helper_error = ""  # why judging went on in-process, when it did
+
+    def submit(self, file: str, lines: list[bytes], first_line: int) -> None:
+        """Hand the batch to the helper now, to be collected by feed(file, lines, first_line)."""
+        with self._lock:
+            if len(self._sent) >= AHEAD:
+                raise RuntimeError(f"more than {AHEAD} DSA batches submitted and not collected")
+            helper = self._start()
+            if helper is None:
+                return  # judged here when fed
+            try:
+                helper.submit(file, lines, first_line)
+            except HelperGone as exc:
+                self._give_up(f"the judging process stopped ({exc})")
+            else:
+                self._sent.append(lines)
 
     def feed(self, file: str, lines: list[bytes], first_line: int) -> dict[str, Any]:
         """The batch's digest, as book.feed(...) gives it; the book has it folded in."""
         with self._lock:
-            helper = self._start()
-            if helper is not None:
+            if self._sent and self._sent[0] is not lines:
+                raise RuntimeError("a DSA batch was fed out of the order it was submitted in")
+            if not self._sent:  # not submitted ahead: now
+                helper = self._start()
+                if helper is not None:
+                    try:
+                        helper.submit(file, lines, first_line)
+                    except HelperGone as exc:
+                        self._give_up(f"the judging process stopped ({exc})")
+                    else:
+                        self._sent.append(lines)
+            if self._sent and self._helper is not None:
+                self._sent.popleft()
                 try:
-                    digest = helper.feed(file, lines, first_line)
+                    digest = self._helper.collect()
                 except HelperGone as exc:
                     self._give_up(f"the judging process stopped ({exc})")
                 else:
                     self.book.apply_data(file, digest)
                     return digest
+            # no helper (any more): this book holds every batch collected so far
             return self.book.feed(file, lines, first_line)
 
     def _start(self) -> _Helper | None:
@@ -172,6 +228,7 @@ class BookFeeder:
 
     def _give_up(self, why: str) -> None:
         helper, self._helper = self._helper, None
+        self._sent.clear()  # what it had is judged here, as each batch is fed
         self.helper_error = why
         if helper is not None:
             _stop(helper.proc)

@@ -35,6 +35,9 @@ from runners.plan import SETUP, PlannedCell, RunPlan
 from runners.progress import Meter, Sink
 from runners.targets.base import Target
 
+# Batches of one trace read in one pass when it is behind (POLL_BYTES each); the rest next pass.
+BATCHES_A_PASS = 8
+
 
 @dataclass(slots=True)
 class CellTrack:
@@ -355,9 +358,27 @@ class RunFollower:
                 )
         for path, owner in self.trace_owner.items():
             if owner == track.plan.index:
-                got = await self.traces[path].poll()
-                if got is not None:
-                    await self._emit_trace(owner, path, got)
+                await self._drain_own_trace(owner, path)
+
+    async def _drain_own_trace(self, cell: int, path: str) -> None:
+        """New lines of a trace one cell writes, up to BATCHES_A_PASS batches: each is handed to
+        the judge as soon as it is read (Judge.submit_lines: a judge digesting in another
+        process starts on it), so the next is judged while the one before is emitted."""
+        follower = self.traces[path]
+        ready: Lines | None = None
+        for _ in range(BATCHES_A_PASS):
+            got = await follower.poll()
+            if got is not None:
+                await asyncio.to_thread(
+                    self.judge.submit_lines, cell, path, got.lines, got.first_line
+                )
+            if ready is not None:
+                await self._emit_trace(cell, path, ready)
+            ready = got
+            if got is None or follower.caught_up:
+                break
+        if ready is not None:
+            await self._emit_trace(cell, path, ready)
 
     async def drain_started(self) -> None:
         for track in self.cells.values():

@@ -162,6 +162,11 @@ class Judge:
 
     # -- trace lines -------------------------------------------------------------------------
 
+    def submit_lines(self, cell: int, file: str, lines: list[bytes], first_line: int) -> None:
+        """Trace lines read ahead: a judge that digests elsewhere (DSA: a helper process) may
+        start on them now, while the batch before is emitted. take_lines of the same lines, in
+        the same order, is still what digests and applies them; the default does nothing."""
+
     def take_lines(
         self, cell: int, file: str, lines: list[bytes], first_line: int, end_offset: int
     ) -> Digest:

@@ -38,10 +38,16 @@ def judge_workers(wanted: int | None = None) -> int:
     return max(1, min(cores(), by_memory))
 
 
-def dsa_workers(wanted: int | None = None) -> int:
-    """`wanted` (the operator's --workers) or 1 for DSA reading: 2 workers have not beaten 1
-    on the 2-core machine the benches run on, with the second core free or not
-    (bench_dsa_analyze: 4,133 vs 6,148 records/s at control x1.88; 7,344 vs 7,949 at x0.87;
-    bench_dsa_data's validator 5,074 vs 6,394 at x2.04), so more processes are the operator's
-    choice until they gain."""
-    return 1 if wanted is None else max(1, wanted)
+def dsa_workers(wanted: int | None = None, *, answers_heavy: bool = False) -> int:
+    """`wanted` (the operator's --workers) or, by default, judge_workers(): parsing and checking
+    the records, most of a DSA read, runs in the workers (bench_dsa_data, 100k records on 2
+    cores: analyze 1.74x and what-if 1.79x the one-process rate, each in one run).
+
+    answers_heavy: this process's work on the workers' answers is most of it (a parquet
+    export encodes and compresses every record here; the tier replay runs here, in order), and
+    moving those answers between processes costs more than the workers save (same run: parquet
+    0.94x vs 1.08x, tiers 0.64x vs 0.75x the one-process validator; csv, whose text the workers
+    make, 1.16x vs 0.95x): 1 by default."""
+    if wanted is not None:
+        return max(1, wanted)
+    return 1 if answers_heavy else judge_workers()

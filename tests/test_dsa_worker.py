@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import orjson
+import pytest
 from dsa_writer import write_trace
 
 from analysis.dsa_tree import read_summary, trace_verdict
@@ -115,3 +116,66 @@ def test_after_an_attach_the_helper_goes_on_from_the_recorded_state(tmp_path: Pa
         feeder.close()
     assert attached.totals() == here.totals()
     assert _verdict(attached, folder) == _verdict(here, folder)
+
+
+def test_batches_submitted_ahead_are_judged_in_order_as_this_process_would(
+    tmp_path: Path,
+) -> None:
+    """The follower hands a batch over as soon as it is read (submit) and collects it after
+    emitting the one before (feed): the helper holds two at once, the digests are unchanged."""
+    folder = _lying_trace(tmp_path)
+    here, there = TraceBook(32), TraceBook(32)
+    feeder = BookFeeder(there)
+    batches = _batches(folder)
+    try:
+        feeder.submit(*batches[0])
+        for i, (file, lines, first) in enumerate(batches):
+            if i + 1 < len(batches):
+                feeder.submit(*batches[i + 1])  # the next one, before this one is collected
+                assert len(feeder._sent) == 2
+            assert orjson.dumps(feeder.feed(file, lines, first)) == orjson.dumps(
+                here.feed(file, lines, first)
+            )
+        assert feeder.helper_error == "" and not feeder._sent
+    finally:
+        feeder.close()
+    assert there.totals() == here.totals() and there.first_fail() == here.first_fail()
+    assert _verdict(there, folder) == _verdict(here, folder)
+
+
+def test_a_batch_fed_out_of_its_submitted_order_is_refused(tmp_path: Path) -> None:
+    batches = _batches(write_trace(tmp_path / "t"))
+    feeder = BookFeeder(TraceBook(32))
+    try:
+        feeder.submit(*batches[0])
+        feeder.submit(*batches[1])
+        with pytest.raises(RuntimeError, match="out of the order"):
+            feeder.feed(*batches[1])
+        with pytest.raises(RuntimeError, match="more than 2"):
+            feeder.submit(*batches[2])
+    finally:
+        feeder.close()
+
+
+def test_a_helper_that_dies_holding_two_batches_leaves_both_judged_here(tmp_path: Path) -> None:
+    folder = _lying_trace(tmp_path)
+    here, there = TraceBook(32), TraceBook(32)
+    feeder = BookFeeder(there)
+    batches = _batches(folder)
+    for file, lines, first in batches[:2]:
+        assert orjson.dumps(feeder.feed(file, lines, first)) == orjson.dumps(
+            here.feed(file, lines, first)
+        )
+    feeder.submit(*batches[2])
+    feeder.submit(*batches[3])
+    helper = feeder._helper
+    assert helper is not None
+    helper.proc.kill()
+    helper.proc.wait()
+    for file, lines, first in batches[2:]:  # the two it held, then the rest
+        assert orjson.dumps(feeder.feed(file, lines, first)) == orjson.dumps(
+            here.feed(file, lines, first)
+        )
+    assert "the judging process stopped" in feeder.helper_error and not feeder._sent
+    assert _verdict(there, folder) == _verdict(here, folder)
+    assert _verdict(there, folder)["verdict"] == "TRACE_INVALID"

@@ -179,6 +179,9 @@ class DsaJudge(Judge):
         # digest into the reader as the reader's own feed would
         self.feeder = BookFeeder(self.reader)
 
+    def submit_lines(self, cell: int, file: str, lines: list[bytes], first_line: int) -> None:
+        self.feeder.submit(file, lines, first_line)
+
     def digest(self, cell: int, file: str, lines: list[bytes], first_line: int) -> Digest:
         stream = self.reader.stream(file) if not file.endswith("/" + SERVING) else None
         had_first = stream is not None and stream.first is not None
