@@ -23,3 +23,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   say "done. The command is $PWD/.venv/bin/tracedeck; to type just \`tracedeck\`, put it on" \
     "PATH: export PATH=\"$PWD/.venv/bin:\$PATH\" (add that line to ~/.bashrc to keep it)"
 fi
+# The project's own modules compiled ahead (incremental: only what changed). Where
+# PYTHONDONTWRITEBYTECODE is set, as in this project's CI image, Python never caches them, and
+# every tracedeck process, console, engine or judge, would compile them again at its start
+# (~0.1 s of CPU each; the test suite starts hundreds).
+.venv/bin/python -m compileall -q -j0 console runners analysis tests

@@ -10,7 +10,6 @@ from urllib.parse import urlsplit
 
 from runners.targets.base import Target
 from runners.targets.local import LocalTarget
-from runners.targets.ssh import SshTarget
 
 ACCEPTED_FORMS = (
     "'local', 'ssh://[user@]host[:port]', a host or alias from ~/.ssh/config, "
@@ -63,6 +62,9 @@ def parse_target(spec: str, *, connect_timeout: float = 10.0, keepalive: float =
         if not _NAME.fullmatch(host) or (user and not _USER.fullmatch(user)):
             raise _bad(spec, "not a host name or ~/.ssh/config alias")
         port = None
+    # asyncssh (a tenth of a second to import) only where a target is reached over SSH
+    from runners.targets.ssh import SshTarget
+
     return SshTarget(
         host,
         port,
