@@ -39,4 +39,7 @@ elif [ "$workers" -gt 1 ]; then
   echo "tests: one at a time (a private /tmp per worker needs unshare -m, i.e. root;" \
     "the tests need their own /tmp: run them as root or in a container)" >&2
 fi
-.venv/bin/python -m pytest -q -p no:cacheprovider "${parallel[@]}" "$@"
+# Bytecode is cached for the tests (pytest's rewritten test modules, the reference engine's copy
+# each run ships and its cells share): where PYTHONDONTWRITEBYTECODE is set, as in CI, each
+# worker and each engine start compiled them again.
+env -u PYTHONDONTWRITEBYTECODE .venv/bin/python -m pytest -q -p no:cacheprovider "${parallel[@]}" "$@"
