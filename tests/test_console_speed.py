@@ -527,3 +527,18 @@ async def test_a_fast_replay_writes_its_log_when_the_backlog_allows_and_ends_who
         assert during and not any(during[:-1]), during
         assert len(log.lines()) == log.max_lines
         assert log.lines()[0] == f"[1] | line {30_000 - log.max_lines}"
+
+
+def test_a_replay_decodes_a_bounded_number_of_bytes_per_step() -> None:
+    """A DSA run's TraceBatch lines carry digests of ~12 KB: 1,000 of them at once held the
+    screen's loop for 58 ms, so a step stops at CHUNK_BYTES as well as at CHUNK lines."""
+    from console.screens.sources import CHUNK, CHUNK_BYTES, _chunks
+
+    big = [b"x" * 12_000] * 2_500
+    steps = list(_chunks(big))
+    assert [s for s, _ in steps] == [0, *[e for _, e in steps[:-1]]] and steps[-1][1] == len(big)
+    assert all(sum(map(len, big[s:e])) < CHUNK_BYTES + 12_000 for s, e in steps)
+    assert len(steps) > len(big) // CHUNK + 1
+    small = [b"{}"] * 2_500
+    assert list(_chunks(small)) == [(0, CHUNK), (CHUNK, 2 * CHUNK), (2 * CHUNK, 2_500)]
+    assert list(_chunks([])) == []

@@ -8,9 +8,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import orjson
 
@@ -21,7 +22,9 @@ from runners.run import Run
 
 # A speed at or above this (or 0) replays as fast as the screen can take it.
 FAST_SPEED = 1e6
-CHUNK = 1000
+CHUNK = 1000  # lines decoded in one step of the event loop, at most
+# ... and bytes: a DSA run's TraceBatch lines carry ~12 KB digests, and 1,000 of them took 58 ms
+CHUNK_BYTES = 1 << 20
 PRESSURE_WAIT_S = 0.01
 
 
@@ -106,6 +109,18 @@ class ReplayClock:
         return min(now, self.end) if self.end is not None else now
 
 
+def _chunks(lines: Sequence[Any]) -> Iterator[tuple[int, int]]:
+    """(start, end) of each step's lines: CHUNK lines or CHUNK_BYTES, whichever comes first."""
+    start, n = 0, len(lines)
+    while start < n:
+        end, size = start, 0
+        while end < n and end - start < CHUNK and size < CHUNK_BYTES:
+            size += len(lines[end])
+            end += 1
+        yield start, end
+        start = end
+
+
 async def replay_events(
     local_dir: Path,
     sink: Callable[[Event], None],
@@ -122,7 +137,8 @@ async def replay_events(
     """
     path = Path(local_dir) / EVENTS
     try:
-        data = await asyncio.to_thread(path.read_bytes)
+        # split there too: a long record's lines are hundreds of MB to cut
+        lines, torn = await asyncio.to_thread(lambda: split_lines(path.read_bytes()))
     except OSError as exc:
         sink(
             Error(
@@ -132,17 +148,16 @@ async def replay_events(
             )
         )
         return
-    lines, torn = split_lines(data)
     types = event_types()
     fast = is_fast(speed)
     loop = asyncio.get_running_loop()
     t0: float | None = None
     wall0 = loop.time()
     last_t: float | None = None
-    for start in range(0, len(lines), CHUNK):
+    for start, end in _chunks(lines):
         while pressure is not None and pressure():
             await asyncio.sleep(PRESSURE_WAIT_S)
-        events, bad = decode_lines(path, start + 1, lines[start : start + CHUNK], types)
+        events, bad = decode_lines(path, start + 1, lines[start:end], types)
         for event in events:
             if t0 is None:
                 t0 = event.t
