@@ -179,15 +179,7 @@ class BookFeeder:
         with self._lock:
             if len(self._sent) >= AHEAD:
                 raise RuntimeError(f"more than {AHEAD} DSA batches submitted and not collected")
-            helper = self._start()
-            if helper is None:
-                return  # judged here when fed
-            try:
-                helper.submit(file, lines, first_line)
-            except HelperGone as exc:
-                self._give_up(f"the judging process stopped ({exc})")
-            else:
-                self._sent.append(lines)
+            self._hand_over(file, lines, first_line)
 
     def feed(self, file: str, lines: list[bytes], first_line: int) -> dict[str, Any]:
         """The batch's digest, as book.feed(...) gives it; the book has it folded in."""
@@ -195,14 +187,7 @@ class BookFeeder:
             if self._sent and self._sent[0] is not lines:
                 raise RuntimeError("a DSA batch was fed out of the order it was submitted in")
             if not self._sent:  # not submitted ahead: now
-                helper = self._start()
-                if helper is not None:
-                    try:
-                        helper.submit(file, lines, first_line)
-                    except HelperGone as exc:
-                        self._give_up(f"the judging process stopped ({exc})")
-                    else:
-                        self._sent.append(lines)
+                self._hand_over(file, lines, first_line)
             if self._sent and self._helper is not None:
                 self._sent.popleft()
                 try:
@@ -214,6 +199,18 @@ class BookFeeder:
                     return digest
             # no helper (any more): this book holds every batch collected so far
             return self.book.feed(file, lines, first_line)
+
+    def _hand_over(self, file: str, lines: list[bytes], first_line: int) -> None:
+        """The batch to the helper (started at the first); without one it is judged when fed."""
+        helper = self._start()
+        if helper is None:
+            return
+        try:
+            helper.submit(file, lines, first_line)
+        except HelperGone as exc:
+            self._give_up(f"the judging process stopped ({exc})")
+        else:
+            self._sent.append(lines)
 
     def _start(self) -> _Helper | None:
         if self._helper is None and self._use_helper:
