@@ -73,6 +73,12 @@ rc=$?
 echo "$rc" > "cells/$cell/exit_code"
 reap_cell "$cell"
 sizes > "cells/$cell/trace_sizes"
+if [ -z "$stopping" ] && [ "$rc" -gt 128 ] && [ -n "${{SLURM_JOB_ID:-}}" ]; then
+  # Killed by a signal before this script had Slurm's TERM (Slurm signals a task's processes one
+  # by one): the task's own job state says whether Slurm is ending it (scancel, time limit).
+  state="$(scontrol show job "$SLURM_JOB_ID" 2>&1 | grep -o 'JobState=[A-Z_]*' | head -n 1)"
+  case "$state" in JobState=RUNNING | JobState=CONFIGURING | "") ;; *) stopping=1 ;; esac
+fi
 if [ -n "$stopping" ]; then
   ev "{{\"e\":\"stopped\",\"cell\":\"$cell\",\"rc\":$rc,\"t\":$(now)}}"
   exit "$rc"
