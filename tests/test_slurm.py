@@ -4,7 +4,9 @@ machine: a job array watched to its verdict, scancel, a time limit, a node failu
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -336,6 +338,41 @@ def test_scancel_from_outside_tracedeck_is_cancelled_per_cell_never_a_pass(
     ends = {e["cell"]: e for e in events(local_dir) if e["type"] == "cell_finished"}
     assert {c: e["state"] for c, e in ends.items()} == {0: "cancelled", 1: "cancelled"}
     assert_run_gone(local_dir, slurm_env=slurm_cluster.env)
+
+
+def test_a_task_whose_command_died_first_asks_slurm_before_writing_its_end(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """Slurm signals a task's processes one by one: a cell's command can die of scancel's TERM
+    (rc 143) before the task's script gets its own, which then wrote 'end' and the cell was
+    recorded failed (seen once in CI). The order cannot be forced inside a job, so the run's
+    own job script is run again by hand, its command now `exit 143` and no TERM for it, with
+    the id of its task, which the real Slurm holds CANCELLED: it writes 'stopped', not 'end'."""
+    env = env_for(slurm_cluster, tmp_path)
+    out = tmp_path / "out"
+    console = spawn("run", str(sleepy(tmp_path, cells=1)), "--target", TARGET, "--out", str(out), env=env)  # fmt: skip
+    local_dir = wait_for(lambda: run_dirs(out), what="run dir")[0]
+    until(slurm_cluster, local_dir, lambda: running(local_dir, {0}), "the cell running")
+    [job] = slurm_jobs(record_of(local_dir))
+    slurm_cluster.run("scancel", job)
+    console.communicate(timeout=patience(90))
+    assert console.returncode == 130
+    assert_run_gone(local_dir, slurm_env=slurm_cluster.env)
+    state = slurm_cluster.run("scontrol", "show", "job", f"{job}_0").stdout
+    assert "JobState=CANCELLED" in state, state
+    remote = Path(record_of(local_dir)["remote_dir"])
+    cell = remote / "cells" / "000"
+    (cell / "cmd.sh").write_text("exit 143\n")
+    progress = cell / "progress.jsonl"
+    progress.write_text("")
+    again = subprocess.run(
+        ["bash", str(remote / "slurm" / "job.sh"), "000"],
+        env={**os.environ, **slurm_cluster.env, "SLURM_JOB_ID": f"{job}_0"},
+        capture_output=True, text=True, timeout=patience(60),
+    )  # fmt: skip
+    assert again.returncode == 143, again.stdout + again.stderr
+    words = [json.loads(line)["e"] for line in progress.read_text().splitlines()]
+    assert words == ["start", "stopped"], words
 
 
 def test_a_cell_that_exits_non_zero_in_its_task_fails_the_run_exit_1(
