@@ -9,10 +9,10 @@ commit="${1:-HEAD}"
 out="$(mkdir -p "${2:-suite-twice-busy}" && cd "${2:-suite-twice-busy}" && pwd)"
 python3 -c 'while True: pass' &
 spin=$!
-renice -n 10 -p "$spin" >/dev/null
+renice -n 10 -p "$spin" >>"$out/load"
 (while true; do echo "$(date +%T) $(cut -d' ' -f1-3 /proc/loadavg)" >>"$out/load"; sleep 30; done) &
 loadlog=$!
-trap 'kill "$spin" "$loadlog" 2>/dev/null' EXIT
+trap 'kill "$spin" "$loadlog" 2>>"$out/load"' EXIT
 for i in 1 2; do
   clone="$out/clone-$i"
   rm -rf "$clone"
