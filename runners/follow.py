@@ -67,6 +67,16 @@ class FileFollower:
     async def poll(self, until: int | None = None, max_bytes: int = POLL_BYTES) -> Lines | None:
         """Complete lines appended since the last poll, at most about max_bytes of them (ending
         at or before `until` when given); caught_up says whether more is already waiting."""
+        first, start = self.lines_read + 1, self.offset
+        try:
+            return await self._poll(until, max_bytes)
+        except BaseException:
+            # The link went mid-poll: the lines read so far were not handed out, so the next
+            # poll reads them again (the offset moved past them chunk by chunk).
+            self.offset, self.lines_read = start, first - 1
+            raise
+
+    async def _poll(self, until: int | None, max_bytes: int) -> Lines | None:
         collected: list[bytes] = []
         first, start = self.lines_read + 1, self.offset
         self.caught_up = False

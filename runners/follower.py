@@ -367,7 +367,12 @@ class RunFollower:
         follower = self.traces[path]
         ready: Lines | None = None
         for _ in range(BATCHES_A_PASS):
-            got = await follower.poll()
+            try:
+                got = await follower.poll()
+            except BaseException:
+                if ready is not None:  # read whole and handed over before the link went
+                    await self._emit_trace(cell, path, ready)
+                raise
             if got is not None:
                 await asyncio.to_thread(
                     self.judge.submit_lines, cell, path, got.lines, got.first_line

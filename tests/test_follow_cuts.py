@@ -1,0 +1,124 @@
+"""A link cut while a trace is read ahead loses and repeats no line (the follower hands each batch
+to the judge as soon as it is read, and reads a backlog in several chunks per poll)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from dsa_writer import write_trace
+
+from runners.cells import PlannedCell
+from runners.events import Event, TraceBatch
+from runners.follow import CHUNK, POLL_BYTES, FileFollower
+from runners.follower import RunFollower
+from runners.kind import JudgeContext
+from runners.kinds import all_kinds, load_preset
+from runners.plan import RunPlan, TraceFile
+from runners.presets import resolve_preset
+from runners.targets.base import ConnectionLost
+from runners.targets.local import LocalTarget
+
+
+class CutOnce(LocalTarget):
+    """This machine's files, and one link cut: the first read of `path` at `at` or past it."""
+
+    def __init__(self, path: str, at: int | None) -> None:
+        super().__init__()
+        self.path, self.at = path, at
+
+    async def read_from(self, path: str, offset: int, max_bytes: int) -> bytes | None:
+        if self.at is not None and path == self.path and offset >= self.at:
+            self.at = None
+            raise ConnectionLost("the link was cut (test)")
+        return await super().read_from(path, offset, max_bytes)
+
+
+@pytest.fixture(scope="module")
+def shard(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One shard of ~2,000-position records, a few POLL_BYTES long."""
+    folder = write_trace(
+        tmp_path_factory.mktemp("trace"), requests=2, per_file=2, layers=3, steps=150,
+        prompt=2000, topk=2000, bs=16,
+    )  # fmt: skip
+    [path] = sorted(folder.glob("trace_steps_*.jsonl"))
+    assert path.stat().st_size > 2 * POLL_BYTES + CHUNK
+    return path
+
+
+def test_a_poll_cut_after_its_first_chunk_hands_those_lines_out_next_time(shard: Path) -> None:
+    async def go() -> list[bytes]:
+        follower = FileFollower(CutOnce(str(shard), CHUNK), str(shard))
+        got: list[bytes] = []
+        with pytest.raises(ConnectionLost):
+            while (lines := await follower.poll()) is not None:
+                got += lines.lines
+        assert follower.offset == 0 and follower.lines_read == 0  # nothing handed out, kept
+        while (lines := await follower.poll()) is not None:
+            assert lines.first_line == len(got) + 1
+            got += lines.lines
+        return got
+
+    assert asyncio.run(go()) == shard.read_bytes().splitlines()
+
+
+def _follow(shard: Path, tmp: Path, cut_at: int | None) -> list[TraceBatch]:
+    """A DSA judge (its helper process, batches handed over ahead) fed by a follower of one
+    cell's shard, the link cut once at cut_at and the pass tried again, as a member does."""
+    preset = load_preset(resolve_preset("dsa_smoke"), ["vars.topk=2000", "dsa.topk=2000"])
+    events: list[Event] = []
+    ctx = JudgeContext(preset=preset, local_dir=tmp, date="d", emit=events.append)
+    ctx.cells = [PlannedCell(0, {}, "true", {})]
+    judge: Any = all_kinds()["dsa_trace"].judge(ctx)
+    plan = RunPlan(
+        run_id="r", run_dir=str(tmp / "run"), workdir=str(tmp), lock=str(tmp / "lock"),
+        python=sys.executable, setup=[], cells=ctx.cells, traces=(TraceFile(str(shard), 0),),
+    )  # fmt: skip
+    follower = RunFollower(CutOnce(str(shard), cut_at), plan, judge, tmp, events.append)
+    track = follower.cells[0]
+    track.started = 1.0
+    cuts = 0
+
+    async def go() -> None:
+        nonlocal cuts
+        while True:
+            try:
+                await follower.drain_started()
+            except ConnectionLost:
+                cuts += 1
+                continue
+            if follower.traces[str(shard)].caught_up:
+                return
+
+    try:
+        asyncio.run(go())
+    finally:
+        judge.feeder.close()
+    assert cuts == (cut_at is not None)
+    assert judge.feeder.helper_error == "closed"  # judged in the helper throughout
+    return [e for e in events if isinstance(e, TraceBatch)]
+
+
+@pytest.mark.parametrize("cut_at", [POLL_BYTES, POLL_BYTES + CHUNK + CHUNK // 2])
+def test_a_cut_while_a_batch_is_judged_ahead_loses_and_repeats_nothing(
+    shard: Path, tmp_path: Path, cut_at: int
+) -> None:
+    """Cut at the first read of the pass's second batch (the first one handed to the judge and
+    not yet emitted), or in the middle of that batch's reads: the batches recorded are those of
+    a follow with no cut, digests and all."""
+    whole = _follow(shard, tmp_path / "whole", None)
+    cut = _follow(shard, tmp_path / "cut", cut_at)
+    lines = len(shard.read_bytes().splitlines())
+    assert len(whole) > 2 and [(b.first_line, b.last_line) for b in whole][-1][1] == lines
+    firsts = [b.first_line for b in cut]
+    assert firsts == [1] + [b.last_line + 1 for b in cut[:-1]] and cut[-1].last_line == lines
+    assert [_recorded(b) for b in cut] == [_recorded(b) for b in whole]
+
+
+def _recorded(batch: TraceBatch) -> bytes:
+    """The batch as the record keeps it, less the time it was read."""
+    return orjson.dumps({k: v for k, v in batch.to_dict().items() if k != "t"})
