@@ -14,9 +14,6 @@ from runners.exits import EXIT_INFRA, EXIT_USAGE
 DEFAULT_SIZES = "4,8,16,64,128"
 
 
-HELP_WORKERS = "processes reading the trace (default: as many as cores and memory allow)"
-
-
 def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     export = sub.add_parser(
         "export", help="write a DSA trace's records as parquet or csv (invalid ones marked)"
@@ -53,7 +50,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     whatif.add_argument(
         "--workers",
         type=int,
-        help=HELP_WORKERS,
+        help="processes reading the trace (default: as many as cores and memory allow)",
     )
 
     tiers = tools.add_parser(

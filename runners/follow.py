@@ -69,16 +69,17 @@ class FileFollower:
         at or before `until` when given); caught_up says whether more is already waiting."""
         first, start = self.lines_read + 1, self.offset
         try:
-            return await self._poll(until, max_bytes)
+            return await self._poll(until, max_bytes, first, start)
         except BaseException:
             # The link went mid-poll: the lines read so far were not handed out, so the next
             # poll reads them again (the offset moved past them chunk by chunk).
             self.offset, self.lines_read = start, first - 1
             raise
 
-    async def _poll(self, until: int | None, max_bytes: int) -> Lines | None:
+    async def _poll(
+        self, until: int | None, max_bytes: int, first: int, start: int
+    ) -> Lines | None:
         collected: list[bytes] = []
-        first, start = self.lines_read + 1, self.offset
         self.caught_up = False
         while until is None or self.offset < until:
             if self.offset - start >= max_bytes:

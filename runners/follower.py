@@ -366,24 +366,23 @@ class RunFollower:
         process starts on it), so the next is judged while the one before is emitted."""
         follower = self.traces[path]
         ready: Lines | None = None
-        for _ in range(BATCHES_A_PASS):
-            try:
+        try:
+            for _ in range(BATCHES_A_PASS):
                 got = await follower.poll()
-            except BaseException:
-                if ready is not None:  # read whole and handed over before the link went
-                    await self._emit_trace(cell, path, ready)
-                raise
-            if got is not None:
-                await asyncio.to_thread(
-                    self.judge.submit_lines, cell, path, got.lines, got.first_line
-                )
+                if got is not None:
+                    await asyncio.to_thread(
+                        self.judge.submit_lines, cell, path, got.lines, got.first_line
+                    )
+                if ready is not None:
+                    done, ready = ready, None
+                    await self._emit_trace(cell, path, done)
+                ready = got
+                if got is None or follower.caught_up:
+                    break
+        finally:
+            # the last batch read; or, when the link went, the one read whole and handed over
             if ready is not None:
                 await self._emit_trace(cell, path, ready)
-            ready = got
-            if got is None or follower.caught_up:
-                break
-        if ready is not None:
-            await self._emit_trace(cell, path, ready)
 
     async def drain_started(self) -> None:
         for track in self.cells.values():

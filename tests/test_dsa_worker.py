@@ -35,6 +35,23 @@ def _verdict(book: TraceBook, folder: Path) -> dict:
     return trace_verdict(name, stream, engine, why, None, book.serving_stats(name))
 
 
+def _same_digest(
+    feeder: BookFeeder, here: TraceBook, file: str, lines: list[bytes], first: int
+) -> None:
+    """The batch fed through the helper and here give the same digest, serialised when made as
+    the recorder does: the digest recorded is the same bytes."""
+    assert orjson.dumps(feeder.feed(file, lines, first)) == orjson.dumps(
+        here.feed(file, lines, first)
+    )
+
+
+def _kill_helper(feeder: BookFeeder) -> None:
+    helper = feeder._helper
+    assert helper is not None
+    helper.proc.kill()
+    helper.proc.wait()
+
+
 def _lying_trace(tmp_path: Path) -> Path:
     """A trace whose fourth record of the second shard claims a block it did not touch."""
     folder = write_trace(tmp_path / "t")
@@ -53,10 +70,7 @@ def test_the_helper_judges_every_batch_as_this_process_would(tmp_path: Path) -> 
     feeder = BookFeeder(there)
     try:
         for file, lines, first in _batches(folder):
-            # serialised when made, as the recorder does: the digest recorded is the same bytes
-            assert orjson.dumps(feeder.feed(file, lines, first)) == orjson.dumps(
-                here.feed(file, lines, first)
-            )
+            _same_digest(feeder, here, file, lines, first)
             helper = feeder._helper
             assert helper is not None and helper.proc.poll() is None
             assert helper.proc.pid != os.getpid()
@@ -77,17 +91,10 @@ def test_a_helper_that_dies_leaves_the_judging_here_with_the_same_results(tmp_pa
     feeder = BookFeeder(there)
     batches = _batches(folder)
     for file, lines, first in batches[:3]:
-        assert orjson.dumps(feeder.feed(file, lines, first)) == orjson.dumps(
-            here.feed(file, lines, first)
-        )
-    helper = feeder._helper
-    assert helper is not None
-    helper.proc.kill()
-    helper.proc.wait()
+        _same_digest(feeder, here, file, lines, first)
+    _kill_helper(feeder)
     for file, lines, first in batches[3:]:
-        assert orjson.dumps(feeder.feed(file, lines, first)) == orjson.dumps(
-            here.feed(file, lines, first)
-        )
+        _same_digest(feeder, here, file, lines, first)
     assert "the judging process stopped" in feeder.helper_error
     assert feeder._helper is None
     mine, theirs = _verdict(here, folder), _verdict(there, folder)
@@ -108,9 +115,7 @@ def test_after_an_attach_the_helper_goes_on_from_the_recorded_state(tmp_path: Pa
     feeder = BookFeeder(attached)
     try:
         for file, lines, first in batches[2:]:  # from the middle of request 1
-            assert orjson.dumps(feeder.feed(file, lines, first)) == orjson.dumps(
-                here.feed(file, lines, first)
-            )
+            _same_digest(feeder, here, file, lines, first)
         assert feeder.helper_error == "" and feeder._helper is not None
     finally:
         feeder.close()
@@ -133,9 +138,7 @@ def test_batches_submitted_ahead_are_judged_in_order_as_this_process_would(
             if i + 1 < len(batches):
                 feeder.submit(*batches[i + 1])  # the next one, before this one is collected
                 assert len(feeder._sent) == 2
-            assert orjson.dumps(feeder.feed(file, lines, first)) == orjson.dumps(
-                here.feed(file, lines, first)
-            )
+            _same_digest(feeder, here, file, lines, first)
         assert feeder.helper_error == "" and not feeder._sent
     finally:
         feeder.close()
@@ -163,19 +166,12 @@ def test_a_helper_that_dies_holding_two_batches_leaves_both_judged_here(tmp_path
     feeder = BookFeeder(there)
     batches = _batches(folder)
     for file, lines, first in batches[:2]:
-        assert orjson.dumps(feeder.feed(file, lines, first)) == orjson.dumps(
-            here.feed(file, lines, first)
-        )
+        _same_digest(feeder, here, file, lines, first)
     feeder.submit(*batches[2])
     feeder.submit(*batches[3])
-    helper = feeder._helper
-    assert helper is not None
-    helper.proc.kill()
-    helper.proc.wait()
+    _kill_helper(feeder)
     for file, lines, first in batches[2:]:  # the two it held, then the rest
-        assert orjson.dumps(feeder.feed(file, lines, first)) == orjson.dumps(
-            here.feed(file, lines, first)
-        )
+        _same_digest(feeder, here, file, lines, first)
     assert "the judging process stopped" in feeder.helper_error and not feeder._sent
     assert _verdict(there, folder) == _verdict(here, folder)
     assert _verdict(there, folder)["verdict"] == "TRACE_INVALID"

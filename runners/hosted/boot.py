@@ -9,9 +9,10 @@ the console's own copy. `-I` keeps the current directory (the engine's output), 
 variables and the user's site-packages off the path; `-S` keeps `site` from running anything
 in the interpreter's site-packages (a sitecustomize, a .pth line: the engine's user may be able
 to write a venv), which are then put on the path as `site` would, as plain directories. Every
-shipped file is read once and checked before any of it runs; the modules are then made from those checked bytes (the files,
-which the engine's process can write, are never read again), and a module of the shipped
-packages that the manifest does not hold is refused rather than looked for elsewhere.
+shipped file is read once and checked before any of it runs; the modules are then made from
+those checked bytes (the files, which the engine's process can write, are never read again),
+and a module of the shipped packages that the manifest does not hold is refused rather than
+looked for elsewhere.
 ENTRY's main(ARGS) then runs. A file that differs prints {"ok": false, "tampered": WHY} and
 exits 3. Standard library only: nothing is imported from the target before the check.
 """
