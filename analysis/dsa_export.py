@@ -18,6 +18,7 @@ import msgspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.csv as pacsv
 
 from analysis.dsa_record import Ragged, _Pool
 from analysis.dsa_scan import Scanned, TraceInfo, scan_span
@@ -305,8 +306,10 @@ def _parsed(s: Scanned, json_lists: bool = False) -> pa.Table:
 
 
 class ExportChunk:
-    """The export's work on one chunk (any process): its lines as one table of SCHEMA (or,
-    for csv, flat_for_csv of it) and how many of them are invalid."""
+    """The export's work on one chunk (any process): its lines as one table of SCHEMA, or for
+    csv as the csv text of flat_for_csv of it (header-less rows: the chunks' texts joined in
+    order are the file's body, so the writer only appends), its rows, and how many of them
+    are invalid."""
 
     def __init__(self, info: TraceInfo, csv: bool = False) -> None:
         self.info = info
@@ -314,14 +317,23 @@ class ExportChunk:
 
     def __call__(
         self, path: str, lines: list[bytes], first_line: int, torn: bool
-    ) -> tuple[pa.Table, int]:
+    ) -> tuple[pa.Table | bytes, int, int]:
         tables, invalid = [], 0
         for s in scan_span(self.info, Path(path), lines, first_line, torn):
             tables.append(record_table(s, json_lists=self.csv))
             invalid += int((~s.valid).sum()) + len(s.bad)
         schema = CSV_SOURCE if self.csv else SCHEMA
         table = pa.concat_tables(tables) if len(tables) > 1 else tables[0] if tables else schema.empty_table()  # fmt: skip
-        return (flat_for_csv(table) if self.csv else table), invalid
+        if not self.csv:
+            return table, table.num_rows, invalid
+        return csv_text(flat_for_csv(table), header=False), table.num_rows, invalid
+
+
+def csv_text(table: pa.Table, header: bool) -> bytes:
+    """The table as csv, as one csv writer of the whole export writes it."""
+    out = pa.BufferOutputStream()
+    pacsv.write_csv(table, out, pacsv.WriteOptions(include_header=header))
+    return out.getvalue().to_pybytes()
 
 
 def _unparsed(s: Scanned, schema: pa.Schema = SCHEMA) -> pa.Table:

@@ -185,17 +185,17 @@ def export_block(
 ) -> tuple[int, int]:  # type: ignore[no-untyped-def]
     """Stream a block directory's records into one file (written to .part, then renamed).
 
-    The chunks are parsed, judged and made tables (csv: flattened) by `workers` processes
-    (analysis.dsa_parallel; here when 1), in order; encoding and compression (pyarrow,
-    outside the GIL) run in one writer thread meanwhile; at most one write is in flight and
-    a few chunks wait per worker (bounded memory)."""
+    The chunks are parsed, judged and made tables (csv: its text) by `workers` processes
+    (analysis.dsa_parallel; here when 1), in order; parquet's encoding and compression
+    (pyarrow, outside the GIL) run in one writer thread meanwhile, and csv's text is only
+    appended; at most one write is in flight and a few chunks wait per worker (bounded
+    memory)."""
     from concurrent.futures import Future, ThreadPoolExecutor
 
     import pyarrow as pa
-    import pyarrow.csv as pacsv
     import pyarrow.parquet as pq
 
-    from analysis.dsa_export import SCHEMA, STATISTICS, ExportChunk, flat_for_csv
+    from analysis.dsa_export import SCHEMA, STATISTICS, ExportChunk, csv_text, flat_for_csv
     from analysis.dsa_parallel import map_chunks
     from analysis.dsa_scan import known
     from analysis.dsa_tree import shard_files
@@ -203,43 +203,47 @@ def export_block(
     part = out.with_name(out.name + ".part")
     records = invalid = 0
     pending: list[pa.Table] = []
-    writer = None
-    inflight: Future[None] | None = None
+    inflight: Future[Any] | None = None
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="export")
+    sink: Any = None
 
-    def write(table: pa.Table) -> None:
-        nonlocal inflight, writer
+    def put(payload: Any) -> None:
+        nonlocal inflight
         if inflight is not None:
             inflight.result()  # one write at a time, and its error surfaces here
-        if fmt == "csv" and writer is None:
-            writer = pacsv.CSVWriter(part, table.schema)
-        inflight = pool.submit(writer.write_table, table)  # type: ignore[union-attr]
+        inflight = pool.submit(write, payload)
 
     try:
         if fmt == "parquet":
-            writer = pq.ParquetWriter(part, SCHEMA, compression="zstd", write_statistics=STATISTICS)
+            sink = pq.ParquetWriter(part, SCHEMA, compression="zstd", write_statistics=STATISTICS)
+            write = sink.write_table
+        else:
+            sink = part.open("wb")
+            sink.write(csv_text(flat_for_csv(SCHEMA.empty_table()), header=True))
+            write = sink.write
         job = ExportChunk(info, csv=fmt == "csv")
         files = shard_files(info.folder)
-        for table, bad in map_chunks(files, job, workers, lambda: known(info), chunk):
-            records += table.num_rows
+        for payload, rows, bad in map_chunks(files, job, workers, lambda: known(info), chunk):
+            records += rows
             invalid += bad
-            pending.append(table)
-            if fmt == "csv" or sum(t.num_rows for t in pending) >= ROW_GROUP:
-                write(pa.concat_tables(pending))
+            if fmt == "csv":
+                put(payload)
+                continue
+            pending.append(payload)
+            if sum(t.num_rows for t in pending) >= ROW_GROUP:
+                put(pa.concat_tables(pending))
                 pending.clear()
         if pending:
-            write(pa.concat_tables(pending))
+            put(pa.concat_tables(pending))
         if inflight is not None:
             inflight.result()
-        if writer is None:  # csv of an empty trace: the header alone
-            writer = pacsv.CSVWriter(part, flat_for_csv(SCHEMA.empty_table()).schema)
-        writer.close()
-        writer = None
+        sink.close()
+        sink = None
         part.replace(out)
     finally:
         pool.shutdown(wait=True)
-        if writer is not None:
-            writer.close()
+        if sink is not None:
+            sink.close()
         part.unlink(missing_ok=True)
     return records, invalid
 

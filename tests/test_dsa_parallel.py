@@ -157,6 +157,28 @@ def test_export_on_workers_writes_the_single_process_file(fmt: str, tmp_path: Pa
     assert valid.count(False) == one[1]  # every invalid record marked, none dropped
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_csv_chunks_joined_are_one_writer_s_file_of_the_parquet_rows(
+    workers: int, tmp_path: Path
+) -> None:
+    """Each chunk's csv text is made where the chunk is read (header-less) and the export only
+    appends them: the file is byte for byte what one csv writer makes of the whole export
+    (the parquet export's rows, flattened), one header, every row, invalid ones marked."""
+    import pyarrow.parquet as pq
+
+    from analysis.dsa_export import csv_text, flat_for_csv
+    from analysis.dsa_scan import trace_info
+    from console.dsa_data_cli import export_block
+
+    folder = _planted(tmp_path / "t")
+    export_block(trace_info(folder), tmp_path / "t.parquet", "parquet", 1, chunk=4000)
+    export_block(trace_info(folder), tmp_path / "t.csv", "csv", workers, chunk=4000)
+    whole = csv_text(flat_for_csv(pq.read_table(tmp_path / "t.parquet")), header=True)
+    got = (tmp_path / "t.csv").read_bytes()
+    assert got.count(b'"shard"') == 1 and got.startswith(b'"shard","line","valid"')
+    assert got == whole
+
+
 def test_whatif_on_workers_is_the_single_process_result(tmp_path: Path) -> None:
     from analysis.dsa_whatif import whatif_dir
 
