@@ -8,7 +8,7 @@ at 4,8,16,64,128, the parquet and csv exports, and an LRU tier replay at one cap
 process and then on --workers processes (analysis.dsa_parallel; the validator too). Each
 figure is the best of --repeat runs, by the wall clock and by CPU time (this process and its
 workers), with its ratio to the one-process validator's, and this process's peak RSS at the
-end (every stage reads 4 MiB chunks; export holds at most one 4096-row group and one write in
+end (every stage reads 4 MiB chunks; export holds at most one 1024-row group and one write in
 flight, and a few chunks wait per worker).
 
     python bench/bench_dsa_data.py [--records 6100] [--repeat 3] [--workers 2]
@@ -104,8 +104,10 @@ def main() -> None:
             f"{n} records, {size / n / 1024:.1f} KB each, 61 layers, top-2048, block 64 "
             f"({size / 2**20:.0f} MiB)"
         )
-        print(f"{'stage':<34} {'rec/s wall':>11} {'x validator':>11} {'rec/s cpu':>10} {'x':>6}")
-        print(f"{'validator (analyze, baseline)':<34} {base_wall:>11.0f} {1:>11.2f} {base_cpu:>10.0f} {1:>6.2f}")  # fmt: skip
+        print(
+            f"{'stage':<34} {'rec/s wall':>11} {'x validator':>11} {'rec/s cpu':>10} {'x':>6} {'same':>6}"
+        )
+        print(f"{'validator (analyze, baseline)':<34} {base_wall:>11.0f} {1:>11.2f} {base_cpu:>10.0f} {1:>6.2f} {1:>6.2f}")  # fmt: skip
         labels = {
             "scan": "scan (parse + per-record checks)",
             "whatif": f"what-if at {','.join(map(str, SIZES))}",
@@ -113,12 +115,18 @@ def main() -> None:
             "csv": "export csv",
             "tiers-lru": "tiers lru, 4096 blocks",
         }
+        same = base_wall  # the validator on as many workers as the stage
         for workers in sorted({1, max(1, args.workers)}):
-            print(f"-- {workers} worker{'s' if workers > 1 else ''} (x: the 1-worker validator)")
+            print(
+                f"-- {workers} worker{'s' if workers > 1 else ''} (x: the 1-worker validator; "
+                "same: the validator on as many workers)"
+            )
             stages = {"validator": "validator (analyze)", **labels} if workers > 1 else labels
             for name, label in stages.items():
                 wall, cpu, _ = best(name, folder, root, args.repeat, workers)
-                print(f"{label:<34} {wall:>11.0f} {wall / base_wall:>11.2f} {cpu:>10.0f} {cpu / base_cpu:>6.2f}")  # fmt: skip
+                if name == "validator":
+                    same = wall
+                print(f"{label:<34} {wall:>11.0f} {wall / base_wall:>11.2f} {cpu:>10.0f} {cpu / base_cpu:>6.2f} {wall / same:>6.2f}")  # fmt: skip
         if args.workers > 1:
             from bench_dsa_analyze import cpu_scaling
 
