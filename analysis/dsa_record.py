@@ -288,6 +288,19 @@ _EVENT_OF = attrgetter("event")
 _SCORES_OF = attrgetter("scores_topk")
 _UNUSED = _Pool([], 0, 0, None, 0)
 _I64_MAX = (1 << 63) - 1
+
+
+def _fits(v: Any) -> bool:
+    return -_I64_MAX - 1 <= v <= _I64_MAX
+
+
+def _ident(request: Any, layer: Any, step: Any) -> tuple[int, int, int] | None:
+    """A bad record's place (request, layer, step) where all three are integers that fit 64
+    bits; None otherwise (it is then judged as a line of its shard, placed by nothing)."""
+    parts = (request, layer, step)
+    return parts if all(type(p) is int and _fits(p) for p in parts) else None  # type: ignore[return-value]
+
+
 _EMPTY = np.zeros(0, np.int64)
 
 
@@ -596,7 +609,7 @@ def read_batch(lines: Sequence[bytes], first_line: int) -> Batch:
         got = _slow(nums[r], bytes(raws[r]))
         if len(got) != 3:
             rest = rests[r]
-            ident = (rest.request_id, rest.layer_id, rest.step_idx)
+            ident = _ident(rest.request_id, rest.layer_id, rest.step_idx)
             got = (nums[r], fail or Fail("record", "a dsa_topk record", "unreadable"), ident)
         rejected[r] = got  # type: ignore[assignment]
 
@@ -704,10 +717,10 @@ def _int_matrix(
     names = [*INT_COLS.values(), "total_blocks_in_use"]
     for r, rest in enumerate(rests):
         values = (*ints[r], -1 if totals[r] is unset else totals[r])
-        big = [(k, v) for k, v in zip(names, values, strict=True) if v > _I64_MAX]
+        big = [(k, v) for k, v in zip(names, values, strict=True) if not _fits(v)]
         if big and r not in rejected:
             fail = Fail(big[0][0], "an integer that fits 64 bits", str(big[0][1]))
-            rejected[r] = (nums[r], fail, (rest.request_id, rest.layer_id, rest.step_idx))
+            rejected[r] = (nums[r], fail, _ident(rest.request_id, rest.layer_id, rest.step_idx))
         if big:
             ints[r] = (0,) * len(INT_COLS)
             totals[r] = unset
@@ -778,13 +791,11 @@ def _slow(
             rest = _REST.decode(orjson.dumps({**obj, "selected_token_pos": 0}))
             return rest, pos
         except OverflowError:
-            big = next(v for v in obj["selected_token_pos"] if not -_I64_MAX - 1 <= v <= _I64_MAX)
+            big = next(v for v in obj["selected_token_pos"] if not _fits(v))
             fail = Fail("selected_token_pos", "integers that fit 64 bits", str(big))
         except (msgspec.ValidationError, ValueError) as exc:
             fail = Fail("record", "values that fit 64-bit integers and floats", str(exc))
     ident = None
     if isinstance(obj, dict):
-        parts = [obj.get(k) for k in ("request_id", "layer_id", "step_idx")]
-        if all(type(p) is int for p in parts):
-            ident = (parts[0], parts[1], parts[2])
+        ident = _ident(*(obj.get(k) for k in ("request_id", "layer_id", "step_idx")))
     return n, fail, ident
