@@ -163,42 +163,62 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 class BookFeeder:
     """Feeds a TraceBook's batches through a helper process (started at the first batch).
 
-    A batch may be submitted ahead (at most AHEAD at once): the helper judges it while this
-    process emits the one before; feed() of the same batch, in the same order, collects it."""
+    A batch may be submitted ahead (while at most AHEAD wait in the helper; past that submit
+    does nothing, and no later batch of that trace directory is taken ahead until it is fed,
+    so each directory's batches reach the helper in their order): the helper judges it while
+    this process emits the one before. feed() collects a batch's digest, submitted or not.
+    Several followers share one judge (a fleet's hosts, each reading its own traces), so
+    batches may be fed in another order than they were submitted in: the helper answers in its order, and each digest is folded into this
+    book in that order (so it mirrors the helper's) and kept until its batch is fed."""
 
     def __init__(self, book: TraceBook, use_helper: bool | None = None) -> None:
         self.book = book
         self._helper: _Helper | None = None
         self._use_helper = USE_HELPER if use_helper is None else use_helper
-        self._lock = threading.Lock()  # one caller at a time; batches in order
-        self._sent: deque[list[bytes]] = deque()  # the batches the helper has, oldest first
+        self._lock = threading.Lock()  # one caller at a time
+        self._sent: deque[tuple[str, list[bytes]]] = deque()  # in the helper, oldest first
+        self._done: list[tuple[list[bytes], dict[str, Any]]] = []  # collected, not yet fed
+        self._owed: list[tuple[str, list[bytes]]] = []  # submitted, not taken: their directories
         self.helper_error = ""  # why judging went on in-process, when it did
 
     def submit(self, file: str, lines: list[bytes], first_line: int) -> None:
-        """Hand the batch to the helper now, to be collected by feed(file, lines, first_line)."""
+        """Hand the batch to the helper now, when it has room; feed(file, lines, first_line)
+        collects it."""
         with self._lock:
-            if len(self._sent) >= AHEAD:
-                raise RuntimeError(f"more than {AHEAD} DSA batches submitted and not collected")
-            self._hand_over(file, lines, first_line)
+            folder = file.rpartition("/")[0]
+            if self._holds(lines) or any(owed is lines for _, owed in self._owed):
+                return
+            if len(self._sent) < AHEAD and all(f != folder for f, _ in self._owed):
+                self._hand_over(file, lines, first_line)
+            else:
+                self._owed.append((folder, lines))
 
     def feed(self, file: str, lines: list[bytes], first_line: int) -> dict[str, Any]:
         """The batch's digest, as book.feed(...) gives it; the book has it folded in."""
         with self._lock:
-            if self._sent and self._sent[0] is not lines:
-                raise RuntimeError("a DSA batch was fed out of the order it was submitted in")
-            if not self._sent:  # not submitted ahead: now
+            for i, (done, digest) in enumerate(self._done):
+                if done is lines:
+                    del self._done[i]
+                    return digest
+            if not self._holds(lines):  # not taken ahead: now
+                self._owed = [(f, owed) for f, owed in self._owed if owed is not lines]
                 self._hand_over(file, lines, first_line)
-            if self._sent and self._helper is not None:
-                self._sent.popleft()
+            while self._helper is not None and self._holds(lines):
+                head_file, head = self._sent.popleft()
                 try:
                     digest = self._helper.collect()
                 except HelperGone as exc:
                     self._give_up(f"the judging process stopped ({exc})")
-                else:
-                    self.book.apply_data(file, digest)
+                    break
+                self.book.apply_data(head_file, digest)
+                if head is lines:
                     return digest
+                self._done.append((head, digest))  # another follower's: kept for its feed
             # no helper (any more): this book holds every batch collected so far
             return self.book.feed(file, lines, first_line)
+
+    def _holds(self, lines: list[bytes]) -> bool:
+        return any(sent is lines for _, sent in self._sent)
 
     def _hand_over(self, file: str, lines: list[bytes], first_line: int) -> None:
         """The batch to the helper (started at the first); without one it is judged when fed."""
@@ -210,7 +230,7 @@ class BookFeeder:
         except HelperGone as exc:
             self._give_up(f"the judging process stopped ({exc})")
         else:
-            self._sent.append(lines)
+            self._sent.append((file, lines))
 
     def _start(self) -> _Helper | None:
         if self._helper is None and self._use_helper:

@@ -146,18 +146,72 @@ def test_batches_submitted_ahead_are_judged_in_order_as_this_process_would(
     assert _verdict(there, folder) == _verdict(here, folder)
 
 
-def test_a_batch_fed_out_of_its_submitted_order_is_refused(tmp_path: Path) -> None:
-    batches = _batches(write_trace(tmp_path / "t"))
-    feeder = BookFeeder(TraceBook(32))
+def _two_hosts(tmp_path: Path) -> list[list[tuple[str, list[bytes], int]]]:
+    """Two traces as two hosts of a fleet write them (each its own directory), one lying."""
+    a = _batches(_lying_trace(tmp_path / "a"))
+    b = _batches(write_trace(tmp_path / "b" / "t"))
+    return [[(f.replace(REMOTE, "/host-a" + REMOTE), ls, n) for f, ls, n in a],
+            [(f.replace(REMOTE, "/host-b" + REMOTE), ls, n) for f, ls, n in b]]  # fmt: skip
+
+
+@pytest.mark.parametrize("helper_dies_at", [None, 3, 8])
+def test_two_followers_submitting_and_feeding_interleaved_get_their_own_digests(
+    helper_dies_at: int | None, tmp_path: Path
+) -> None:
+    """A fleet's hosts share the run's judge: each follower submits its next batch ahead and
+    feeds its own, interleaved with the other's (and past AHEAD, where submit does nothing).
+    Every digest is what one in-process book makes of the batches in the order fed, and the
+    helper dying midway changes none of them."""
+    a, b = _two_hosts(tmp_path)
+    here, there = TraceBook(32), TraceBook(32)
+    feeder = BookFeeder(there)
+    steps = 0
     try:
-        feeder.submit(*batches[0])
-        feeder.submit(*batches[1])
-        with pytest.raises(RuntimeError, match="out of the order"):
-            feeder.feed(*batches[1])
-        with pytest.raises(RuntimeError, match="more than 2"):
-            feeder.submit(*batches[2])
+        for i in range(max(len(a), len(b))):
+            mine = [batches[i] for batches in (a, b) if i < len(batches)]
+            for batch in mine:
+                feeder.submit(*batch)  # both hosts hand theirs over before either feeds
+            nxt = [batches[i + 1] for batches in (a, b) if i + 1 < len(batches)]
+            for batch in nxt:
+                feeder.submit(*batch)  # and the next, past AHEAD: a no-op
+            assert len(feeder._sent) <= 2
+            for batch in reversed(mine):  # b's before a's: not the order submitted
+                steps += 1
+                if steps == helper_dies_at:
+                    _kill_helper(feeder)
+                _same_digest(feeder, here, *batch)
+        assert not feeder._done
+        if helper_dies_at is None:
+            assert feeder.helper_error == ""
+        else:
+            assert "the judging process stopped" in feeder.helper_error
     finally:
         feeder.close()
+    assert there.totals() == here.totals() and there.first_fail() == here.first_fail()
+
+
+def test_a_batch_not_taken_ahead_keeps_its_directory_s_later_batches_behind_it(
+    tmp_path: Path,
+) -> None:
+    """The helper is full (host b's two batches), so host a's first batch is not taken ahead;
+    once there is room, a's second must still wait for its first (a directory's batches reach
+    the helper in their order, or a's records would be judged out of order)."""
+    a, b = _two_hosts(tmp_path)
+    here, there = TraceBook(32), TraceBook(32)
+    feeder = BookFeeder(there)
+    try:
+        feeder.submit(*b[0])
+        feeder.submit(*b[1])
+        feeder.submit(*a[0])  # no room: not taken
+        _same_digest(feeder, here, *b[0])  # room for one
+        feeder.submit(*a[1])
+        assert [lines for _, lines in feeder._sent] == [b[1][1]]  # a[1] waits behind a[0]
+        for batch in (a[0], a[1], b[1], *a[2:], *b[2:]):
+            _same_digest(feeder, here, *batch)
+        assert feeder.helper_error == "" and not feeder._owed and not feeder._done
+    finally:
+        feeder.close()
+    assert there.totals() == here.totals() and there.first_fail() == here.first_fail()
 
 
 def test_a_helper_that_dies_holding_two_batches_leaves_both_judged_here(tmp_path: Path) -> None:

@@ -122,3 +122,75 @@ def test_a_cut_while_a_batch_is_judged_ahead_loses_and_repeats_nothing(
 def _recorded(batch: TraceBatch) -> bytes:
     """The batch as the record keeps it, less the time it was read."""
     return orjson.dumps({k: v for k, v in batch.to_dict().items() if k != "t"})
+
+
+def test_two_hosts_followed_at_once_share_one_dsa_judge_as_a_fleet_does(tmp_path: Path) -> None:
+    """A fleet's members follow their hosts concurrently, each its own cell's traces, into the
+    run's one judge (its helper holding batches of both): each trace is judged whole, to the
+    offline verdict (one of them lying)."""
+    from analysis.dsa_tree import analyze_block, read_summary, trace_verdict
+
+    folders = [  # each a few POLL_BYTES: several batches a pass, the helper holding both's
+        write_trace(
+            tmp_path / host,
+            requests=2,
+            per_file=2,
+            layers=3,
+            steps=150,
+            prompt=2000,
+            topk=2000,
+            bs=16,
+        )  # fmt: skip
+        for host in ("host-a", "host-b")
+    ]
+    shard = sorted(folders[1].glob("trace_steps_*.jsonl"))[0]
+    assert shard.stat().st_size > 2 * POLL_BYTES
+    lines = shard.read_text().splitlines()
+    lines[200] = lines[200].replace('"unique_blocks": ', '"unique_blocks": 1', 1)  # a lie
+    shard.write_text("\n".join(lines) + "\n")
+    preset = load_preset(resolve_preset("dsa_smoke"), ["vars.topk=2000", "dsa.topk=2000"])
+    events: list[Event] = []
+
+    def emit(event: Event) -> None:  # as the run's one event path: recorded, then folded
+        events.append(event)
+        judge.fold(event)
+
+    ctx = JudgeContext(preset=preset, local_dir=tmp_path, date="d", emit=emit)
+    ctx.cells = [PlannedCell(0, {}, "true", {}), PlannedCell(1, {}, "true", {})]
+    judge: Any = all_kinds()["dsa_trace"].judge(ctx)
+    followers = []
+    for cell, folder in enumerate(folders):
+        plan = RunPlan(
+            run_id="r", run_dir=str(tmp_path / f"run{cell}"), workdir=str(tmp_path),
+            lock=str(tmp_path / "lock"), python=sys.executable, setup=[], cells=[ctx.cells[cell]],
+            traces=(TraceFile(f"{folder}/trace_steps_*.jsonl", cell),),
+        )  # fmt: skip
+        follower = RunFollower(LocalTarget(), plan, judge, tmp_path, emit)
+        follower.cells[cell].started = 1.0
+        followers.append(follower)
+
+    async def drive(follower: RunFollower) -> None:
+        while not follower.traces or not all(f.caught_up for f in follower.traces.values()):
+            await follower.poll()
+            await asyncio.sleep(0)
+        await follower.drain_rest()
+
+    async def go() -> None:
+        await asyncio.gather(*(drive(f) for f in followers))
+
+    try:
+        asyncio.run(go())
+        assert judge.feeder.helper_error == ""  # judged in the helper throughout
+    finally:
+        judge.feeder.close()
+    for folder in folders:
+        offline = analyze_block(folder, 2000, None)
+        engine, why = read_summary(folder / "summary.json")
+        stream = judge.book.streams[str(folder)]
+        live = trace_verdict(str(folder), stream, engine, why, None, None)
+        assert (live["records"], live["invalid"]) == (offline["records"], offline["invalid"])
+        assert live["verdict"] == offline["verdict"]
+    assert [analyze_block(f, 2000, None)["verdict"] for f in folders] == [
+        "TRACE_OK",
+        "TRACE_INVALID",
+    ]
