@@ -68,12 +68,15 @@ class FileFollower:
         """Complete lines appended since the last poll, at most about max_bytes of them (ending
         at or before `until` when given); caught_up says whether more is already waiting."""
         first, start = self.lines_read + 1, self.offset
+        chunk, skipped_to = self._chunk, self._skipped_to
         try:
             return await self._poll(until, max_bytes, first, start)
         except BaseException:
             # The link went mid-poll: the lines read so far were not handed out, so the next
-            # poll reads them again (the offset moved past them chunk by chunk).
+            # poll reads them again (the offset moved past them chunk by chunk), from the read
+            # size it started with (one grown for a long line past them is not theirs).
             self.offset, self.lines_read = start, first - 1
+            self._chunk, self._skipped_to = chunk, skipped_to
             raise
 
     async def _poll(
@@ -96,8 +99,8 @@ class FileFollower:
                 break
             cut = data.rfind(b"\n")
             if cut < 0:
-                if len(data) < want:
-                    break  # an incomplete last line: wait for its newline
+                if len(data) < want or want < self._chunk:
+                    break  # an incomplete last line (or one crossing `until`): not handed out
                 self._chunk *= 2  # past MAX_LINE: the line is skipped (_skip_oversize)
                 continue
             complete = data[: cut + 1]
@@ -130,6 +133,20 @@ class FileFollower:
                 self.offset, self._skipped_to, self._chunk = end, None, CHUNK
                 return True
             at += len(data)
+
+    async def changed(self) -> str | None:
+        """Why the file no longer holds what was read from it, else None: it is gone, shorter
+        than the offset, or rewritten (the byte before the offset is not the newline read)."""
+        if self.offset == 0:
+            return None
+        last = await self.target.read_from(self.path, self.offset - 1, 1)
+        if last is None:
+            return "it is gone"
+        if not last:
+            return f"it is now shorter than the {self.offset} bytes read from it"
+        if last != b"\n":
+            return f"it was rewritten: byte {self.offset - 1} is no longer the newline read there"
+        return None
 
     async def rest(self) -> Lines | None:
         """What follows the last complete line, as one final line (the writer has ended: a

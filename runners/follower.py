@@ -223,6 +223,18 @@ class RunFollower:
             cell = owner if owner is not None else NO_CELL
             while (got := await follower.poll()) is not None:
                 await self._emit_trace(cell, path, got)
+            changed = await follower.changed()
+            if changed is not None:  # what was judged is not what the file holds now
+                self.emit(
+                    Error(
+                        message=f"{path}: {changed} while it was followed (truncated or "
+                        f"rewritten): the {follower.lines_read} lines judged may not be the "
+                        "trace; judge the file as it is now with `tracedeck analyze` once it "
+                        "is complete",
+                        where=path,
+                    )
+                )
+                continue
             last = await follower.rest()
             if last is None or not last.lines[0].strip():
                 continue
