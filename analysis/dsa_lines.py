@@ -6,7 +6,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from analysis.dsa_record import Fail, Lines
+from analysis.dsa_record import Lines, torn_fail
 from analysis.dsa_stream import TraceStream, problem
 
 READ_CHUNK = 4 << 20
@@ -67,11 +67,7 @@ def read_span(path: Path, offset: int, size: int) -> Lines:
 
 def torn_line(stream: TraceStream, path: Path, line_no: int, size: int) -> dict[str, Any]:
     """A last line with no newline: one invalid record, and its problem."""
-    fail = Fail(
-        "record",
-        "a complete line ending in a newline",
-        f"{size} bytes with no newline (the writer stopped mid-line)",
-    )
+    fail = torn_fail(size)
     stream.records += 1
     stream.invalid += 1
     found = problem(str(path), line_no, None, fail)

@@ -774,12 +774,32 @@ def _starts(lens: np.ndarray) -> np.ndarray:
     return out
 
 
+TORN = b"<tracedeck: a last line with no newline, "
+
+
+def torn_marker(size: int) -> bytes:
+    """What a live follower hands the DSA judge in place of a trace's last line that has no
+    newline once the run has ended (never valid JSON): read as torn_fail, as analyze judges it."""
+    return TORN + b"%d bytes>" % size
+
+
+def torn_fail(size: int) -> Fail:
+    """A last line with no newline: no record (the writer stopped mid-line)."""
+    return Fail(
+        "record",
+        "a complete line ending in a newline",
+        f"{size} bytes with no newline (the writer stopped mid-line)",
+    )
+
+
 def _slow(
     n: int, raw: bytes
 ) -> tuple[_Rest, np.ndarray] | tuple[int, Fail, tuple[int, int, int] | None]:
     """The exact path for a line the fast one refused: its record, or why it is none."""
     if not raw.strip():
         return n, Fail("record", "a dsa_topk JSON object", "an empty line"), None
+    if raw.startswith(TORN) and raw[len(TORN) :].split(b" ", 1)[0].isdigit():
+        return n, torn_fail(int(raw[len(TORN) :].split(b" ", 1)[0])), None
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:

@@ -19,7 +19,7 @@ import numpy as np
 
 from analysis.dsa_checks import Context, Derived, check_batch, explain
 from analysis.dsa_lines import READ_CHUNK, complete_lines
-from analysis.dsa_record import Batch, Fail, read_batch
+from analysis.dsa_record import Batch, Fail, read_batch, torn_fail
 from analysis.dsa_stream import DEFAULT_TOPK, dir_block_size, row_runs
 from analysis.dsa_tree import block_dirs, read_summary, shard_files
 
@@ -121,11 +121,7 @@ def scan_span(
         yield from _judge(info, path, lines, line_no)
     else:
         # a torn last line: a record that is none, named like the validator does
-        fail = Fail(
-            "record",
-            "a complete line ending in a newline",
-            f"{len(lines[0])} bytes with no newline (the writer stopped mid-line)",
-        )
+        fail = torn_fail(len(lines[0]))
         empty = read_batch([], line_no)
         d = check_batch(empty, Context(info.topk, info.block_size or 1, info.bytes_per_token))
         yield Scanned(path, lines, line_no, empty, d, np.ones(0, bool), [(line_no, fail, None)])

@@ -196,7 +196,9 @@ class RunFollower:
         """At the end of the run: every line left, the last one even without its newline.
 
         A last line that is complete JSON is judged like any other; one that is not is a
-        located error (a truncated line at its offset), never dropped.
+        located error (a truncated line at its offset), never dropped; unless the judge reads
+        such a line otherwise (Judge.torn_last_line: DSA, whose analyze counts it as a torn
+        record). A trace that no longer holds what was read is a located error.
         """
         for track in self.cells.values():
             if track.started is None:
@@ -236,7 +238,14 @@ class RunFollower:
                 )
                 continue
             last = await follower.rest()
-            if last is None or not last.lines[0].strip():
+            if last is None:
+                continue
+            marker = self.judge.torn_last_line(path, last.lines[0])
+            if marker is not None:  # the kind's offline judge reads it so too
+                last.lines[0] = marker
+                await self._emit_trace(cell, path, last)
+                continue
+            if not last.lines[0].strip():
                 continue
             try:
                 orjson.loads(last.lines[0])

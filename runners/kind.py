@@ -167,6 +167,12 @@ class Judge:
         start on them now, while the batch before is emitted. take_lines of the same lines, in
         the same order, is still what digests and applies them; the default does nothing."""
 
+    def torn_last_line(self, file: str, data: bytes) -> bytes | None:
+        """What to judge in place of a trace's last line that has no newline, once the run has
+        ended (as the kind's offline judge reads such a line); None: the line itself when it
+        is JSON, a located error when it is not."""
+        return None
+
     def take_lines(
         self, cell: int, file: str, lines: list[bytes], first_line: int, end_offset: int
     ) -> Digest:

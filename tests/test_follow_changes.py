@@ -157,3 +157,56 @@ def _finished(cell: int) -> Event:
     from runners.events import CellFinished
 
     return CellFinished(cell=cell, state=CellState.PASSED, exit_code=0, duration_s=1.0)
+
+
+@pytest.mark.parametrize("tail", ["json", "cut", "spaces"])
+def test_a_shard_s_last_line_with_no_newline_is_judged_live_as_analyze_judges_it(
+    tail: str, tmp_path: Path
+) -> None:
+    """At the run's end a DSA shard's last line has no newline (a complete record, one cut
+    mid-line, or blanks): live, it is the one invalid record analyze counts there, with the
+    same reason: the counts, the verdict and the first failure are analyze's."""
+    from analysis.dsa_tree import analyze_block, read_summary, trace_verdict
+
+    folder = write_trace(tmp_path / "artifacts" / "dsa")
+    shard = folder / "trace_steps_4_5.jsonl"
+    data = shard.read_bytes()
+    shard.write_bytes(
+        {"json": data.rstrip(b"\n"), "cut": data[:-500], "spaces": data + b"   "}[tail]
+    )
+    preset = load_preset(resolve_preset("dsa_smoke"), ["vars.topk=32", "dsa.topk=32"])
+    events: list[Event] = []
+    judge: Any = None
+
+    def emit(event: Event) -> None:
+        events.append(event)
+        judge.fold(event)
+
+    ctx = JudgeContext(preset=preset, local_dir=tmp_path, date="d", emit=emit)
+    ctx.cells = [PlannedCell(0, {}, "true", {})]
+    judge = all_kinds()["dsa_trace"].judge(ctx)
+    plan = RunPlan(
+        run_id="r", run_dir=str(tmp_path / "run"), workdir=str(tmp_path),
+        lock=str(tmp_path / "lock"), python=sys.executable, setup=[], cells=ctx.cells,
+        traces=(TraceFile(f"{folder}/trace_steps_*.jsonl", 0),),
+    )  # fmt: skip
+    follower = RunFollower(LocalTarget(), plan, judge, tmp_path, emit)
+    follower.cells[0].started = 1.0
+
+    async def go() -> None:
+        while not follower.traces or not all(f.caught_up for f in follower.traces.values()):
+            await follower.poll()
+        await follower.drain_rest()
+
+    try:
+        asyncio.run(go())
+    finally:
+        judge.feeder.close()
+    offline = analyze_block(folder, 32, None)
+    engine, why = read_summary(folder / "summary.json")
+    live = trace_verdict(str(folder), judge.book.streams[str(folder)], engine, why, None, None)
+    for key in ("verdict", "records", "invalid", "first_fail"):
+        assert live[key] == offline[key], key
+    assert offline["verdict"] == "TRACE_INVALID"
+    line = 10 if tail == "spaces" else 9  # the blanks are a line after the shard's 9 records
+    assert offline["first_fail"]["line"] == line and "no newline" in offline["first_fail"]["found"]

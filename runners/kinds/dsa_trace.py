@@ -19,6 +19,7 @@ from typing import Any
 
 import orjson
 
+from analysis.dsa_record import torn_marker
 from analysis.dsa_stats import percentile
 from analysis.dsa_stream import BLOCK_DIR, SHARD, TraceStream
 from analysis.dsa_tree import (
@@ -181,6 +182,9 @@ class DsaJudge(Judge):
 
     def submit_lines(self, cell: int, file: str, lines: list[bytes], first_line: int) -> None:
         self.feeder.submit(file, lines, first_line)
+
+    def torn_last_line(self, file: str, data: bytes) -> bytes | None:
+        return torn_marker(len(data)) if _is_shard(file) else None
 
     def digest(self, cell: int, file: str, lines: list[bytes], first_line: int) -> Digest:
         stream = self.reader.stream(file) if not file.endswith("/" + SERVING) else None
