@@ -250,8 +250,8 @@ def check_batch(b: Batch, ctx: Context) -> Derived:
         (listed_ok, lambda r: Fail("selected_block_ids", f"the blocks pos // {bs}: {_blocks_of(b.positions(r), bs)}", _short(b.blocks[r]))),
         (ub == blens, lambda r: Fail("unique_blocks", f"{blens[r]} (block ids listed)", str(ub[r]))),
         (ub == n_touched, lambda r: Fail("unique_blocks", f"{n_touched[r]} touched blocks", str(ub[r]))),
-        (np.isnan(tbr) | _close(tbr, ratio_exp), lambda r: Fail("touched_block_ratio", f"unique_blocks / total_blocks_in_use = {_fmt(ratio_exp[r])}", _fmt(tbr[r]))),
-        (_close(c["tpb_mean"], lens / safe_ub), lambda r: Fail("tokens_per_touched_block.mean", f"{lens[r]} / {ub[r]} = {_fmt(lens[r] / max(ub[r], 1))}", _fmt(c["tpb_mean"][r]))),
+        (np.isnan(tbr) | as_written(tbr, ratio_exp), lambda r: Fail("touched_block_ratio", f"unique_blocks / total_blocks_in_use = {_fmt(ratio_exp[r])}", _fmt(tbr[r]))),
+        (as_written(c["tpb_mean"], lens / safe_ub), lambda r: Fail("tokens_per_touched_block.mean", f"{lens[r]} / {ub[r]} = {_fmt(lens[r] / max(ub[r], 1))}", _fmt(c["tpb_mean"][r]))),
         (tpb_p50_ok, lambda r: Fail("tokens_per_touched_block.p50", _between(counts_of(r), Q50), _fmt(c["tpb_p50"][r]))),
         (tpb_p95_ok, lambda r: Fail("tokens_per_touched_block.p95", _between(counts_of(r), Q95), _fmt(c["tpb_p95"][r]))),
         (c["hits_eq"], lambda r: Fail("kv_fetch.hbm.hit_blocks", "equal to selected_block_ids (HBM-only)", "a different list")),
@@ -262,7 +262,7 @@ def check_batch(b: Batch, ctx: Context) -> Derived:
         (c["pcb"] >= 0, lambda r: Fail("prefix.prefix_cached_blocks", ">= 0", str(c["pcb"][r]))),
         (key_ok, lambda r: Fail("prefix.prefix_key", "a SHA1 (40 lowercase hex digits)", repr(b.names[r][2][:48]))),
         (inter_ok, lambda r: Fail("prefix.intersection_blocks", f"selected blocks < prefix_cached_blocks {c['pcb'][r]}: {_short(np.array(sorted(x for x in b.blocks[r] if x < c['pcb'][r])))}", _short(np.array(b.inter[r])))),
-        (_close(c["ratio"], ilens / safe_ub), lambda r: Fail("prefix.intersection_ratio", f"{ilens[r]} / {ub[r]} = {_fmt(ilens[r] / max(ub[r], 1))}", _fmt(c["ratio"][r]))),
+        (as_written(c["ratio"], ilens / safe_ub), lambda r: Fail("prefix.intersection_ratio", f"{ilens[r]} / {ub[r]} = {_fmt(ilens[r] / max(ub[r], 1))}", _fmt(c["ratio"][r]))),
         (stats_ok, lambda r: Fail("scores_stats", "finite, min <= mean <= max", f"{_fmt(s_min[r])} / {_fmt(s_mean[r])} / {_fmt(s_max[r])}")),
         (scores_ok, lambda r: Fail("scores_topk", "one finite score per position, matching scores_stats", f"{len(b.scores.get(r, []))} scores")),
     ]  # fmt: skip
@@ -342,7 +342,8 @@ def _starts(lens: np.ndarray) -> np.ndarray:
     return out
 
 
-def _close(found: np.ndarray, exact: np.ndarray) -> np.ndarray:
+def as_written(found: np.ndarray, exact: np.ndarray) -> np.ndarray:
+    """Does each value found equal the exact one, to the precision it was written with?"""
     diff = np.abs(found - exact)
     ok = diff <= 1e-9 * np.maximum(1.0, np.abs(exact))
     if not ok.all():  # the precision it was written with, only where it matters

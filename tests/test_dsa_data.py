@@ -543,3 +543,38 @@ def test_median_is_the_linear_percentiles_half_bit_for_bit() -> None:
         want = np.array([np.percentile(v, 50) if len(v) else np.nan for v in rows])
         np.testing.assert_array_equal(got, same)
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("digits", [3, 6])
+def test_whatif_at_the_recorded_size_reads_ratios_as_written_like_the_validator(
+    digits: int, tmp_path: Path
+) -> None:
+    """A trace that writes its ratios and means to a few decimals (as seed 004's example record
+    does: 0.068 for 16/234) is TRACE_OK to analyze; what-if at its size says every recorded
+    field equals the recomputation; a ratio that is off is still an invalid record."""
+    from dsa_writer import write_trace
+
+    from analysis.dsa_tree import analyze_block, shard_files
+    from analysis.dsa_whatif import whatif_dir
+
+    folder = write_trace(tmp_path / "t", requests=4, steps=4)
+    keys = ("touched_block_ratio",)
+    for shard in shard_files(folder):
+        recs = [json.loads(line) for line in shard.read_text().splitlines()]
+        for r in recs:
+            for k in keys:
+                r[k] = round(r[k], digits)
+            r["prefix"]["intersection_ratio"] = round(r["prefix"]["intersection_ratio"], digits)
+            r["tokens_per_touched_block"]["mean"] = round(r["tokens_per_touched_block"]["mean"], digits)  # fmt: skip
+        shard.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert analyze_block(folder, None, None)["verdict"] == "TRACE_OK"
+    got = whatif_dir(str(folder), [16])
+    assert got["recorded_differ"] == 0 and got["recorded_equal"] == got["used"] > 0
+    shard = shard_files(folder)[0]
+    lines = shard.read_text().splitlines()
+    rec = json.loads(lines[2])
+    rec["touched_block_ratio"] = round(rec["touched_block_ratio"] + 10 ** -(digits - 1), digits)
+    lines[2] = json.dumps(rec)
+    shard.write_text("\n".join(lines) + "\n")
+    got = whatif_dir(str(folder), [16])  # the validator's checks take it out first
+    assert got["invalid"] == 1 and ":3: touched_block_ratio: " in got["first_invalid"]
