@@ -166,9 +166,12 @@ def trace_folders(root: Path) -> list[Path]:
 
 
 def _int(value: Any, zero: bool = False) -> int | None:
+    """A summary.json count or size as a number (None: absent, or no such number: a value past
+    2**53 is no block size, top-k or byte count, and no 64-bit column holds its products)."""
     ok = (
         isinstance(value, int)
         and not isinstance(value, bool)
         and (value >= 0 if zero else value > 0)
+        and value <= 1 << 53
     )
     return value if ok else None

@@ -255,13 +255,27 @@ def _history(args: argparse.Namespace) -> int:
     return cmd_history(args)
 
 
+class Terminated(KeyboardInterrupt):
+    """A SIGTERM (kill, timeout, a scheduler's cancel), raised where Ctrl-C would be."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated
+
+
 def _dsa_data(name: str) -> Callable[[argparse.Namespace], int]:
-    """A handler of console.dsa_data_cli (export, dsa whatif|tiers), imported when run."""
+    """A handler of console.dsa_data_cli (export, dsa whatif|tiers), imported when run. A
+    SIGTERM ends it as Ctrl-C does: its workers stopped, no part file left."""
 
     def handler(args: argparse.Namespace) -> int:
         from console import dsa_data_cli
 
-        return int(getattr(dsa_data_cli, name)(args))
+        signal.signal(signal.SIGTERM, _terminate)
+        try:
+            return int(getattr(dsa_data_cli, name)(args))
+        except Terminated:
+            _err("terminated (SIGTERM): nothing was written")
+            return 128 + signal.SIGTERM
 
     return handler
 

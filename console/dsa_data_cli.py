@@ -108,6 +108,15 @@ def _err(message: str) -> None:
     print(f"tracedeck: {message}", file=sys.stderr)
 
 
+def _unreadable(folder: Path, exc: OSError) -> str:
+    """What an OSError raised while a block directory's files were read says, naming the file."""
+    where = exc.filename or folder
+    return (
+        f"{where}: cannot read ({exc.strerror or exc}); each trace_steps_*.jsonl in {folder} "
+        "must be a readable file: fix or move it out of the block directory"
+    )
+
+
 def _folders(path: Path) -> list[Path] | None:
     from analysis.dsa_scan import trace_folders
     from analysis.dsa_tree import NotATrace
@@ -148,11 +157,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     if isinstance(outs, str):
         _err(outs)
         return EXIT_USAGE
-    any_invalid = False
-    for folder, out in zip(folders, outs, strict=True):
+    for folder, out in zip(folders, outs, strict=True):  # every one before any is written
         if out.resolve().is_relative_to(folder.resolve()):
             _err(f"--output {out}: inside the block directory {folder}; name a file outside it")
             return EXIT_USAGE
+    any_invalid = False
+    for folder, out in zip(folders, outs, strict=True):
         try:
             info = trace_info(folder, args.topk)
             records, invalid = export_block(
@@ -168,7 +178,16 @@ def cmd_export(args: argparse.Namespace) -> int:
             _err(str(exc))
             return EXIT_USAGE
         except OSError as exc:
-            _err(f"{out}: cannot write ({exc.strerror or exc})")
+            if exc.filename is not None and Path(exc.filename).parent == folder:
+                _err(f"{_unreadable(folder, exc)}; {out} not written")
+            else:
+                _err(f"{out}: cannot write ({exc.strerror or exc})")
+            return EXIT_USAGE
+        if records == 0:
+            _err(
+                f"{folder}: no trace line in its shards: nothing exported ({out} not written); "
+                "`tracedeck analyze` says what the directory holds"
+            )
             return EXIT_USAGE
         any_invalid = any_invalid or invalid > 0
         note = f", {invalid} marked invalid (valid = false, with the reason)" if invalid else ""
@@ -183,13 +202,16 @@ ROW_GROUP = 1024  # rows buffered before a parquet row group is written (~17 MiB
 def export_block(
     info, out: Path, fmt: str, workers: int = 1, chunk: int = 4 << 20
 ) -> tuple[int, int]:  # type: ignore[no-untyped-def]
-    """Stream a block directory's records into one file (written to .part, then renamed).
+    """Stream a block directory's records into one file (written to a part file of its own,
+    then renamed; none when its shards hold no line).
 
     The chunks are parsed, judged and made tables (csv: its text) by `workers` processes
     (analysis.dsa_parallel; here when 1), in order; parquet's encoding and compression
     (pyarrow, outside the GIL) run in one writer thread meanwhile, and csv's text is only
     appended; at most one write is in flight and a few chunks wait per worker (bounded
     memory)."""
+    import os
+    import tempfile
     from concurrent.futures import Future, ThreadPoolExecutor
 
     import pyarrow as pa
@@ -200,7 +222,13 @@ def export_block(
     from analysis.dsa_scan import known
     from analysis.dsa_tree import shard_files
 
-    part = out.with_name(out.name + ".part")
+    # this export's own part file: two exports to one output never write into each other's
+    fd, name = tempfile.mkstemp(dir=out.parent, prefix=f"{out.name}.", suffix=".part")
+    os.close(fd)
+    part = Path(name)
+    umask = os.umask(0)
+    os.umask(umask)
+    part.chmod(0o666 & ~umask)  # as a plain open would make it (mkstemp's is 0600)
     records = invalid = 0
     pending: list[pa.Table] = []
     inflight: Future[Any] | None = None
@@ -239,7 +267,8 @@ def export_block(
             inflight.result()
         sink.close()
         sink = None
-        part.replace(out)
+        if records:  # nothing to export: no file (the caller says so)
+            part.replace(out)
     finally:
         pool.shutdown(wait=True)
         if sink is not None:
@@ -292,6 +321,9 @@ def _each_folder(
             results.append(compute(folder))
         except ValueError as exc:
             _err(str(exc))
+            return EXIT_USAGE
+        except OSError as exc:
+            _err(_unreadable(folder, exc))
             return EXIT_USAGE
         except WorkerError as exc:
             _err(f"{folder}: not computed: {exc}")
