@@ -307,7 +307,11 @@ def test_issue_6_a_trace_truncated_after_it_was_followed_is_not_ok(tmp_path: Pat
     assert (run_dir / "trace.jsonl").stat().st_size == 0  # the kept artifact is empty
     assert done.returncode == 1, done.stdout + done.stderr
     assert "RESULT: NO OK (exit 1)" in done.stdout
-    assert "the kept trace is not what the engine wrote while it ran" in done.stdout
+    # both are said: the trace shrank under its follower (first), and its kept copy differs
+    assert "2 problem(s) with the trace" in done.stdout
+    assert "it is now shorter than the" in done.stdout and "(truncated or rewritten)" in done.stdout
+    record = (run_dir / "events.jsonl").read_text()
+    assert "the kept trace is not what the engine wrote while it ran" in record
     again = tracedeck("analyze", str(run_dir), env=cli_env(tmp_path / "home"))
     assert again.returncode == 1, again.stdout + again.stderr
     assert "the kept trace is not what was judged while the run ran" in again.stdout
