@@ -10,6 +10,7 @@ TRACE_OK, or TRACE_INVALID with the first invalid record.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -273,20 +274,49 @@ def _shard_counts(engine: dict[str, Any], stream: TraceStream, folder: str) -> l
     return out
 
 
+def serving_latency(line: bytes | str) -> float | str:
+    """One serving.jsonl line's latency_ms, or why the line is no serving entry (one rule for
+    the live judge and analyze)."""
+    try:
+        entry = json.loads(line)
+    except ValueError:
+        return "not valid JSON"
+    value = entry.get("latency_ms") if isinstance(entry, dict) else None
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        return "no number latency_ms"
+    return float(value)
+
+
+def serving_summary(latencies: list[float], bad: int, first_bad: str) -> dict[str, Any]:
+    """What summary.json serving must say of these latencies; bad: lines that were no entry."""
+    lat: dict[float, int] = {}
+    for value in latencies:
+        lat[value] = lat.get(value, 0) + 1
+    items = sorted(lat.items())
+    out: dict[str, Any] = {"requests": len(latencies), "latency_ms": {}, "bad": bad}
+    if first_bad:
+        out["first_bad"] = first_bad
+    if items:
+        pcts = {k: percentile(items, q) for k, q in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))}
+        out["latency_ms"] = {**pcts, "max": items[-1][0]}
+    return out
+
+
 def serving_stats(path: Path) -> dict[str, Any] | None:
     """serving.jsonl (reference engine, BurstGPT): latency percentiles over finished requests."""
     if not path.is_file():
         return None
-    lat: dict[float, int] = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            value = float(json.loads(line)["latency_ms"])
-            lat[value] = lat.get(value, 0) + 1
-    items = sorted(lat.items())
-    if not items:
-        return {"requests": 0, "latency_ms": {}}
-    pcts = {k: percentile(items, q) for k, q in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))}
-    return {"requests": sum(lat.values()), "latency_ms": {**pcts, "max": items[-1][0]}}
+    latencies, bad, first_bad = [], 0, ""
+    for n, line in enumerate(path.read_bytes().splitlines(), 1):
+        if not line.strip():
+            continue
+        got = serving_latency(line)
+        if isinstance(got, str):
+            bad += 1
+            first_bad = first_bad or f"{path}:{n}: {got}"
+        else:
+            latencies.append(got)
+    return serving_summary(latencies, bad, first_bad)
 
 
 def serving_problems(engine: dict[str, Any], ours: dict[str, Any] | None) -> list[Fail]:
@@ -294,9 +324,13 @@ def serving_problems(engine: dict[str, Any], ours: dict[str, Any] | None) -> lis
     serving = engine.get("serving")
     if engine.get("dataset") == "burstgpt" and not isinstance(serving, dict):
         return [Fail("serving", "serving.latency_ms (BurstGPT runs report it)", "missing")]
+    if ours is not None and ours.get("bad"):
+        bad = [Fail("serving.jsonl", "one JSON object with a number latency_ms a line", f"{ours['bad']} lines that are not (the first: {ours.get('first_bad', '?')})")]  # fmt: skip
+    else:
+        bad = []
     if not isinstance(serving, dict) or ours is None:
-        return []
-    out = []
+        return bad
+    out = bad
     if serving.get("requests") != ours["requests"]:
         out.append(Fail("serving.requests", f"{ours['requests']} (serving.jsonl)", repr(serving.get("requests"))))  # fmt: skip
     for key, value in ours["latency_ms"].items():

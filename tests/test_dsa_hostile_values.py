@@ -59,3 +59,35 @@ def test_an_integer_beyond_64_bits_is_an_invalid_record_everywhere(
     for got in (whatif_dir(str(folder), [16, 32]), tiers_dir(str(folder), [8], "lru")):
         assert (got["records"], got["used"], got["invalid"]) == (total, total - 1, 1)
         assert got["first_invalid"].startswith(f"{shard}:2: {key}: ")
+
+
+@pytest.mark.parametrize(
+    "line", [b"not json", b'{"request_id": 1}', b'{"latency_ms": "12"}', b"[1, 2]"]
+)
+def test_a_serving_line_that_is_no_entry_is_a_problem_live_and_in_analyze(
+    line: bytes, tmp_path: Path
+) -> None:
+    """serving.jsonl (BurstGPT latencies, checked against summary.json serving) is read by one
+    rule live and in analyze: an entry is an object with a number latency_ms (no request_id
+    needed); any other line is counted and named, never skipped, never a traceback."""
+    from analysis.dsa_tree import read_summary, trace_verdict
+    from runners.kinds.dsa_trace import TraceBook
+
+    folder = write_trace(tmp_path / "t", requests=2, per_file=2)
+    good = [b'{"request_id": 0, "latency_ms": 10.5}', b'{"latency_ms": 20.0}']
+    serving = folder / "serving.jsonl"
+    serving.write_bytes(b"\n".join([good[0], line, good[1]]) + b"\n")
+    offline = analyze_block(folder, None, None)
+    book = TraceBook()
+    for shard in shard_files(folder):
+        book.feed(str(shard), shard.read_bytes().splitlines(), 1)
+    book.feed(str(serving), serving.read_bytes().splitlines(), 1)
+    engine, why = read_summary(folder / "summary.json")
+    live = trace_verdict(
+        str(folder), book.streams[str(folder)], engine, why, None, book.serving_stats(str(folder))
+    )
+    assert book.serving_stats(str(folder))["requests"] == 2
+    for result in (offline, live):
+        assert result["verdict"] == "TRACE_INVALID"
+        said = [p for p in result["problems"] if p["field"] == "serving.jsonl"]
+        assert len(said) == 1 and f"{serving}:2: " in said[0]["found"], result["problems"]

@@ -12,15 +12,11 @@ At the end summary.json comes home and is compared with the statistics recompute
 from __future__ import annotations
 
 import json
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from analysis.dsa_record import torn_marker
-from analysis.dsa_stats import percentile
 from analysis.dsa_stream import BLOCK_DIR, SHARD, TraceStream
 from analysis.dsa_tree import (
     TRACE_INVALID,
@@ -30,6 +26,8 @@ from analysis.dsa_tree import (
     block_dirs,
     format_result,
     read_summary,
+    serving_latency,
+    serving_summary,
     trace_verdict,
 )
 from analysis.run_compare import Item
@@ -64,6 +62,7 @@ class TraceBook:
         self.layers = layers
         self.streams: dict[str, TraceStream] = {}
         self.latency: dict[str, list[float]] = {}  # dir -> serving latency_ms (BurstGPT)
+        self.serving_bad: dict[str, tuple[int, str]] = {}  # dir -> lines that were no entry
         self.last: dict[str, Any] = {}  # the newest position: dir, file, request, layer, step
 
     def stream(self, file: str) -> TraceStream:
@@ -76,7 +75,7 @@ class TraceBook:
 
     def feed(self, file: str, lines: list[bytes], first_line: int) -> dict[str, Any]:
         if file.endswith("/" + SERVING):
-            return self._serving(file, lines)
+            return self._serving(file, lines, first_line)
         digest = self.stream(file).feed(file, lines, first_line)
         self._note(file, digest)
         return digest
@@ -92,6 +91,8 @@ class TraceBook:
         folder = file.rsplit("/", 1)[0]
         if "serving" in digest:
             self.latency.setdefault(folder, []).extend(v for _, v in digest["serving"])
+            for line, why in digest.get("bad", []):
+                self._bad_serving(file, line, why)
             return
         self.stream(file).apply(file, digest)
         self._note(file, digest)
@@ -118,11 +119,13 @@ class TraceBook:
         lat = self.latency.get(folder)
         if lat is None:
             return None
-        items = sorted(Counter(lat).items())
-        if not items:
-            return {"requests": 0, "latency_ms": {}}
-        pcts = {k: percentile(items, q) for k, q in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))}
-        return {"requests": len(lat), "latency_ms": {**pcts, "max": items[-1][0]}}
+        bad, first = self.serving_bad.get(folder, (0, ""))
+        return serving_summary(lat, bad, first)
+
+    def _bad_serving(self, file: str, line: int, why: str) -> None:
+        folder = file.rsplit("/", 1)[0]
+        bad, first = self.serving_bad.get(folder, (0, ""))
+        self.serving_bad[folder] = (bad + 1, first or f"{file}:{line}: {why}")
 
     def _note(self, file: str, digest: dict[str, Any]) -> None:
         reqs = (digest.get("state") or {}).get("reqs") or {}
@@ -131,17 +134,21 @@ class TraceBook:
             st = reqs[req]
             self.last = {"file": file, "request": int(req), "step": st[1], "layer": st[2] - 1}
 
-    def _serving(self, file: str, lines: list[bytes]) -> dict[str, Any]:
-        got = []
-        for raw in lines:
-            try:
-                entry = orjson.loads(raw)
-                got.append([int(entry["request_id"]), float(entry["latency_ms"])])
-            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
-                continue  # serving.jsonl is the reference engine's extra; summary.json rules
+    def _serving(self, file: str, lines: list[bytes], first_line: int) -> dict[str, Any]:
+        """serving.jsonl lines, read by analyze's rule; a line that is no entry is counted."""
+        got, bad = [], []
+        for n, raw in enumerate(lines, first_line):
+            if not raw.strip():
+                continue
+            value = serving_latency(raw)
+            if isinstance(value, str):
+                bad.append([n, value])
+                self._bad_serving(file, n, value)
+            else:
+                got.append([n, value])
         folder = file.rsplit("/", 1)[0]
         self.latency.setdefault(folder, []).extend(v for _, v in got)
-        return {"serving": got}
+        return {"serving": got, "bad": bad} if bad else {"serving": got}
 
     def totals(self) -> dict[str, int]:
         return {
