@@ -139,8 +139,9 @@ class Judge:
             self.held.pop(event.cell, None)
         elif isinstance(event, Error) and event.affects_verdict:
             self.errors.append(event)
-        elif isinstance(event, TraceBatch) and event.end_offset > self.trace_applied.get(
-            event.file, 0
+        elif isinstance(event, TraceBatch) and (
+            event.end_offset > self.trace_applied.get(event.file, 0)
+            or event.file not in self.trace_applied  # an empty file, said once
         ):
             # A recorded batch (attach, replay): applied as its lines were when followed live.
             self.apply_trace(event.cell, event.file, event.digest, event.end_offset)

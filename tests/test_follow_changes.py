@@ -159,27 +159,15 @@ def _finished(cell: int) -> Event:
     return CellFinished(cell=cell, state=CellState.PASSED, exit_code=0, duration_s=1.0)
 
 
-@pytest.mark.parametrize("tail", ["json", "cut", "spaces"])
-def test_a_shard_s_last_line_with_no_newline_is_judged_live_as_analyze_judges_it(
-    tail: str, tmp_path: Path
-) -> None:
-    """At the run's end a DSA shard's last line has no newline (a complete record, one cut
-    mid-line, or blanks): live, it is the one invalid record analyze counts there, with the
-    same reason: the counts, the verdict and the first failure are analyze's."""
+def _live_and_offline(folder: Path, tmp_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The trace directory followed live to the run's end by a DSA judge (its helper), and
+    judged by analyze: both verdicts."""
     from analysis.dsa_tree import analyze_block, read_summary, trace_verdict
 
-    folder = write_trace(tmp_path / "artifacts" / "dsa")
-    shard = folder / "trace_steps_4_5.jsonl"
-    data = shard.read_bytes()
-    shard.write_bytes(
-        {"json": data.rstrip(b"\n"), "cut": data[:-500], "spaces": data + b"   "}[tail]
-    )
     preset = load_preset(resolve_preset("dsa_smoke"), ["vars.topk=32", "dsa.topk=32"])
-    events: list[Event] = []
     judge: Any = None
 
     def emit(event: Event) -> None:
-        events.append(event)
         judge.fold(event)
 
     ctx = JudgeContext(preset=preset, local_dir=tmp_path, date="d", emit=emit)
@@ -202,11 +190,39 @@ def test_a_shard_s_last_line_with_no_newline_is_judged_live_as_analyze_judges_it
         asyncio.run(go())
     finally:
         judge.feeder.close()
-    offline = analyze_block(folder, 32, None)
     engine, why = read_summary(folder / "summary.json")
     live = trace_verdict(str(folder), judge.book.streams[str(folder)], engine, why, None, None)
+    return live, analyze_block(folder, 32, None)
+
+
+@pytest.mark.parametrize("tail", ["json", "cut", "spaces"])
+def test_a_shard_s_last_line_with_no_newline_is_judged_live_as_analyze_judges_it(
+    tail: str, tmp_path: Path
+) -> None:
+    """At the run's end a DSA shard's last line has no newline (a complete record, one cut
+    mid-line, or blanks): live, it is the one invalid record analyze counts there, with the
+    same reason: the counts, the verdict and the first failure are analyze's."""
+    folder = write_trace(tmp_path / "artifacts" / "dsa")
+    shard = folder / "trace_steps_4_5.jsonl"
+    data = shard.read_bytes()
+    shard.write_bytes(
+        {"json": data.rstrip(b"\n"), "cut": data[:-500], "spaces": data + b"   "}[tail]
+    )
+    live, offline = _live_and_offline(folder, tmp_path)
     for key in ("verdict", "records", "invalid", "first_fail"):
         assert live[key] == offline[key], key
     assert offline["verdict"] == "TRACE_INVALID"
     line = 10 if tail == "spaces" else 9  # the blanks are a line after the shard's 9 records
     assert offline["first_fail"]["line"] == line and "no newline" in offline["first_fail"]["found"]
+
+
+@pytest.mark.parametrize("empty", ["trace_steps_6_8.jsonl", "trace_steps_4_5.jsonl"])
+def test_an_empty_shard_is_a_shard_live_as_in_analyze(empty: str, tmp_path: Path) -> None:
+    """A shard the engine made and never wrote (one past the requests, or one emptied) is one
+    of the directory's shards live too: the same problems, the same verdict as analyze."""
+    folder = write_trace(tmp_path / "artifacts" / "dsa")
+    (folder / empty).write_bytes(b"")
+    live, offline = _live_and_offline(folder, tmp_path)
+    assert offline["verdict"] == "TRACE_INVALID"
+    for key in ("verdict", "records", "invalid", "first_fail", "problems"):
+        assert live[key] == offline[key], key
