@@ -23,6 +23,7 @@ import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import weakref
 from collections import deque
@@ -44,6 +45,9 @@ _OK, _RAISED = "ok", "raised"
 _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 _CHILD = "from runners.dsa_worker import serve; serve()"
 AHEAD = 2  # batches a helper may hold at once (the one judged, the next)
+# A batch (at most POLL_BYTES of lines) is judged in well under a second: a helper silent this
+# long is stopped or stuck, and is killed so its batches are judged here (never a wait forever).
+SILENCE_S = 120.0
 # False: every judge feeds its book in this process (bench/bench_dsa_console.py's baseline).
 USE_HELPER = True
 BOOK_CLASS = "runners.kinds.dsa_trace.TraceBook"
@@ -117,11 +121,13 @@ class _Helper:
     def __init__(self, book: TraceBook) -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+        # its stderr to a file: a pipe nobody reads would stop it once full
+        self.err = tempfile.TemporaryFile()  # noqa: SIM115 - closed by _stop, with the helper
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _CHILD],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stderr=self.err,
             env=env,
         )
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -137,17 +143,41 @@ class _Helper:
             raise HelperGone(str(exc) or type(exc).__name__) from exc
 
     def collect(self) -> dict[str, Any]:
-        """The digest of the oldest batch submitted and not collected."""
+        """The digest of the oldest batch submitted and not collected (HelperGone when it is
+        silent for SILENCE_S: it is killed)."""
+        fired = threading.Event()
+
+        def silent() -> None:
+            fired.set()
+            self.proc.kill()
+
+        watchdog = threading.Timer(SILENCE_S, silent)
+        watchdog.daemon = True
+        watchdog.start()
         try:
             tag, value = _receive(self.stdout)
         except (EOFError, OSError, ValueError, pickle.UnpicklingError) as exc:
-            raise HelperGone(str(exc) or type(exc).__name__) from exc
+            said = self._said()
+            why = str(exc) or type(exc).__name__
+            if fired.is_set():
+                why = f"no answer in {SILENCE_S:g} s: killed"
+            raise HelperGone(why + (f"; it said: {said}" if said else "")) from exc
+        finally:
+            watchdog.cancel()
         if tag == _RAISED:
             raise value
         return value  # type: ignore[no-any-return]
 
+    def _said(self) -> str:
+        """The end of what the helper wrote on its stderr."""
+        with contextlib.suppress(OSError, ValueError):
+            self.err.seek(0, os.SEEK_END)
+            self.err.seek(max(0, self.err.tell() - 400))
+            return self.err.read().decode("utf-8", "replace").strip().replace("\n", " | ")
+        return ""
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
+
+def _stop(proc: subprocess.Popen[bytes], err: IO[bytes] | None = None) -> None:
     for stream in (proc.stdin, proc.stdout, proc.stderr):
         if stream is not None:
             with contextlib.suppress(OSError):
@@ -158,6 +188,9 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    if err is not None:
+        with contextlib.suppress(OSError):
+            err.close()
 
 
 class BookFeeder:
@@ -240,7 +273,7 @@ class BookFeeder:
             except (OSError, pickle.PicklingError, TypeError, AttributeError) as exc:
                 self.helper_error = f"the judging process could not start ({exc})"
                 return None
-            weakref.finalize(self, _stop, self._helper.proc)
+            weakref.finalize(self, _stop, self._helper.proc, self._helper.err)
         return self._helper
 
     def _give_up(self, why: str) -> None:
@@ -248,7 +281,7 @@ class BookFeeder:
         self._sent.clear()  # what it had is judged here, as each batch is fed
         self.helper_error = why
         if helper is not None:
-            _stop(helper.proc)
+            _stop(helper.proc, helper.err)
 
     def close(self) -> None:
         """Stop the helper; later batches (if any) are judged in this process."""

@@ -229,3 +229,32 @@ def test_a_helper_that_dies_holding_two_batches_leaves_both_judged_here(tmp_path
     assert "the judging process stopped" in feeder.helper_error and not feeder._sent
     assert _verdict(there, folder) == _verdict(here, folder)
     assert _verdict(there, folder)["verdict"] == "TRACE_INVALID"
+
+
+def test_a_helper_that_stops_answering_is_killed_and_its_batch_judged_here(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stopped (SIGSTOP) helper holding a batch: feed() waits SILENCE_S at most, kills it and
+    judges the batch here, with the digest this process makes; close() then returns too."""
+    import signal
+
+    import runners.dsa_worker as dsa_worker
+
+    monkeypatch.setattr(dsa_worker, "SILENCE_S", 0.5)
+    folder = _lying_trace(tmp_path)
+    here, there = TraceBook(32), TraceBook(32)
+    feeder = BookFeeder(there)
+    batches = _batches(folder)
+    try:
+        _same_digest(feeder, here, *batches[0])
+        helper = feeder._helper
+        assert helper is not None
+        os.kill(helper.proc.pid, signal.SIGSTOP)
+        feeder.submit(*batches[1])
+        for batch in batches[1:]:
+            _same_digest(feeder, here, *batch)
+        assert "no answer in 0.5 s: killed" in feeder.helper_error
+        assert helper.proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        feeder.close()
+    assert _verdict(there, folder) == _verdict(here, folder)
