@@ -117,6 +117,17 @@ def _unreadable(folder: Path, exc: OSError) -> str:
     )
 
 
+def _topk_hint(info: Any) -> str:
+    """When the records were checked against a top-k nobody stated: how to give the right one."""
+    if info.topk_from.startswith("the seed's"):
+        return (
+            f"; top-k was not stated (no summary.json config.index_topk), so each record was "
+            f"checked against the seed's production top-{info.topk}: if the engine ran with "
+            "another, give it with --topk"
+        )
+    return ""
+
+
 def _folders(path: Path) -> list[Path] | None:
     from analysis.dsa_scan import trace_folders
     from analysis.dsa_tree import NotATrace
@@ -191,6 +202,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             return EXIT_USAGE
         any_invalid = any_invalid or invalid > 0
         note = f", {invalid} marked invalid (valid = false, with the reason)" if invalid else ""
+        note += _topk_hint(info) if invalid else ""
         print(f"{folder}: {records} records -> {out}{note}")
     return 1 if any_invalid else 0
 
@@ -333,7 +345,10 @@ def _each_folder(
     else:
         print("\n\n".join(fmt(r) for r in results))
     if not any(r["used"] for r in results):
-        _err(f"{nothing} (`tracedeck analyze DIR` says why)")
+        from analysis.dsa_scan import trace_info
+
+        hint = "".join(_topk_hint(trace_info(f, args.topk)) for f in folders[:1])
+        _err(f"{nothing} (`tracedeck analyze DIR` says why){hint}")
         return EXIT_USAGE
     return 0
 

@@ -130,3 +130,22 @@ def test_an_export_of_shards_with_no_line_writes_nothing_and_says_so(tmp_path: P
     assert not out.exists()
     _no_part_files(tmp_path)
     shutil.rmtree(folder)
+
+
+def test_a_trace_with_no_stated_top_k_says_which_one_it_was_checked_against(
+    tmp_path: Path,
+) -> None:
+    """No summary.json: the data tools check each record against the seed's top-2048 and, when
+    that marks them invalid, say so and how to give the engine's (--topk); given, they pass."""
+    folder = write_trace(tmp_path / "t", topk=32)
+    (folder / "summary.json").unlink()
+    env = cli_env(tmp_path)
+    done = tracedeck("export", str(folder), "--format", "csv", "--output", str(tmp_path / "x.csv"), env=env)  # fmt: skip
+    assert done.returncode == 1 and "marked invalid" in done.stdout
+    assert "top-k was not stated" in done.stdout and "give it with --topk" in done.stdout
+    done = tracedeck("dsa", "whatif", str(folder), env=env)
+    assert done.returncode == 2 and "give it with --topk" in done.stderr
+    done = tracedeck("dsa", "whatif", str(folder), "--topk", "32", env=env)
+    assert done.returncode == 0, done.stderr
+    done = tracedeck("export", str(folder), "--topk", "32", "--output", str(tmp_path / "y.parquet"), env=env)  # fmt: skip
+    assert done.returncode == 0 and "top-k" not in done.stdout, done.stdout
