@@ -276,6 +276,9 @@ def _dsa_data(name: str) -> Callable[[argparse.Namespace], int]:
         except Terminated:
             _err("terminated (SIGTERM): nothing was written")
             return 128 + signal.SIGTERM
+        except KeyboardInterrupt:
+            _err("interrupted: nothing was written")
+            return EXIT_INTERRUPT
 
     return handler
 
