@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -96,15 +97,12 @@ def test_a_size_recorded_inside_a_line_stops_there_without_calling_the_line_over
     assert asyncio.run(go()) == (lines[:1], lines[1:])
 
 
-@pytest.mark.parametrize("how", ["shorter", "rewritten", "gone"])
-def test_a_trace_changed_under_its_follower_is_an_error_that_fails_the_run(
-    how: str, tmp_path: Path
-) -> None:
-    """A DSA shard read whole, then deleted and written again (compact: shorter; or the same
-    length with one record changed), or deleted: the run's end says so, naming the file, and
-    the verdict is not TRACE_OK (what was judged is not the trace)."""
-    folder = write_trace(tmp_path / "artifacts" / "dsa")
-    shard = folder / "trace_steps_2_4.jsonl"
+def _follow_dsa(
+    folder: Path, tmp_path: Path, meanwhile: Callable[[], None] = lambda: None
+) -> tuple[Any, list[Event]]:
+    """A DSA judge (its helper) and a follower of the directory's shards, as a run has them:
+    followed until caught up, then meanwhile(), then to the run's end. The judge and every
+    event emitted (each folded into the judge, as the run's one event path does)."""
     preset = load_preset(resolve_preset("dsa_smoke"), ["vars.topk=32", "dsa.topk=32"])
     events: list[Event] = []
     judge: Any = None
@@ -127,15 +125,7 @@ def test_a_trace_changed_under_its_follower_is_an_error_that_fails_the_run(
     async def go() -> None:
         while not follower.traces or not all(f.caught_up for f in follower.traces.values()):
             await follower.poll()
-        assert follower.traces[str(shard)].offset == shard.stat().st_size
-        records = [json.loads(line) for line in shard.read_bytes().splitlines()]
-        records[3]["unique_blocks"] += 1  # a lie the follower never reads
-        os.unlink(shard)
-        if how == "shorter":
-            shard.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records))
-        elif how == "rewritten":
-            text = "".join(json.dumps(r) + "\n" for r in records)
-            shard.write_text(text[1:] + " ")  # the same length, each newline one byte early
+        meanwhile()
         await follower.poll()
         await follower.drain_rest()
 
@@ -143,6 +133,32 @@ def test_a_trace_changed_under_its_follower_is_an_error_that_fails_the_run(
         asyncio.run(go())
     finally:
         judge.feeder.close()
+    return judge, events
+
+
+@pytest.mark.parametrize("how", ["shorter", "rewritten", "gone"])
+def test_a_trace_changed_under_its_follower_is_an_error_that_fails_the_run(
+    how: str, tmp_path: Path
+) -> None:
+    """A DSA shard read whole, then deleted and written again (compact: shorter; or the same
+    length with one record changed), or deleted: the run's end says so, naming the file, and
+    the verdict is not TRACE_OK (what was judged is not the trace)."""
+    folder = write_trace(tmp_path / "artifacts" / "dsa")
+    shard = folder / "trace_steps_2_4.jsonl"
+    size = shard.stat().st_size
+
+    def change() -> None:
+        records = [json.loads(line) for line in shard.read_bytes().splitlines()]
+        records[3]["unique_blocks"] += 1  # a lie the follower never reads
+        os.unlink(shard)
+        if how == "shorter":
+            shard.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records))
+        elif how == "rewritten":
+            text = "".join(json.dumps(r) + "\n" for r in records)
+            shard.write_text(text[1:] + " ")  # each newline one byte early
+
+    judge, events = _follow_dsa(folder, tmp_path, change)
+    assert judge.trace_applied[str(shard)] == size  # read whole before the change
     said = [e for e in events if isinstance(e, Error) and e.where == str(shard)]
     assert len(said) == 1 and said[0].affects_verdict, [e.message for e in events]
     assert "while it was followed (truncated or rewritten)" in said[0].message
@@ -160,36 +176,11 @@ def _finished(cell: int) -> Event:
 
 
 def _live_and_offline(folder: Path, tmp_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The trace directory followed live to the run's end by a DSA judge (its helper), and
-    judged by analyze: both verdicts."""
+    """The trace directory followed live to the run's end, and judged by analyze: both
+    verdicts."""
     from analysis.dsa_tree import analyze_block, read_summary, trace_verdict
 
-    preset = load_preset(resolve_preset("dsa_smoke"), ["vars.topk=32", "dsa.topk=32"])
-    judge: Any = None
-
-    def emit(event: Event) -> None:
-        judge.fold(event)
-
-    ctx = JudgeContext(preset=preset, local_dir=tmp_path, date="d", emit=emit)
-    ctx.cells = [PlannedCell(0, {}, "true", {})]
-    judge = all_kinds()["dsa_trace"].judge(ctx)
-    plan = RunPlan(
-        run_id="r", run_dir=str(tmp_path / "run"), workdir=str(tmp_path),
-        lock=str(tmp_path / "lock"), python=sys.executable, setup=[], cells=ctx.cells,
-        traces=(TraceFile(f"{folder}/trace_steps_*.jsonl", 0),),
-    )  # fmt: skip
-    follower = RunFollower(LocalTarget(), plan, judge, tmp_path, emit)
-    follower.cells[0].started = 1.0
-
-    async def go() -> None:
-        while not follower.traces or not all(f.caught_up for f in follower.traces.values()):
-            await follower.poll()
-        await follower.drain_rest()
-
-    try:
-        asyncio.run(go())
-    finally:
-        judge.feeder.close()
+    judge, _ = _follow_dsa(folder, tmp_path)
     engine, why = read_summary(folder / "summary.json")
     live = trace_verdict(str(folder), judge.book.streams[str(folder)], engine, why, None, None)
     return live, analyze_block(folder, 32, None)

@@ -38,13 +38,16 @@ class CutOnce(LocalTarget):
         return await super().read_from(path, offset, max_bytes)
 
 
+# one shard of ~2,000-position records, a few POLL_BYTES long
+BIG: dict[str, Any] = {
+    "requests": 2, "per_file": 2, "layers": 3, "steps": 150, "prompt": 2000, "topk": 2000, "bs": 16
+}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def shard(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One shard of ~2,000-position records, a few POLL_BYTES long."""
-    folder = write_trace(
-        tmp_path_factory.mktemp("trace"), requests=2, per_file=2, layers=3, steps=150,
-        prompt=2000, topk=2000, bs=16,
-    )  # fmt: skip
+    folder = write_trace(tmp_path_factory.mktemp("trace"), **BIG)
     [path] = sorted(folder.glob("trace_steps_*.jsonl"))
     assert path.stat().st_size > 2 * POLL_BYTES + CHUNK
     return path
@@ -130,19 +133,8 @@ def test_two_hosts_followed_at_once_share_one_dsa_judge_as_a_fleet_does(tmp_path
     offline verdict (one of them lying)."""
     from analysis.dsa_tree import analyze_block, read_summary, trace_verdict
 
-    folders = [  # each a few POLL_BYTES: several batches a pass, the helper holding both's
-        write_trace(
-            tmp_path / host,
-            requests=2,
-            per_file=2,
-            layers=3,
-            steps=150,
-            prompt=2000,
-            topk=2000,
-            bs=16,
-        )  # fmt: skip
-        for host in ("host-a", "host-b")
-    ]
+    # each a few POLL_BYTES: several batches a pass, the helper holding both's
+    folders = [write_trace(tmp_path / host, **BIG) for host in ("host-a", "host-b")]
     shard = sorted(folders[1].glob("trace_steps_*.jsonl"))[0]
     assert shard.stat().st_size > 2 * POLL_BYTES
     lines = shard.read_text().splitlines()
