@@ -201,8 +201,9 @@ class BookFeeder:
     so each directory's batches reach the helper in their order): the helper judges it while
     this process emits the one before. feed() collects a batch's digest, submitted or not.
     Several followers share one judge (a fleet's hosts, each reading its own traces), so
-    batches may be fed in another order than they were submitted in: the helper answers in its order, and each digest is folded into this
-    book in that order (so it mirrors the helper's) and kept until its batch is fed."""
+    batches may be fed in another order than they were submitted in: the helper answers in
+    its order, and each digest is folded into this book in that order (so it mirrors the
+    helper's) and kept until its batch is fed."""
 
     def __init__(self, book: TraceBook, use_helper: bool | None = None) -> None:
         self.book = book
