@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import re
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -88,6 +89,14 @@ def judge_pair(
     meta_path: dict[str, Path] = {}
     for mode in MODES:
         logits[mode], meta_path[mode] = _side_files(base / mode, mode)
+    if os.path.samefile(logits["prefill"], logits["decode"]):
+        raise InputError(
+            logits["decode"],
+            None,
+            f"is the prefill side's file itself ({logits['prefill']}: a link, or the same "
+            "inode): a file compared with itself says nothing of what decode computed",
+            "write each side's logits to its own file; re-run the decode side",
+        )
     meta = _checked_metadata(meta_path, kv_aligned, seed)
     result = compare_files(
         logits["prefill"],
@@ -362,6 +371,34 @@ def _derived_matrix(results: list[PairResult]) -> dict[str, Any]:
     }
 
 
+def _check_claimed_matrix(
+    path: Path, claimed: dict[str, Any], results: list[PairResult], unjudged: list[Unjudged]
+) -> None:
+    """config.json's config_matrix against what the pairs' metadata.json say: the summary and
+    report show the matrix, so one that contradicts the runs is refused (InputError), never
+    shown as what was judged."""
+    for key, have in _derived_matrix(results).items():
+        if key not in claimed:
+            continue
+        said = claimed[key]
+        kind = str if key == "dtype" else int
+        if type(said) is not list or not all(type(v) is kind for v in said):
+            what = "strings" if kind is str else "integers"
+            raise InputError(
+                path, None, f"key 'config_matrix.{key}' must be a list of {what}", "fix or remove config.json"
+            )  # fmt: skip
+        missing = sorted(set(have) - set(said))
+        extra = sorted(set(said) - set(have)) if not unjudged else []
+        if missing or extra:
+            raise InputError(
+                path,
+                None,
+                f"key 'config_matrix.{key}' says {said} but the pairs' metadata.json say "
+                f"{have}: a matrix the runs contradict is not shown as what was judged",
+                "fix config.json (or remove its config_matrix: it is then read from the runs)",
+            )
+
+
 @dataclass
 class TreeJudgement:
     """Every pair of a tree's matrix judged, or named with why it could not be."""
@@ -431,6 +468,8 @@ def judge_tree(
             results.append(outcome)
     if "config_matrix" not in config:
         matrix = {**_derived_matrix(results), **matrix}
+    else:
+        _check_claimed_matrix(root / "config.json", config["config_matrix"], results, unjudged)
     return TreeJudgement(
         results, unjudged, config, matrix, resolved, date or _run_date(root, config), notes
     )

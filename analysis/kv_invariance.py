@@ -238,14 +238,26 @@ def read_meta(cell_dir: Path) -> dict[str, Any]:
     return meta
 
 
+# what each of a point's values may be: the flags 0 or 1, the sizes at least 1
+FLAGS = ("mask", "alibi", "sinks")
+
+
 def check_point(meta: dict[str, Any], expect: dict[str, int] | None, where: str) -> dict[str, int]:
+    """The result's point, each value an integer as the grid has it (never coerced: 256.9,
+    "256" or true is no point), the sizes at least 1 and the flags 0 or 1; it must be the
+    cell's (expect) when that is known."""
     got = meta.get("point")
-    try:
-        point = point_of(got) if isinstance(got, dict) else None
-    except (KeyError, TypeError, ValueError):
-        point = None
-    if point is None:
-        raise ResultError(where, f"'point' must hold {', '.join(POINT_KEYS)}; got {got!r}")
+    ok = isinstance(got, dict) and all(
+        type(got.get(k)) is int and (got[k] in (0, 1) if k in FLAGS else got[k] >= 1)
+        for k in POINT_KEYS
+    )
+    if not ok:
+        raise ResultError(
+            where,
+            f"'point' must hold {', '.join(POINT_KEYS)} as integers ({', '.join(FLAGS)} 0 or 1, "
+            f"the others at least 1); got {got!r}",
+        )
+    point = {k: got[k] for k in POINT_KEYS}
     if expect is not None and point != expect:
         raise ResultError(
             where,
@@ -521,7 +533,13 @@ def check_done_claims(
             f"the result says deterministic={said!r}, but the cell ran with {DETERMINISTIC}"
             f"={'1' if deterministic else 'unset'}",
         )
-    if deterministic is False or said is False:
+    if said is not None and said is not True:
+        raise ResultError(
+            where,
+            f"the result says deterministic={said!r}: only true says the cell ran in "
+            f"deterministic mode ({DETERMINISTIC}=1), the only mode the seed's invariance holds in",
+        )
+    if deterministic is False:
         raise ResultError(
             where,
             f"status DONE without deterministic mode ({DETERMINISTIC}=1): the seed's "
@@ -544,10 +562,11 @@ def judge_cell_dir(
     GGML_DETERMINISTIC=1 (None: unknown, e.g. a tree handed to analyze).
     """
     where = str(cell_dir / RESULT)
-    fallback = expect or parse_point_dir(cell_dir.name) or {}
+    named = parse_point_dir(cell_dir.name)  # a directory named for a point holds that point
+    fallback = expect or named or {}
     try:
         meta = read_meta(cell_dir)
-        point = check_point(meta, expect, where)
+        point = fallback = check_point(meta, expect or named, where)
         status = meta.get("status")
         if status == "PRECONDITION":
             record = {k: meta.get(k) for k in ("rule", "message", "fix", "where")}
@@ -568,6 +587,27 @@ def judge_cell_dir(
         return CellResult(fallback, UNJUDGED, reason=str(exc), klass=exc.klass, where=str(cell_dir))
     result.where = str(cell_dir)
     return result
+
+
+def once_per_point(cells: list[CellResult]) -> list[CellResult]:
+    """The cells with each grid point (of one source) judged once: a second cell holding a
+    point already judged is UNJUDGED, naming both (a point counted twice is no more coverage,
+    and a copy of one cell's result under another's name says nothing of that other)."""
+    first: dict[tuple[Any, ...], str] = {}
+    out = []
+    for c in cells:
+        key = (c.source, *(c.point.get(k) for k in POINT_KEYS))
+        if c.verdict == UNJUDGED or not all(k in c.point for k in POINT_KEYS):
+            out.append(c)
+        elif key in first:
+            why = f"{point_label(c.point)} is judged twice: here and in {first[key]}; one cell a point"
+            out.append(
+                CellResult(c.point, UNJUDGED, c.source, reason=why, klass="output", where=c.where)
+            )
+        else:
+            first[key] = c.where
+            out.append(c)
+    return out
 
 
 def find_cells(root: Path) -> list[Path]:

@@ -289,6 +289,13 @@ class _LineParser:
             raise self._bad_json(lineno, raw, exc) from None
         if type(obj) is not dict:
             raise self.error(lineno, f"the line holds a JSON {_json_type(obj)}, not an object")
+        twice = _given_twice(raw, len(obj), self._simd)
+        if twice is not None:
+            raise self.error(
+                lineno,
+                f"key {twice!r} is given twice: a line that says two things is believed in "
+                "neither reading",
+            )
         for key in _KEYS:
             if key not in obj:
                 raise self.error(lineno, f"missing key '{key}' (each line needs {list(_KEYS)})")
@@ -460,6 +467,40 @@ _METADATA_KEYS: dict[str, type] = {
 _MODES = ("prefill", "decode")
 
 
+class _Twice(ValueError):
+    """A JSON object that gives one key twice (a plain parse keeps the last)."""
+
+
+def _once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _Twice(key)
+        out[key] = value
+    return out
+
+
+def _given_twice(raw: bytes, keys: int, simd: Any) -> str | None:
+    """The key an object line gives twice, or None; `keys`: how many its parse kept."""
+    if simd is not None:
+        try:
+            doc = simd.parse(raw)
+            fields = len(doc) if type(doc) is simdjson.Object else keys
+        except (ValueError, TypeError, RuntimeError):
+            fields = keys + 1  # let the exact parse below say which
+        finally:
+            doc = None
+        if fields == keys:
+            return None
+    try:
+        json.loads(raw, object_pairs_hook=_once)
+    except _Twice as exc:
+        return str(exc.args[0])
+    except (ValueError, RecursionError):
+        return None
+    return None
+
+
 def read_metadata(path: str | Path) -> dict[str, Any]:
     """Reads and checks a side's metadata.json (seed section 2.1); returns the whole object."""
     path = str(path)
@@ -470,7 +511,15 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
     except OSError as exc:
         raise InputError(path, None, f"cannot read metadata ({exc})", RERUN_HINT) from None
     try:
-        meta = json.loads(text)
+        meta = json.loads(text, object_pairs_hook=_once)
+    except _Twice as exc:
+        raise InputError(
+            path,
+            None,
+            f"key {exc.args[0]!r} is given twice: metadata that says two things is believed in "
+            "neither reading",
+            hint,
+        ) from None
     except json.JSONDecodeError as exc:
         raise InputError(path, exc.lineno, f"not valid JSON ({exc.msg})", hint) from None
     except UnicodeDecodeError as exc:

@@ -45,6 +45,7 @@ from analysis.kv_invariance import (
     find_cells,
     grid_of,
     judge_cell_dir,
+    once_per_point,
     parse_precondition_line,
     point_label,
     point_of,
@@ -553,6 +554,7 @@ def _analyze(path: Path) -> tuple[list[CellResult], list[tuple[str, str]], list[
                 )
             )
         cells[-1].where = str(folder.relative_to(path))
+    cells = once_per_point(cells)
     problems: list[tuple[str, str]] = []
     notes: list[str] = []
     for log in sorted(path.rglob(LOG_NAME)):
