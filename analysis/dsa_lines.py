@@ -73,6 +73,7 @@ def torn_line(stream: TraceStream, path: Path, line_no: int, size: int) -> dict[
     found = problem(str(path), line_no, None, fail)
     if stream.first is None:
         stream.first = found
+    stream.torn.append(found)  # listed with the trace's problems (trace_verdict)
     return found
 
 

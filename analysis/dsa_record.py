@@ -783,11 +783,14 @@ def torn_marker(size: int) -> bytes:
     return TORN + b"%d bytes>" % size
 
 
+TORN_EXPECTED = "a complete line ending in a newline"
+
+
 def torn_fail(size: int) -> Fail:
     """A last line with no newline: no record (the writer stopped mid-line)."""
     return Fail(
         "record",
-        "a complete line ending in a newline",
+        TORN_EXPECTED,
         f"{size} bytes with no newline (the writer stopped mid-line)",
     )
 

@@ -26,7 +26,7 @@ import orjson
 
 from analysis.dsa_checks import Context, check_batch, explain
 from analysis.dsa_live import LiveAgg
-from analysis.dsa_record import MAX_SEQ, Batch, Fail, read_batch
+from analysis.dsa_record import MAX_SEQ, TORN_EXPECTED, Batch, Fail, read_batch
 from analysis.dsa_stats import SummaryAgg, _show
 
 SHARD = re.compile(r"trace_steps_(\d+)_(\d+)\.jsonl")
@@ -207,6 +207,7 @@ class TraceStream:
     invalid: int = 0
     end_invalid: int = 0  # records found invalid by finish()
     first: dict[str, Any] | None = None
+    torn: list[dict[str, Any]] = field(default_factory=list)  # last lines with no newline
     late: list[dict[str, Any]] = field(default_factory=list)
     late_invalid: int = 0
     live_view: bool = True  # False: no LiveAgg (the console's view; `analyze` shows none)
@@ -342,6 +343,7 @@ class TraceStream:
             tally_rows(votes.setdefault("world_size", {}), _strs(c["world"]), at)
             lat_s = _strs(c["latency"], _num)
             claims = _claims(names, c["hit"], c["pcb"])
+        torn: list[dict[str, Any]] = []
         bad_rows = iter(batch.bad)  # in line order, interleaved with the rows (the cross checks
         unread = next(bad_rows, None)  # see every record in the order it was written)
         for r in range(n + 1):
@@ -350,6 +352,8 @@ class TraceStream:
                 bad_line, fail, ident = unread
                 if first is None or bad_line < first["line"]:
                     first = problem(file, bad_line, ident, fail)
+                if fail.expected == TORN_EXPECTED:  # a problem of its own, as analyze lists it
+                    torn.append(problem(file, bad_line, ident, fail))
                 if ident is not None:
                     touched[ident[0]] = None
                     self._cross(file, shard, bad_line, ident, None, votes)
@@ -384,9 +388,12 @@ class TraceStream:
             rows = np.flatnonzero(~valid).tolist()
             marked = sorted([b[0] for b in batch.bad] + [batch.lines[r] for r in rows])
             self.marks += [(file, line) for line in marked]
+        self.torn += torn
         digest: dict[str, Any] = {"records": nlines, "invalid": bad}
         if first is not None:
             digest["first"] = first
+        if torn:
+            digest["torn"] = torn
         if votes:
             digest["votes"] = votes
         return digest, touched
@@ -628,6 +635,7 @@ class TraceStream:
         self.invalid += int(digest.get("invalid", 0))
         if self.first is None and digest.get("first"):
             self.first = digest["first"]
+        self.torn += digest.get("torn") or []
         if digest.get("summary"):
             self.summary.apply(digest["summary"])
         for inc in digest.get("live") or []:

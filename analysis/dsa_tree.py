@@ -117,12 +117,10 @@ def analyze_block(
     if workers >= 2:
         from analysis.dsa_parallel import feed_files
 
-        problems += feed_files(stream, files, workers, chunk)
+        feed_files(stream, files, workers, chunk)  # a torn last line is in stream.torn
     else:
         for path in files:
-            torn = feed_file(stream, path, chunk)
-            if torn is not None:
-                problems.append(torn)
+            feed_file(stream, path, chunk)
     result = trace_verdict(
         str(folder), stream, engine, why, [str(p) for p in files], serving_stats(folder / SERVING)
     )
@@ -146,7 +144,7 @@ def trace_verdict(
     judged, the end-of-trace checks, and summary.json (seed 5.3) recomputed from the records:
     any difference is a problem naming the field, what the records give and what it says."""
     where = f"{folder}/summary.json"
-    problems: list[dict[str, Any]] = []
+    problems: list[dict[str, Any]] = list(stream.torn)  # last lines with no newline
 
     def summary_fail(fail: Fail) -> None:
         problems.append(problem(where, None, None, fail))
@@ -307,7 +305,9 @@ def serving_stats(path: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     latencies, bad, first_bad = [], 0, ""
-    for n, line in enumerate(path.read_bytes().splitlines(), 1):
+    # lines end at a newline only, as a follower splits them (bytes.splitlines also splits at
+    # \r and others: a line the live judge reads whole would be two here)
+    for n, line in enumerate(path.read_bytes().split(b"\n"), 1):
         if not line.strip():
             continue
         got = serving_latency(line)

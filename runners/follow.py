@@ -137,8 +137,10 @@ class FileFollower:
     async def changed(self) -> str | None:
         """Why the file no longer holds what was read from it, else None: it is gone, shorter
         than the offset, or rewritten (the byte before the offset is not the newline read)."""
-        if self.offset == 0:
+        if not self.seen:
             return None
+        if self.offset == 0:  # nothing read: only being gone is a change
+            return "it is gone" if await self.target.read_from(self.path, 0, 1) is None else None
         last = await self.target.read_from(self.path, self.offset - 1, 1)
         if last is None:
             return "it is gone"

@@ -98,7 +98,10 @@ def test_a_size_recorded_inside_a_line_stops_there_without_calling_the_line_over
 
 
 def _follow_dsa(
-    folder: Path, tmp_path: Path, meanwhile: Callable[[], None] = lambda: None
+    folder: Path,
+    tmp_path: Path,
+    meanwhile: Callable[[], None] = lambda: None,
+    traces: tuple[str, ...] = ("trace_steps_*.jsonl",),
 ) -> tuple[Any, list[Event]]:
     """A DSA judge (its helper) and a follower of the directory's shards, as a run has them:
     followed until caught up, then meanwhile(), then to the run's end. The judge and every
@@ -117,7 +120,7 @@ def _follow_dsa(
     plan = RunPlan(
         run_id="r", run_dir=str(tmp_path / "run"), workdir=str(tmp_path),
         lock=str(tmp_path / "lock"), python=sys.executable, setup=[], cells=ctx.cells,
-        traces=(TraceFile(f"{folder}/trace_steps_*.jsonl", 0),),
+        traces=tuple(TraceFile(f"{folder}/{name}", 0) for name in traces),
     )  # fmt: skip
     follower = RunFollower(LocalTarget(), plan, judge, tmp_path, emit)
     follower.cells[0].started = 1.0
@@ -200,7 +203,7 @@ def test_a_shard_s_last_line_with_no_newline_is_judged_live_as_analyze_judges_it
         {"json": data.rstrip(b"\n"), "cut": data[:-500], "spaces": data + b"   "}[tail]
     )
     live, offline = _live_and_offline(folder, tmp_path)
-    for key in ("verdict", "records", "invalid", "first_fail"):
+    for key in ("verdict", "records", "invalid", "first_fail", "problems"):
         assert live[key] == offline[key], key
     assert offline["verdict"] == "TRACE_INVALID"
     line = 10 if tail == "spaces" else 9  # the blanks are a line after the shard's 9 records
@@ -217,3 +220,42 @@ def test_an_empty_shard_is_a_shard_live_as_in_analyze(empty: str, tmp_path: Path
     assert offline["verdict"] == "TRACE_INVALID"
     for key in ("verdict", "records", "invalid", "first_fail", "problems"):
         assert live[key] == offline[key], key
+
+
+@pytest.mark.parametrize(
+    "serving",
+    [b'{"latency_ms": 1.5}\r{"latency_ms": 2.5}\n{"latency_ms": 3.0}\n',
+     b'{"latency_ms": 1.5}\n{"latency_ms": 2.5}\n{"latency_ms": 3.',
+     b'{"latency_ms": 1.5}\n{"latency_ms": 2.5}\n{"latency_ms": NaN}',
+     b'{"latency_ms": 1.5}\n{"latency_ms": 2.5}\n{"latency_ms": 3.0}'],
+)  # fmt: skip
+def test_serving_jsonl_is_split_and_its_last_line_read_live_as_analyze_does(
+    serving: bytes, tmp_path: Path
+) -> None:
+    """serving.jsonl's lines end at a newline only, and its last line without one is a line
+    like any (good or bad), live as in analyze."""
+    from analysis.dsa_tree import analyze_block, read_summary, serving_stats, trace_verdict
+
+    folder = write_trace(tmp_path / "artifacts" / "dsa")
+    (folder / "serving.jsonl").write_bytes(serving)
+    judge, _ = _follow_dsa(folder, tmp_path, traces=("trace_steps_*.jsonl", "serving.jsonl"))
+    live_stats = judge.book.serving_stats(str(folder))
+    assert live_stats == serving_stats(folder / "serving.jsonl")
+    engine, why = read_summary(folder / "summary.json")
+    live = trace_verdict(
+        str(folder), judge.book.streams[str(folder)], engine, why, None, live_stats
+    )
+    offline = analyze_block(folder, 32, None)
+    assert (live["verdict"], live["problems"]) == (offline["verdict"], offline["problems"])
+
+
+def test_a_trace_seen_empty_and_gone_at_the_end_is_said_not_judged_as_a_shard(
+    tmp_path: Path,
+) -> None:
+    folder = write_trace(tmp_path / "artifacts" / "dsa")
+    extra = folder / "trace_steps_6_8.jsonl"
+    extra.write_bytes(b"")
+    judge, events = _follow_dsa(folder, tmp_path, extra.unlink)
+    said = [e for e in events if isinstance(e, Error) and e.where == str(extra)]
+    assert len(said) == 1 and "it is gone while it was followed" in said[0].message
+    assert str(extra) not in judge.book.streams[str(folder)].files
