@@ -258,3 +258,35 @@ def test_a_helper_that_stops_answering_is_killed_and_its_batch_judged_here(
     finally:
         feeder.close()
     assert _verdict(there, folder) == _verdict(here, folder)
+
+
+def test_the_first_invalid_record_is_said_by_its_batch_whoever_collected_it(
+    tmp_path: Path,
+) -> None:
+    """Host b's batch holds its trace's first invalid record and is handed over ahead; host a's
+    batch is collected first, which folds b's answer into the judge before b's own turn: b's
+    batch still says 'first invalid DSA record', once."""
+    from runners.cells import PlannedCell
+    from runners.kind import JudgeContext
+    from runners.kinds import all_kinds, load_preset
+    from runners.presets import resolve_preset
+
+    a, b = _two_hosts(tmp_path)  # a lies in its second shard; b is honest
+    preset = load_preset(resolve_preset("dsa_smoke"), ["vars.topk=32", "dsa.topk=32"])
+    ctx = JudgeContext(preset=preset, local_dir=tmp_path, date="d", emit=lambda e: None)
+    ctx.cells = [PlannedCell(0, {}, "true", {}), PlannedCell(1, {}, "true", {})]
+    judge = all_kinds()["dsa_trace"].judge(ctx)
+    said: list[tuple[str, int]] = []
+    try:
+        for i in range(len(a)):
+            judge.submit_lines(0, *a[i])  # host a's batch, ahead
+            if i < len(b):
+                file, lines, first = b[i]
+                judge.take_lines(1, file, lines, first, 0)  # b's collected first: a's folded
+            file, lines, first = a[i]
+            for message, _ in judge.take_lines(0, file, lines, first, 0).errors:
+                said.append((message, i))
+    finally:
+        judge.feeder.close()
+    assert len(said) == 1 and "first invalid DSA record" in said[0][0], said
+    assert "trace_steps_2_4.jsonl:4: " in said[0][0]  # the lie _lying_trace planted

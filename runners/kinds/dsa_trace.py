@@ -182,6 +182,7 @@ class DsaJudge(Judge):
         # on attach alike. (Checking on a copy of the book instead costs most of a feed again.)
         self.reader = TraceBook(topk, dsa["layers"] or None, "preset dsa.topk" if topk else "")
         self.read_ahead = 0  # digests the reader made itself and so need not apply again
+        self.said_first: set[str] = set()  # trace directories whose first invalid record was said
         # batches are judged in a helper process (parsing holds the interpreter): the console
         # drawing this run keeps its core, and the judge gets one of its own; it folds each
         # digest into the reader as the reader's own feed would
@@ -198,11 +199,15 @@ class DsaJudge(Judge):
 
     def digest(self, cell: int, file: str, lines: list[bytes], first_line: int) -> Digest:
         stream = self.reader.stream(file) if not file.endswith("/" + SERVING) else None
-        had_first = stream is not None and stream.first is not None
         data = self.feeder.feed(file, lines, first_line)
         self.read_ahead += 1
         errors = []
-        if stream is not None and not had_first and stream.first is not None:
+        # the batch that holds its trace's first invalid record says so, once: told by the
+        # digest (another host's batch may have been folded into the reader before this one's)
+        folder = file.rsplit("/", 1)[0]
+        found = data.get("first")
+        if stream is not None and found and found == stream.first and folder not in self.said_first:
+            self.said_first.add(folder)
             first = stream.first
             where = f"{first['file']}:{first['line']}" if first["line"] else first["file"]
             errors.append((f"first invalid DSA record: {first['message']}", where))
