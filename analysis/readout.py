@@ -135,6 +135,14 @@ def normalize_record(record: dict[str, Any], line_no: int, file: str) -> dict[st
     for old, new in ALIASES.items():
         if old in out and new not in out:
             out[new] = out[old]
+        elif old in out and out[old] != out[new]:
+            raise TraceError(
+                file,
+                line_no,
+                f"{old!r} (seed 001's name) is {out[old]!r} but {new!r} (seed 003's) is "
+                f"{out[new]!r}: a line that says two things is believed in neither reading",
+                key=old,
+            )
     if "phase" not in out:
         seq_len, total = out.get("seq_len"), out.get("tokens_total")
         if isinstance(seq_len, int) and isinstance(total, int) and not isinstance(seq_len, bool):
@@ -395,7 +403,12 @@ def load_record(raw: bytes | str, line_no: int, file: str = "") -> Any:
     things (tokens_total 205, then 101) is believed in neither reading."""
     record = orjson.loads(raw)
     if isinstance(record, dict):
-        json.loads(raw, object_pairs_hook=lambda pairs: _once(pairs, line_no, file))
+        try:
+            json.loads(raw, object_pairs_hook=lambda pairs: _once(pairs, line_no, file))
+        except RecursionError:  # orjson reads 1,023 levels, json fewer: no record nests so
+            raise _refuse(
+                file, line_no, "a value nested deeper than the checks read (no record does)", ""
+            ) from None
     return record
 
 
@@ -441,6 +454,7 @@ class _Prompt:
     index_notes: list[str] = field(default_factory=list)  # the first few, with their line
     top1_seq: list[int] = field(default_factory=list)
     gap_seq: list[float] = field(default_factory=list)
+    decode_steps: int = 0  # decode lines folded in (a scratch copy keeps it, not the sequence)
 
     def row(self) -> dict[str, Any]:
         steps = len(self.top1_seq)
@@ -519,7 +533,8 @@ class ReadoutAggregator:
 
     def scratch(self) -> ReadoutAggregator:
         """A copy to check further lines against that leaves this table as it is (fact() reads
-        the prompts' names, lines and counters, never their token sequences or the facts)."""
+        the prompts' names, lines and counters (decode_steps among them), never their token
+        sequences or the facts)."""
         copy = ReadoutAggregator()
         copy._prompts = [
             dataclasses.replace(p, index_notes=list(p.index_notes), top1_seq=[], gap_seq=[])
@@ -581,7 +596,7 @@ class ReadoutAggregator:
                 hint="each prompt's decode lines must continue its own tokens_total",
                 key="prompt",
             )
-        if prompt.top1_seq and step <= prompt.last_step:
+        if prompt.decode_steps and step <= prompt.last_step:
             raise TraceError(
                 file,
                 line_no,
@@ -677,6 +692,7 @@ class ReadoutAggregator:
         prompt = self._prompts[who]
         prompt.last_step = step
         prompt.tokens_total = total
+        prompt.decode_steps += 1
         prompt.top1_seq.append(top1)
         prompt.gap_seq.append(gap)
         prompt.mismatches += mismatch

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 from test_engines_doc import write_example
-from test_kv_invariance_analysis import write_cell
+from test_kv_invariance_analysis import POINT, write_cell
 
+from analysis.kv_invariance import point_dir
 from console.cli import main
 
 
@@ -85,7 +86,7 @@ def test_json_is_one_document_with_every_pairs_metrics_and_first_fail(
 
 def test_kv_invariance_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     root = tmp_path / "kv"
-    write_cell(root / "kv_invariance" / "d64_kv256_b1_gqa1_mask1_alibi0_sinks0")
+    write_cell(root / "kv_invariance" / point_dir(POINT))  # a directory named for its point
     before = snapshot(root)
     out = tmp_path / "out"
     assert main(["analyze", str(root), "--kind", "kv_invariance", "--output", str(out)]) == 0

@@ -101,6 +101,7 @@ class ReadoutJudge(Judge):
         self.prompt_names: list[str] = list(section["prompts"])
         self.params = {c.index: c.params for c in ctx.cells}
         self.named: dict[str, int] = {}  # file -> prefill_last lines named so far
+        self.blank_at: dict[str, int | None] = {}  # file -> a blank line with no record after
         self.opened: dict[int, int] = {}  # cell -> prefill_last lines it wrote (judged)
 
     def name_for(self, cell: int, n: int) -> str | None:
@@ -117,9 +118,17 @@ class ReadoutJudge(Judge):
         named = self.named.get(file, 0)
         facts: list[list[Any]] = []
         errors: list[tuple[str, str]] = []
+        blank = self.blank_at.get(file)  # a blank line read, no record after it yet
         for n, raw in enumerate(lines, start=first_line):
             if not raw.strip():
+                blank = n if blank is None else blank
                 continue
+            if blank is not None:  # as analyze reads a trace: blank lines end it
+                why = (
+                    f"{file}:{blank}: blank line inside the trace (a record follows it at line {n})"
+                )
+                errors.append((why, f"{file}:{blank}"))
+                blank = None
             try:
                 record = load_record(raw, n, file)
                 name = None
@@ -136,9 +145,13 @@ class ReadoutJudge(Judge):
             table.apply(fact, file)
             facts.append(fact)
             named += fact[0] == "p"
+        if blank != self.blank_at.get(file):
+            return Digest({"facts": facts, "blank": blank}, errors)
         return Digest({"facts": facts} if facts else None, errors)
 
     def apply_digest(self, cell: int, file: str, data: dict[str, Any]) -> None:
+        if "blank" in data:
+            self.blank_at[file] = data["blank"]
         self.book.apply_facts(file, data.get("facts", []))
         prefills = sum(1 for fact in data.get("facts", []) if fact[0] == "p")
         self.named[file] = self.named.get(file, 0) + prefills
@@ -315,7 +328,9 @@ def _feed_kept(run_dir: Path, problems: list[str]) -> Callable[[Judge, list[Even
                 continue
             spans = sorted((e.first_line, e.last_line, e.cell) for e in batches if e.file == file)
             try:
-                lines = (run_dir / rel).read_bytes().splitlines(keepends=True)
+                # lines end at a newline only, as they were followed (not at a bare \r)
+                lines = (run_dir / rel).read_bytes().split(b"\n")
+                lines = [ln + b"\n" for ln in lines[:-1]] + ([lines[-1]] if lines[-1] else [])
             except OSError as exc:
                 problems.append(f"{run_dir / rel}: the kept trace cannot be read ({exc.strerror})")
                 continue
