@@ -32,8 +32,12 @@ def cell_items(events: Events) -> list[Item]:
         elif e["type"] == "cell_requeued":
             cells.pop(e["cell"], None)
     out = []
+    keys = {index: _cell_key(index, params[index]) for index in params}
+    twice = {k for k in keys.values() if list(keys.values()).count(k) > 1}
     for index in sorted(params):
-        key = _cell_key(index, params[index])
+        key = keys[index]
+        if key in twice:  # cells with the same parameters: told apart by their place
+            key = f"{key} (cell {index + 1})"
         e = cells.get(index)
         if e is None:
             out.append(Item("cell", key, "UNJUDGED", FAIL, first_fail="the cell never finished"))

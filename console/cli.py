@@ -598,6 +598,17 @@ def cmd_replay(args: argparse.Namespace) -> int:
             f"{path}: the last line is incomplete (the console stopped mid-write); "
             f"`tracedeck attach {args.dir}` resumes from the last complete event"
         )
+    if code == 0:  # a recorded pass is believed only when its own events agree
+        from runners.run_view import load_side
+
+        try:
+            side = load_side(args.dir)
+        except (FileNotFoundError, ValueError, KeyError, TypeError) as exc:
+            _err(f"the record cannot be read back to check its verdict: {exc}")
+            return EXIT_USAGE
+        if side.exit_code != 0:
+            _err(side.problems[0] if side.problems else f"{args.dir}: the run's end is no pass")
+            code = side.exit_code if side.exit_code is not None else EXIT_USAGE
     from console.ci_cmd import write_reports
 
     return code if write_reports(args, args.dir) else (code or EXIT_USAGE)

@@ -8,6 +8,7 @@ with (runners.kinds.event_types() gives every usable kind's); nothing registers 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -347,9 +348,47 @@ def event_from_dict(data: dict[str, Any], types: Mapping[str, type[Event]]) -> E
 
 
 def event_from_owned(data: dict[str, Any], types: Mapping[str, type[Event]]) -> Event:
-    """event_from_dict for a dict nobody else holds (just parsed): it is consumed, not copied."""
+    """event_from_dict for a dict nobody else holds (just parsed): it is consumed, not copied.
+    A field whose JSON type is not its declared one is a ValueError naming it (a record
+    damaged or edited by hand is said, never read into a wrong shape)."""
     kind = data.pop("type", None)
     cls = types.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise ValueError(f"unknown event type {kind!r}")
-    return cls(**data)
+    for name, allowed, text in _field_types(cls):
+        value = data.get(name, _ABSENT)
+        if value is not _ABSENT and (
+            not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed)
+        ):
+            shown = repr(value)[:60]
+            raise ValueError(f"{kind}: field {name!r} is {shown}, not {text}")
+    try:
+        return cls(**data)
+    except TypeError as exc:  # a field missing, or one no such event has
+        raise ValueError(f"{kind}: {exc}") from None
+
+
+_ABSENT = object()
+# JSON types a declared field type may hold (anything else is not checked: enums, Any)
+_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "int": (int,), "float": (int, float), "str": (str,), "bool": (bool,),
+    "dict": (dict,), "list": (list,), "tuple": (list,), "None": (type(None),),
+}  # fmt: skip
+
+
+@functools.cache
+def _field_types(cls: type[Event]) -> list[tuple[str, tuple[type, ...], str]]:
+    """(field, the JSON types its declared type allows, the declared type) for the fields
+    whose declared type is plain (int, str, float, bool, dict[...], list[...], | None)."""
+    out = []
+    for f in dataclasses.fields(cls):
+        text = str(f.type)
+        allowed: tuple[type, ...] = ()
+        for part in (p.strip() for p in text.split("|")):
+            got = _JSON_TYPES.get(part.split("[", 1)[0])
+            if got is None:
+                break
+            allowed += got
+        else:
+            out.append((f.name, allowed, text))
+    return out

@@ -10,7 +10,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from analysis.run_compare import RunSide
+from analysis.run_compare import FAIL, RunSide
+from runners.exits import EXIT_FAIL
 from runners.kinds import all_kinds, event_types
 from runners.record import EVENTS, RunRecord, iter_events
 
@@ -39,7 +40,16 @@ def load_side(local_dir: Path) -> RunSide:
     summary = finished["summary"] if finished else None
     items = kind.compare_items(events, summary)
     verdict = finished["verdict"] if finished else None
+    exit_code = finished["exit_code"] if finished else None
+    tone = kind.tone(verdict) if verdict is not None else None
     problems = []
+    failing = [i for i in items if i.tone == FAIL]
+    if exit_code == 0 and failing:  # a pass its own items deny: an edited record, or a bug
+        problems.append(
+            f"{path}: the record's verdict {verdict} (exit 0) is contradicted by its own events "
+            f"({failing[0].klass} {failing[0].key}: {failing[0].verdict}): not believed"
+        )
+        verdict, exit_code, tone = f"{verdict} (contradicted)", EXIT_FAIL, FAIL
     if summary:
         problems += [str(x) for x in summary.get("engine_errors", [])]
         problems += [str(x) for x in summary.get("errors", [])]
@@ -52,8 +62,8 @@ def load_side(local_dir: Path) -> RunSide:
         kind=record.kind,
         matrix=matrix,
         verdict=verdict,
-        tone=kind.tone(verdict) if verdict is not None else None,
-        exit_code=finished["exit_code"] if finished else None,
+        tone=tone,
+        exit_code=exit_code,
         items=items,
         identity=identity(record, started, events, Path(local_dir)),
         started_at=record.started_at,
