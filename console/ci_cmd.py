@@ -30,9 +30,9 @@ def _err(message: str) -> None:
     print(f"tracedeck: {message}", file=sys.stderr)
 
 
-def write_reports(args: argparse.Namespace, local_dir: Path) -> bool:
-    """Write the reports asked for from the run's record; False (said on stderr) when they
-    could not be written."""
+def write_reports(args: argparse.Namespace, local_dir: Path, side: Any = None) -> bool:
+    """Write the reports asked for from the run's record (or `side`, a run that left none);
+    False (said on stderr) when they could not be written."""
     junit, summary = getattr(args, "junit", None), getattr(args, "summary_md", None)
     if junit is None and summary is None:
         return True
@@ -41,7 +41,7 @@ def write_reports(args: argparse.Namespace, local_dir: Path) -> bool:
     from runners.run_view import load_side
 
     try:
-        side = load_side(local_dir)
+        side = side or load_side(local_dir)
     except (FileNotFoundError, ValueError, KeyError, TypeError) as exc:
         _err(f"cannot write the CI reports: {exc}")
         return False
@@ -66,7 +66,9 @@ def after_run(args: argparse.Namespace, session: Any, code: int) -> int:
 
     local = Path(session.local_dir)
     recorded = (local / RUN_JSON).is_file()
-    wrote = write_reports(args, local) if recorded else False
+    # a run that left no record (refused by a busy lock, never started) still has its reports
+    # said: never a green one left from an earlier run at the same paths
+    wrote = write_reports(args, local, None if recorded else _unrecorded(session, code))
     try:
         config = load_config()
     except ConfigError as exc:
@@ -115,3 +117,26 @@ def reports_for_analyze(args: argparse.Namespace, path: Path, code: int) -> int:
         )
         return code or EXIT_USAGE
     return code if write_reports(args, path) else (code or EXIT_USAGE)
+
+
+def _unrecorded(session: Any, code: int) -> Any:
+    """A run that left no record of its own, as the reports show it: what ended it."""
+    from analysis.run_compare import FAIL, RunSide
+
+    finished = getattr(session, "finished", None)
+    verdict = finished.verdict if finished is not None else "NOT_STARTED"
+    why = (finished.summary or {}).get("error", "") if finished is not None else ""
+    record = session.record
+    return RunSide(
+        run_id=record.run_id,
+        preset=record.preset,
+        kind=record.kind,
+        matrix={},
+        verdict=verdict,
+        tone=FAIL,
+        exit_code=code,
+        items=[],
+        started_at=record.started_at,
+        path=str(session.local_dir),
+        problems=[str(why or f"the run left no record ({verdict})")],
+    )

@@ -5,10 +5,11 @@ record instead of a traceback. Real runs of the command kind, records then edite
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
-from runhelp import cli_env, run_dirs, tracedeck
+from runhelp import cli_env, run_dirs, tracedeck, wait_until_held
 
 
 def _run(tmp_path: Path, out: Path, command: str, matrix: str) -> Path:
@@ -86,3 +87,29 @@ def test_a_run_end_whose_summary_is_no_object_is_named_not_a_traceback(tmp_path:
         assert "Traceback" not in done.stderr, done.stderr
         assert done.returncode == 2, done.stderr
         assert "events.jsonl:" in done.stderr and "field 'summary' is ['x']" in done.stderr
+
+
+def test_a_run_refused_by_a_busy_lock_writes_its_reports_never_leaving_a_green_one(
+    tmp_path: Path,
+) -> None:
+    """The same --junit / --summary-md paths: a passing run, then one a busy lock refuses (no
+    record of its own). Its reports say LOCK_BUSY (exit 3); the first run's green ones go."""
+    junit, summary, lock = tmp_path / "j.xml", tmp_path / "s.md", tmp_path / "lock"
+    args = [
+        "run", "hello_command", "--out", str(tmp_path / "out"), "--set", "matrix.n=[1]",
+        "--set", f'target.lock="{lock}"', "--set", f'target.runs="{tmp_path}/remote"',
+        "--junit", str(junit), "--summary-md", str(summary),
+    ]  # fmt: skip
+    env = cli_env(tmp_path)
+    assert tracedeck(*args, env=env).returncode == 0
+    assert summary.read_text().startswith("## ✅")
+    holder = subprocess.Popen(["flock", str(lock), "sleep", "600"])
+    try:
+        wait_until_held(lock)
+        done = tracedeck(*args, env=env)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert summary.read_text().startswith("## ❌ hello_command: LOCK_BUSY (exit 3)")
+    assert 'errors="1"' in junit.read_text()
