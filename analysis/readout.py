@@ -164,6 +164,7 @@ PHYSICAL_INDEX_FIELDS = ("used_index", "hidden_token_index_used")
 # Logits are float32: seed 003's lines put row r of the logits buffer at r * vocab * 4 bytes
 # (104656896 = 204 * 128256 * 4), and B3.11's fix writes decode's row at the logical index.
 LOGITS_BYTES = 4
+DECODE_HIDDEN_TAG = "decode_hidden_single_token"  # seed 003: a single-token decode's hidden
 # What a line may note about its indices (a row keeps the first few).
 INDEX_NOTES = 3
 
@@ -310,6 +311,20 @@ def check_consistency(record: dict[str, Any], line_no: int, file: str) -> None:
             f"hidden_offset_bytes {offset} is not {used[0][0]} {used[0][1]} x "
             f"hidden_stride_bytes {stride} = {used[0][1] * stride}",
             "hidden_offset_bytes",
+        )
+    tag = record.get("hidden_source_tag")
+    if (
+        tag is not None
+        and record["phase"] == PHASE_DECODE
+        and record.get("readout_buffer_kind") == "single_token"
+        and tag != DECODE_HIDDEN_TAG
+    ):
+        raise _refuse(
+            file,
+            line_no,
+            f"hidden_source_tag {tag!r} on a single-token decode line: seed 003's fix reads "
+            f"decode's hidden from {DECODE_HIDDEN_TAG!r}",
+            "hidden_source_tag",
         )
     alloc = record.get("hidden_alloc_bytes")
     if stride and offset is not None and alloc is not None and offset + stride > alloc:

@@ -97,3 +97,17 @@ def test_blank_lines_at_the_end_are_allowed_live_as_in_analyze(tmp_path: Path, t
     path = _write(tmp_path / "t.jsonl", [_dumps(x) for x in honest()])
     path.write_bytes(path.read_bytes() + tail)
     assert verdict_of(path) == "OK" and live_verdict(path, tmp_path) == ("OK", [])
+
+
+def test_a_single_token_decode_line_tagged_with_prefill_s_hidden_is_refused(
+    tmp_path: Path,
+) -> None:
+    """Seed 003's fix: a single-token decode reads decode's own hidden, tagged
+    decode_hidden_single_token; a line tagged with prefill's sequence read something else,
+    whatever its top-1 says."""
+    prefill, decode = honest()
+    decode["hidden_source_tag"] = "prefill_hidden_seq"
+    path = _write(tmp_path / "t.jsonl", [_dumps(prefill), _dumps(decode)])
+    assert verdict_of(path) == "refused"
+    word, errors = live_verdict(path, tmp_path)
+    assert word != "OK" and any(":2: hidden_source_tag " in e for e in errors), errors
