@@ -266,7 +266,11 @@ async def check_remote(
     for item in items:
         if not item.delete:
             continue
-        local = find_local_run(item.run_id, out_dir)
+        try:
+            local = find_local_run(item.run_id, out_dir)
+        except ValueError as exc:  # two records of one id: which console follows it is unknown
+            item.keep(str(exc))
+            continue
         if local is not None and writer_present(local):
             item.keep(f"a console here follows it ({local})")
             continue

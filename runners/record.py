@@ -273,10 +273,16 @@ def find_local_run(run_id: str, out_dir: str | os.PathLike[str]) -> Path | None:
     link = Path(out_dir) / BY_ID / run_id
     if "/" not in run_id and (link / RUN_JSON).is_file():
         return Path(os.path.normpath(link.parent / os.readlink(link)))
+    found: list[Path] = []
     for local in local_runs(out_dir):
         try:
             if RunRecord.load(local).run_id == run_id:
-                return local
+                found.append(local)
         except (OSError, ValueError, TypeError):
             continue  # another tool's run.json; not one of ours
-    return None
+    if len(found) > 1:  # a copied or edited record: which one is meant is not a guess
+        raise ValueError(
+            f"run id {run_id!r} is recorded by {len(found)} directories under {out_dir}: "
+            f"{', '.join(str(f) for f in found)}; pass the directory itself"
+        )
+    return found[0] if found else None

@@ -113,3 +113,20 @@ def test_a_run_refused_by_a_busy_lock_writes_its_reports_never_leaving_a_green_o
     assert done.returncode == 3, done.stdout + done.stderr
     assert summary.read_text().startswith("## ❌ hello_command: LOCK_BUSY (exit 3)")
     assert 'errors="1"' in junit.read_text()
+
+
+def test_a_run_id_two_directories_record_is_refused_naming_both(tmp_path: Path) -> None:
+    """Two records of one id (a copy edited by hand) and no by-id link: `diff ID` was given
+    the first found; which one is meant is not a guess."""
+    import shutil
+
+    out = tmp_path / "out"
+    local = _run(tmp_path, out, "true", "[1]")
+    run_id = json.loads((local / "run.json").read_text())["run_id"]
+    twin = local.parent / "copy"
+    shutil.copytree(local, twin)
+    for link in (out / "by-id").iterdir():
+        link.unlink()
+    done = tracedeck("diff", run_id, run_id, "--out", str(out), env=cli_env(tmp_path))
+    assert done.returncode == 2 and "is recorded by 2 directories" in done.stderr
+    assert str(local) in done.stderr and str(twin) in done.stderr
