@@ -223,7 +223,7 @@ def export_block(
     appended; at most one write is in flight and a few chunks wait per worker (bounded
     memory)."""
     import os
-    import tempfile
+    import secrets
     from concurrent.futures import Future, ThreadPoolExecutor
 
     import pyarrow as pa
@@ -234,13 +234,9 @@ def export_block(
     from analysis.dsa_scan import known
     from analysis.dsa_tree import shard_files
 
-    # this export's own part file: two exports to one output never write into each other's
-    fd, name = tempfile.mkstemp(dir=out.parent, prefix=f"{out.name}.", suffix=".part")
-    os.close(fd)
-    part = Path(name)
-    umask = os.umask(0)
-    os.umask(umask)
-    part.chmod(0o666 & ~umask)  # as a plain open would make it (mkstemp's is 0600)
+    # this export's own part file: two exports to one output never write into each other's;
+    # named before it is made, so a signal at any point after `try` leaves none behind
+    part = out.with_name(f"{out.name}.{os.getpid()}.{secrets.token_hex(4)}.part")
     records = invalid = 0
     pending: list[pa.Table] = []
     inflight: Future[Any] | None = None
@@ -254,6 +250,7 @@ def export_block(
         inflight = pool.submit(write, payload)
 
     try:
+        os.close(os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # (the umask's)
         if fmt == "parquet":
             sink = pq.ParquetWriter(part, SCHEMA, compression="zstd", write_statistics=STATISTICS)
             write = sink.write_table
@@ -282,10 +279,12 @@ def export_block(
         if records:  # nothing to export: no file (the caller says so)
             part.replace(out)
     finally:
-        pool.shutdown(wait=True)
-        if sink is not None:
-            sink.close()
-        part.unlink(missing_ok=True)
+        try:
+            pool.shutdown(wait=True)
+            if sink is not None:
+                sink.close()
+        finally:  # whatever closing a broken export raised, its part file goes
+            part.unlink(missing_ok=True)
     return records, invalid
 
 
