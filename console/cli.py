@@ -587,10 +587,21 @@ def cmd_replay(args: argparse.Namespace) -> int:
     printer = Printer(json_lines=args.json)
     previous = None
     code = 0
+    from runners.events import RunFinished
+    from runners.run_view import believed_end
+
     for event in recorded.events:
         if args.speed > 0 and previous is not None:
             time.sleep(max(0.0, (event.t - previous) / args.speed))
         previous = event.t
+        if isinstance(event, RunFinished) and event.exit_code == 0:
+            try:  # a recorded pass is believed only when its own events agree
+                event = believed_end(args.dir, event)
+            except (FileNotFoundError, ValueError, KeyError, TypeError) as exc:
+                _err(f"the record cannot be read back to check its verdict: {exc}")
+                return EXIT_USAGE
+            if event.exit_code:
+                _err(event.summary["error"])
         printer(event)
         code = getattr(event, "exit_code", code)
     if recorded.torn_tail:
@@ -598,17 +609,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
             f"{path}: the last line is incomplete (the console stopped mid-write); "
             f"`tracedeck attach {args.dir}` resumes from the last complete event"
         )
-    if code == 0:  # a recorded pass is believed only when its own events agree
-        from runners.run_view import load_side
-
-        try:
-            side = load_side(args.dir)
-        except (FileNotFoundError, ValueError, KeyError, TypeError) as exc:
-            _err(f"the record cannot be read back to check its verdict: {exc}")
-            return EXIT_USAGE
-        if side.exit_code != 0:
-            _err(side.problems[0] if side.problems else f"{args.dir}: the run's end is no pass")
-            code = side.exit_code if side.exit_code is not None else EXIT_USAGE
     from console.ci_cmd import write_reports
 
     return code if write_reports(args, args.dir) else (code or EXIT_USAGE)

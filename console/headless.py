@@ -6,6 +6,7 @@ import shutil
 import sys
 from typing import Any, TextIO
 
+from console.safe_text import clean
 from runners import kinds
 from runners.cells import SETUP_CELL, CellState, params_label
 from runners.events import (
@@ -82,8 +83,8 @@ class Printer:
             lines = self.lines(event)
             if lines:
                 self.progress.clear()
-            for line in lines:
-                self.out.write(line + "\n")
+            for line in lines:  # engine text among them: no escape reaches the terminal
+                self.out.write(clean(line) + "\n")
         self.out.flush()
 
     def track(self, event: Event) -> None:

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
+from console.safe_text import clean
 from runners.cells import SETUP_CELL
 from runners.events import Error, Event, OutputLines, RunFinished, RunStarted
 from runners.exits import EXIT_INFRA, EXIT_INTERRUPT, EXIT_USAGE
@@ -69,12 +70,14 @@ class LogPrinter:
             if self.cell is not None and event.cell != self.cell:
                 return
             prefix = "" if self.cell is not None else self.tag(event.cell)
-            for line in event.lines:
-                self.out.write(f"{prefix}{line}\n")
+            for line in event.lines:  # shown, not replayed into the terminal: escapes replaced
+                self.out.write(f"{prefix}{clean(line)}\n")
             self.lines += len(event.lines)
             self.out.flush()
         elif isinstance(event, Error):
-            self.err.write(f"tracedeck logs: error at {event.where}: {event.message}\n")
+            self.err.write(
+                f"tracedeck logs: error at {clean(event.where)}: {clean(event.message)}\n"
+            )
         elif isinstance(event, RunFinished):
             self.finished = event
             self.err.write(

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from analysis.run_compare import FAIL, RunSide
+from runners.events import RunFinished
 from runners.exits import EXIT_FAIL
 from runners.kinds import all_kinds, event_types
 from runners.record import EVENTS, RunRecord, iter_events
@@ -42,6 +43,8 @@ def load_side(local_dir: Path) -> RunSide:
     verdict = finished["verdict"] if finished else None
     exit_code = finished["exit_code"] if finished else None
     tone = kind.tone(verdict) if verdict is not None else None
+    if exit_code not in (0, None):  # a non-zero exit is never a pass, whatever the word says
+        tone = FAIL
     problems = []
     failing = [i for i in items if i.tone == FAIL]
     if exit_code == 0 and failing:  # a pass its own items deny: an edited record, or a bug
@@ -69,6 +72,20 @@ def load_side(local_dir: Path) -> RunSide:
         started_at=record.started_at,
         path=str(local_dir),
         problems=problems,
+    )
+
+
+def believed_end(local_dir: Path, end: RunFinished) -> RunFinished:
+    """A recorded run's end as a replay shows it: a pass its own events deny (load_side) is
+    shown as what load_side makes of it (its word marked contradicted, exit 1, the reason)."""
+    if end.exit_code != 0:
+        return end
+    side = load_side(local_dir)
+    if side.exit_code == 0 or side.exit_code is None:
+        return end
+    summary = {**end.summary, "error": side.problems[0] if side.problems else ""}
+    return RunFinished(
+        verdict=str(side.verdict), exit_code=side.exit_code, summary=summary, t=end.t
     )
 
 

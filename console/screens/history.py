@@ -55,6 +55,7 @@ class RunEntry:
     problem: str | None = None
     kind: str = ""
     why: str = ""  # the verdict's reason (a loosened pass says how much, a failure why)
+    exit_code: int | None = None  # a non-zero exit is never shown as a pass, whatever the word
 
 
 def started_words(started: str) -> str:
@@ -96,6 +97,24 @@ def last_finished(events: Path) -> RunFinished | None:
     return None
 
 
+# A recorded pass is checked against its own events (runners.run_view.believed_end) up to this
+# size; a larger record is listed as recorded and says so (its replay checks it when opened).
+CHECK_MAX_BYTES = 32 << 20
+
+
+def _checked(local: Path, end: RunFinished) -> RunFinished:
+    from runners.run_view import believed_end
+
+    try:
+        if (local / EVENTS).stat().st_size > CHECK_MAX_BYTES:
+            reason = "(a large record: its pass is checked when it is opened)"
+            return RunFinished(end.verdict, end.exit_code, {**end.summary, "reason": reason})
+        return believed_end(local, end)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        error = f"the record cannot be read back to check its verdict: {exc}"
+        return RunFinished(f"{end.verdict} (unchecked)", 2, {**end.summary, "error": error})
+
+
 def scan_runs(out_dir: Path) -> list[RunEntry]:
     """Every run.json under out_dir, newest first; a damaged record is listed with its problem."""
     entries: list[RunEntry] = []
@@ -109,6 +128,8 @@ def scan_runs(out_dir: Path) -> list[RunEntry]:
             entries.append(RunEntry(local, "", local.name, "?", "?", None, f"{path}: {exc}"))
             continue
         finished = last_finished(local / EVENTS)
+        if finished is not None and finished.exit_code == 0:
+            finished = _checked(local, finished)
         summary = finished.summary if finished is not None else {}
         entries.append(
             RunEntry(
@@ -120,6 +141,7 @@ def scan_runs(out_dir: Path) -> list[RunEntry]:
                 verdict=finished.verdict if finished is not None else None,
                 kind=str(data.get("kind", "")),
                 why=str(summary.get("reason") or summary.get("error") or ""),
+                exit_code=finished.exit_code if finished is not None else None,
             )
         )
     entries.sort(key=lambda e: (e.started, e.run_id), reverse=True)
@@ -245,7 +267,8 @@ class HistoryScreen(Screen[None]):
             elif entry.verdict is None:
                 verdict = Text(UNFINISHED, style="bold yellow")
             else:
-                verdict = plain(entry.verdict, TONE_STYLES[tone(entry.kind, entry.verdict)])
+                said = tone(entry.kind, entry.verdict) if entry.exit_code == 0 else "fail"
+                verdict = plain(entry.verdict, TONE_STYLES[said])
             cells = [
                 plain(started_words(entry.started)),
                 plain(entry.run_id),

@@ -26,7 +26,7 @@ from console.run_model import (
     varying_keys,
 )
 from console.widgets.steady import SteadyScroll
-from console.widgets.text import plain
+from console.widgets.text import clean, plain
 
 MARKS = {"stdout": "|", "stderr": "!"}
 CONTINUATION = "    "  # the start of a wrapped line's continuation rows
@@ -100,7 +100,8 @@ class LogLines(SteadyScroll, Log):
 
 
 class RunLog(Vertical):
-    """Log lines go to a Log widget (it shows text literally, control codes removed)."""
+    """Log lines go to a Log widget, shown literally: markup stays text, control and format
+    characters are replaced (text.clean) before they are written."""
 
     DEFAULT_CSS = """
     RunLog { height: 1fr; }
@@ -147,6 +148,7 @@ class RunLog(Vertical):
         return log.scrollable_content_region.width if self.wrap else 0
 
     def _write(self, lines: list[str]) -> None:
+        lines = [clean(line) for line in lines]  # (Log removes \x00-\x14 only: not ESC)
         self._logical.extend(lines)
         width = self._width = self._wrap_width()
         rows = [row for line in lines for row in wrap_line(line, width)] if width else lines

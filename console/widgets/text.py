@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from rich.text import Text
 
+from console.safe_text import clean
 from runners.cells import CellState
-
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 TONE_STYLES = {"pass": "bold green", "drift": "bold yellow", "fail": "bold red"}
 STATE_STYLES = {
@@ -21,11 +19,6 @@ STATE_STYLES = {
     CellState.LOST: "red",
     CellState.SKIPPED: "yellow",
 }
-
-
-def clean(value: Any) -> str:
-    """str(value) with tabs expanded and control characters (terminal escapes) replaced."""
-    return _CONTROL.sub("\ufffd", str(value).expandtabs(4))
 
 
 def plain(value: Any, style: str = "") -> Text:
