@@ -84,8 +84,9 @@ def after_run(args: argparse.Namespace, session: Any, code: int) -> int:
         except (FileNotFoundError, ValueError, KeyError, TypeError):
             verdict = "NOT_FINISHED"
     report: Path | str = local if recorded else "-"
-    if wrote:
-        report = args.summary_md or args.junit or local
+    asked = getattr(args, "summary_md", None) or getattr(args, "junit", None)
+    if wrote and asked:
+        report = asked
     problem = run_notify(config, [run_id, preset, verdict, str(code), str(report)])
     if problem:
         _err(problem)
