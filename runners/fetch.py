@@ -11,8 +11,14 @@ from runners.cells import PlannedCell, cell_name
 from runners.events import ArtifactFailed, ArtifactFetched, ArtifactHeld, Error, Event
 from runners.plan import RunPlan
 from runners.progress import Meter, Sink
-from runners.record import RecordError
-from runners.targets.base import ConnectionLost, LocalWriteError, Target, TargetError
+from runners.record import RecordError, record_name_problem
+from runners.targets.base import (
+    ConnectionLost,
+    LocalWriteError,
+    NotRegular,
+    Target,
+    TargetError,
+)
 
 
 class OutsideRun(TargetError):
@@ -33,6 +39,9 @@ async def download_into(
     progress(bytes done, bytes in all) as the bytes come.
     """
     local = local_dir / rel
+    named = record_name_problem(rel)
+    if named is not None:  # the preset refuses it; a path rendered otherwise is caught here
+        raise OutsideRun(f"{local} {named}: not written")
     if not local.resolve().is_relative_to(local_dir.resolve()):
         # The preset refuses such paths; a link planted in the run's directory is caught here.
         raise OutsideRun(f"{local} resolves outside the run's directory {local_dir}: not written")
@@ -78,7 +87,7 @@ async def fetch_cell(
             await download_into(target, remote, local_dir, rel, progress=meter.update)
         except (ConnectionLost, RecordError):
             raise  # the link (reconnect, resume) or this machine's disk: never the engine's
-        except OutsideRun as exc:
+        except (OutsideRun, NotRegular) as exc:  # never looked at again (a FIFO's open blocks)
             why = str(exc)
             events.append(Error(message=f"{cell_name(cell.index, cell.params)}: {why}", where=rel))
             events.append(ArtifactFailed(cell=cell.index, path=rel, reason=why, missing=False))

@@ -51,6 +51,15 @@ class CellTrack:
     outputs: dict[str, FileFollower] = field(default_factory=dict)
     # sizes of the shared trace files when the cell ended (cells/NNN/trace_sizes)
     end_sizes: dict[str, int] | None = None
+    # the start and end progress.jsonl said (t; rc and t), as read by this follower: reading
+    # the file again (an attach) meets the same lines; a different one was forged
+    said_start: Any = None
+    said_end: Any = None
+
+
+def _cell_number(name: Any) -> int | None:
+    """A progress line's cell ("000", "001", ...) as an index, else None."""
+    return int(name) if isinstance(name, str) and name.isdigit() else None
 
 
 class RunFollower:
@@ -166,8 +175,13 @@ class RunFollower:
                 pending.setdefault(path, []).append(got)
         for progress in self.progress_files:
             got_progress = await progress.poll()
-            for raw in got_progress.lines if got_progress else []:
-                await self._on_progress(orjson.loads(raw), pending)
+            for n, raw in enumerate(got_progress.lines if got_progress else [], start=1):
+                try:
+                    entry = orjson.loads(raw)
+                except orjson.JSONDecodeError:
+                    entry = None
+                line = f"{progress.path}:{got_progress.first_line + n - 1}"  # type: ignore[union-attr]
+                await self._on_progress(entry, pending, line)
         await self._emit_shared(pending, ended=None)
         for track in self.cells.values():
             if track.started is not None and not track.finished:
@@ -280,11 +294,50 @@ class RunFollower:
                 missing.append(t.path)
         return missing
 
-    async def _on_progress(self, entry: dict[str, Any], pending: dict[str, list[Lines]]) -> None:
+    def _forged(self, where: str, why: str) -> None:
+        """A progress line tracedeck's scripts did not write (the engine shares the run's
+        directory): said, never believed; the run cannot pass."""
+        self.emit(
+            Error(
+                message=f"{where}: {why}: a line tracedeck's scripts did not write (the engine "
+                "can write there); it is not believed, and the run cannot pass",
+                where=where,
+            )
+        )
+
+    async def _on_progress(
+        self, entry: Any, pending: dict[str, list[Lines]], where: str = "progress.jsonl"
+    ) -> None:
+        if not isinstance(entry, dict):
+            self._forged(where, "not a JSON object")
+            return
         word = entry.get("e")
         if word in ("start", "end"):
-            name = entry["cell"]
-            track = self.cells[SETUP_CELL if name == SETUP else int(name)]
+            name = entry.get("cell")
+            index = SETUP_CELL if name == SETUP else _cell_number(name)
+            track = self.cells.get(index) if index is not None else None
+            if track is None:
+                self._forged(where, f"{word} of a cell this run does not have ({name!r})")
+                return
+            t, rc = entry.get("t"), entry.get("rc")
+            if type(t) not in (int, float) or (word == "end" and type(rc) is not int):
+                self._forged(where, f"a {word} of {name} without its number t (and rc)")
+                return
+            if word == "start":
+                said = entry.get("t")
+                if track.said_start is not None and said != track.said_start:
+                    self._forged(where, f"a second start of {name}")
+                    return
+                track.said_start = said
+            else:
+                said = (entry.get("rc"), entry.get("t"))
+                if track.said_start is None and track.started is None:
+                    self._forged(where, f"an end of {name} before its start (rc {said[0]!r})")
+                    return
+                if track.said_end is not None and said != track.said_end:
+                    self._forged(where, f"a second end of {name} (rc {said[0]!r})")
+                    return
+                track.said_end = said
             if word == "start":
                 if track.started is None:
                     track.started = float(entry["t"])

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from runners.cells import params_label
 from runners.determinism import PROFILES
+from runners.record import record_name_problem
 from runners.templates import TemplateError
 from runners.templates import template_fields as _fields
 
@@ -367,6 +368,8 @@ def _check_rendered_paths(out: dict[str, Any], source: str) -> None:
                     continue  # an unknown placeholder is reported where it is checked
                 rel = render_plain(template, values)
                 problem = relative_problem(rel)
+                if problem is None and section == "artifacts":
+                    problem = record_name_problem(rel)
                 if problem is not None:
                     label = " ".join(f"{k}={v}" for k, v in zip(keys, combo, strict=True))
                     raise PresetError(

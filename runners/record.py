@@ -24,6 +24,19 @@ Types = Mapping[str, type[Event]]
 RUN_JSON = "run.json"
 EVENTS = "events.jsonl"
 RECORD_LOCK = "record.lock"
+# The names a run's local directory keeps for tracedeck itself (the record, its writer's lock,
+# the plan, a cancel asked): an artifact fetched home never takes one of them.
+RECORD_FILES = frozenset({RUN_JSON, EVENTS, RECORD_LOCK, "plan.json", "cancel"})
+
+
+def record_name_problem(rel: str) -> str | None:
+    """Why an artifact's path would replace a file of the run's record, else None."""
+    first = Path(rel).parts[0] if Path(rel).parts else ""
+    if first in RECORD_FILES or first.removesuffix(".part") in RECORD_FILES:
+        return f"is the run's own {first} (tracedeck's record): an artifact never replaces it"
+    return None
+
+
 CHUNK = 4 << 20
 
 

@@ -13,6 +13,10 @@ class TargetError(Exception):
     """An infrastructure failure on or reaching a target (CLI exit 3)."""
 
 
+class NotRegular(TargetError):
+    """A path that is no regular file (a FIFO, a device, a directory): never opened to read."""
+
+
 class ConnectionLost(TargetError):
     """The link to the target failed or dropped; the caller may reconnect and resume."""
 

@@ -6,11 +6,12 @@ import asyncio
 import contextlib
 import os
 import signal
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
 from runners.atomic import write_atomic
-from runners.targets.base import CommandResult, TargetError, local_write_error
+from runners.targets.base import CommandResult, NotRegular, TargetError, local_write_error
 
 
 class LocalTarget:
@@ -127,13 +128,20 @@ def _write_atomic(path: Path, data: bytes, mode: int) -> None:
 
 def _read_from(path: Path, offset: int, max_bytes: int) -> bytes | None:
     try:
-        with path.open("rb") as f:
-            f.seek(offset)
-            return f.read(max_bytes)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO's open would wait forever
     except FileNotFoundError:
         return None
     except OSError as exc:
         raise TargetError(f"cannot read {path} on this machine: {exc}") from exc
+    with open(fd, "rb", closefd=True) as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotRegular(f"{path} is not a regular file (a FIFO, device or directory)")
+        os.set_blocking(fd, True)
+        try:
+            f.seek(offset)
+            return f.read(max_bytes)
+        except OSError as exc:
+            raise TargetError(f"cannot read {path} on this machine: {exc}") from exc
 
 
 def _list_dir(path: Path) -> list[str] | None:
@@ -154,14 +162,21 @@ def _copy_atomic(
     part = local.with_name(local.name + ".part")
     try:
         local.parent.mkdir(parents=True, exist_ok=True)
-        with open(src, "rb") as fin, open(part, "wb") as fout:
-            total = os.fstat(fin.fileno()).st_size
-            done = 0
-            while chunk := fin.read(COPY_CHUNK):
-                fout.write(chunk)
-                done += len(chunk)
-                if progress is not None:
-                    progress(done, total)
+        # opened without waiting (a FIFO would block forever), and only a regular file is
+        # copied, no more than the size it had when opened (a device never ends)
+        fd = os.open(src, os.O_RDONLY | os.O_NONBLOCK)
+        with open(fd, "rb", closefd=True) as fin:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise NotRegular(f"{src} is not a regular file (a FIFO, device or directory): not fetched")  # fmt: skip
+            os.set_blocking(fd, True)
+            total, done = info.st_size, 0
+            with open(part, "wb") as fout:
+                while done < total and (chunk := fin.read(min(COPY_CHUNK, total - done))):
+                    fout.write(chunk)
+                    done += len(chunk)
+                    if progress is not None:
+                        progress(done, total)
         os.replace(part, local)
     except OSError as exc:
         part.unlink(missing_ok=True)

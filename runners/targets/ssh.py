@@ -7,6 +7,7 @@ import contextlib
 import os
 import posixpath
 import shlex
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from runners.targets.base import (
     ConnectionLost,
     HostKeyMismatch,
     HostKeyUnknown,
+    NotRegular,
     TargetError,
     local_write_error,
 )
@@ -365,7 +367,22 @@ class SshTarget:
                 progress(done, total)
 
         try:
-            await sftp.get(path, part, progress_handler=handler if progress else None)
+            # only a regular file is fetched: checked before the open (a FIFO's open would
+            # block the server) and on the file opened (it may have been swapped since); no
+            # more than the size it had then is copied (a device never ends)
+            self._regular(await sftp.stat(path), path)
+            async with sftp.open(path, "rb") as remote:
+                attrs = await remote.stat()
+                self._regular(attrs, path)
+                total, done = attrs.size or 0, 0
+                with open(part, "wb") as out:
+                    while done < total:
+                        chunk = await remote.read(min(FETCH_CHUNK, total - done), done)
+                        if not chunk:
+                            break
+                        out.write(chunk)
+                        done += len(chunk)
+                        handler(b"", b"", done, total)
             os.replace(part, local)
         except BaseException as exc:
             part.unlink(missing_ok=True)
@@ -376,12 +393,22 @@ class SshTarget:
                 raise self._failure(exc, f"download {path} to {local}") from exc
             raise
 
+    def _regular(self, attrs: asyncssh.SFTPAttrs, path: str) -> None:
+        if not stat.S_ISREG(attrs.permissions or 0):
+            raise NotRegular(
+                f"{self._where}:{path} is not a regular file (a FIFO, device or directory): "
+                "not fetched"
+            )
+
     def _failure(self, exc: BaseException, what: str) -> TargetError:
         """ConnectionLost when the link is gone (whatever the error said), else a TargetError."""
         gone = self._lost is not None or (self._conn is not None and self._conn.is_closed())
         if gone or isinstance(exc, _LINK_ERRORS):
             return self._lost_error(exc)
         return TargetError(f"cannot {what} on {self._where}: {_reason(exc)}")
+
+
+FETCH_CHUNK = 16 << 20  # asyncssh reads a large block as parallel requests
 
 
 class SshStream:
