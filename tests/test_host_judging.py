@@ -277,6 +277,18 @@ def test_an_engine_that_overwrites_the_shipped_judge_after_launch_gets_no_verdic
 
 
 @pytest.mark.ssh
+def test_an_engine_that_makes_a_shipped_judge_file_a_fifo_gets_no_verdict_and_no_hang(
+    ssh_home: SshHome, tmp_path: Path
+) -> None:
+    """The judge's open of a FIFO would wait for a writer forever: it never opens one."""
+    fifo = 'f="$out/../judge/runners/__init__.py"; rm -f "$f"; mkfifo "$f"\n'
+    done, local = smoke(ssh_home, tmp_path, "out", *hostile_engine(tmp_path, fifo))
+    assert_not_a_pass(done, local)
+    assert done.returncode == 3 and "RESULT: INFRA_ERROR (exit 3)" in done.stdout
+    assert "judge/runners/__init__.py: not a regular file" in done.stdout
+
+
+@pytest.mark.ssh
 def test_a_lying_metrics_file_and_a_lying_host_judge_are_refused_naming_the_pair(
     ssh_home: SshHome, tmp_path: Path
 ) -> None:

@@ -24,6 +24,7 @@ import importlib.util
 import json
 import os
 import site
+import stat
 import sys
 
 TAMPERED_EXIT = 3
@@ -61,7 +62,11 @@ def checked_sources(root, manifest):
     for rel, digest in manifest.items():
         path = f"{root}/{rel}"
         try:
-            with open(path, "rb") as fh:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO's open would wait forever
+            with open(fd, "rb", closefd=True) as fh:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise ValueError(f"{path}: not a regular file; nothing of the judge was run")
+                os.set_blocking(fd, True)
                 data = fh.read()
         except OSError as exc:
             raise ValueError(f"{path}: cannot be read ({exc.strerror})") from None

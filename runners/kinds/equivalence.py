@@ -82,6 +82,11 @@ from runners.record import RUN_JSON, RunRecord, read_events
 from runners.resources import judge_workers
 from runners.targets.base import ConnectionLost, TargetError
 
+# A pair is judged on its host in seconds (162 MiB of logits: about one): a judge silent this
+# long is stuck (an engine's FIFO where a file was, a host out of memory) and is killed, the
+# pair unjudged, never waited for forever.
+HOST_JUDGE_S = 900.0
+
 REPORT_NAME = "B3_67_EQUIVALENCE_GUARDRAIL.md"
 LOGITS_NAME = "logits.jsonl.gz"
 # What judging on the host needs there: the analyzer (numpy; simdjson, isal, orjson if present).
@@ -400,6 +405,7 @@ class EquivalenceJudge(Judge):
         said = await host.run(
             HOST_JUDGING,
             ["--kv", str(kv), "--seed", str(seed), "--thresholds", json.dumps(self.thresholds)],
+            timeout=HOST_JUDGE_S,
         )
         if said.get("ok") is not True:
             raise ValueError(f"judged on {host.target.name}: {said.get('error')}")
