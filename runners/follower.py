@@ -174,14 +174,22 @@ class RunFollower:
             if got is not None:
                 pending.setdefault(path, []).append(got)
         for progress in self.progress_files:
-            got_progress = await progress.poll()
-            for n, raw in enumerate(got_progress.lines if got_progress else [], start=1):
+            got = await progress.poll()
+            if got is None:
+                continue
+            at = got.offsets()
+            for k, raw in enumerate(got.lines):
                 try:
                     entry = orjson.loads(raw)
                 except orjson.JSONDecodeError:
                     entry = None
-                line = f"{progress.path}:{got_progress.first_line + n - 1}"  # type: ignore[union-attr]
-                await self._on_progress(entry, pending, line)
+                try:
+                    await self._on_progress(entry, pending, f"{progress.path}:{got.first_line + k}")
+                except BaseException:
+                    # the link went while this line was acted on: it and the ones after it are
+                    # read again (acting on a line again is a no-op where it got that far)
+                    progress.offset, progress.lines_read = at[k], got.first_line + k - 1
+                    raise
         await self._emit_shared(pending, ended=None)
         for track in self.cells.values():
             if track.started is not None and not track.finished:
@@ -373,13 +381,15 @@ class RunFollower:
                     pending.setdefault(path, []).append(got)
         await self._emit_shared(pending, ended=track)
         await self._drain_cell(track)
+        tail = ""
+        if rc != 0:
+            tail = await self.tail(self.plan.cell_path(track.plan.index, "stderr.log"))
+        # finished only with its end emitted (no await between): a link cut before it makes
+        # the end line be acted on again, never lost
         track.finished = True
         track.passed = rc == 0
         duration = t - track.started if track.started is not None else None
         state = CellState.PASSED if rc == 0 else CellState.FAILED
-        tail = ""
-        if rc != 0:
-            tail = await self.tail(self.plan.cell_path(track.plan.index, "stderr.log"))
         self.emit(
             CellFinished(
                 cell=track.plan.index,

@@ -8,8 +8,9 @@ import io
 import json
 from pathlib import Path
 
-from runhelp import cli_env, run_dirs, tracedeck
+from runhelp import cli_env, tracedeck
 from test_console import SIZE, banner_text, wait_for, wait_for_banner, wait_for_screen
+from test_record_lies import _run
 
 from console.app import create_app
 from console.headless import Printer
@@ -23,16 +24,7 @@ UNSAFE = ("\x1b", "\x07", "\x9b", "\u202e", "\u202c", "\u200b")
 
 
 def _record(tmp_path: Path, command: str, matrix: str = "[1, 2]") -> Path:
-    out = tmp_path / "out"
-    before = set(run_dirs(out))
-    tracedeck(
-        "run", "hello_command", "--out", str(out),
-        "--set", f'target.runs="{tmp_path}/remote"', "--set", f'target.lock="{tmp_path}/lock"',
-        "--set", f"matrix.n={matrix}", "--set", f"engine.command={json.dumps(command)}",
-        env=cli_env(tmp_path),
-    )  # fmt: skip
-    [local] = set(run_dirs(out)) - before
-    return local
+    return _run(tmp_path, tmp_path / "out", command, matrix)
 
 
 def _contradicted(tmp_path: Path) -> Path:

@@ -240,15 +240,15 @@ def test_a_helper_that_stops_answering_is_killed_and_its_batch_judged_here(
 
     import runners.dsa_worker as dsa_worker
 
-    monkeypatch.setattr(dsa_worker, "SILENCE_S", 0.5)
     folder = _lying_trace(tmp_path)
     here, there = TraceBook(32), TraceBook(32)
     feeder = BookFeeder(there)
     batches = _batches(folder)
     try:
-        _same_digest(feeder, here, *batches[0])
+        _same_digest(feeder, here, *batches[0])  # the helper started (at any speed)
         helper = feeder._helper
         assert helper is not None
+        monkeypatch.setattr(dsa_worker, "SILENCE_S", 0.5)  # only the stopped one is waited on
         os.kill(helper.proc.pid, signal.SIGSTOP)
         feeder.submit(*batches[1])
         for batch in batches[1:]:
