@@ -5,6 +5,8 @@ record instead of a traceback. Real runs of the command kind, records then edite
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -103,12 +105,13 @@ def test_a_run_refused_by_a_busy_lock_writes_its_reports_never_leaving_a_green_o
     env = cli_env(tmp_path)
     assert tracedeck(*args, env=env).returncode == 0
     assert summary.read_text().startswith("## ✅")
-    holder = subprocess.Popen(["flock", str(lock), "sleep", "600"])
+    # flock runs sleep as its child, which holds the lock too: both go, as a process group
+    holder = subprocess.Popen(["flock", str(lock), "sleep", "600"], start_new_session=True)
     try:
         wait_until_held(lock)
         done = tracedeck(*args, env=env)
     finally:
-        holder.kill()
+        os.killpg(holder.pid, signal.SIGKILL)
         holder.wait()
     assert done.returncode == 3, done.stdout + done.stderr
     assert summary.read_text().startswith("## ❌ hello_command: LOCK_BUSY (exit 3)")
