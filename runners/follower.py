@@ -332,13 +332,13 @@ class RunFollower:
                 self._forged(where, f"a {word} of {name} without its number t (and rc)")
                 return
             if word == "start":
-                said = entry.get("t")
+                said = t
                 if track.said_start is not None and said != track.said_start:
                     self._forged(where, f"a second start of {name}")
                     return
                 track.said_start = said
             else:
-                said = (entry.get("rc"), entry.get("t"))
+                said = (rc, t)
                 if track.said_start is None and track.started is None:
                     self._forged(where, f"an end of {name} before its start (rc {said[0]!r})")
                     return

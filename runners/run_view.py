@@ -89,6 +89,19 @@ def believed_end(local_dir: Path, end: RunFinished) -> RunFinished:
     )
 
 
+def checked_end(local_dir: Path, end: RunFinished) -> RunFinished:
+    """believed_end for a screen: a record that cannot be read back is shown unchecked (exit
+    2, why), never as the pass it says."""
+    try:
+        return believed_end(Path(local_dir), end)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        error = f"the record cannot be read back to check its verdict: {exc}"
+        summary = {**end.summary, "error": error}
+        return RunFinished(
+            verdict=f"{end.verdict} (unchecked)", exit_code=2, summary=summary, t=end.t
+        )
+
+
 def identity(
     record: RunRecord, started: dict[str, Any] | None, events: list[dict[str, Any]], local: Path
 ) -> dict[str, str]:

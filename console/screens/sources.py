@@ -19,6 +19,7 @@ from runners.events import Error, Event, RunFinished
 from runners.kinds import event_types
 from runners.record import EVENTS, RUN_JSON, decode_lines, split_lines
 from runners.run import Run
+from runners.run_view import checked_end
 
 # A speed at or above this (or 0) replays as fast as the screen can take it.
 FAST_SPEED = 1e6
@@ -169,7 +170,7 @@ async def replay_events(
                     await asyncio.sleep(delay)
             last_t = event.t
             if isinstance(event, RunFinished) and event.exit_code == 0:
-                event = await asyncio.to_thread(_believed, local_dir, event)
+                event = await asyncio.to_thread(checked_end, local_dir, event)
             sink(event)
         if bad is not None:
             number, exc = bad
@@ -192,21 +193,6 @@ async def replay_events(
                 where=str(path),
                 t=last_t if last_t is not None else time.time(),
             )
-        )
-
-
-def _believed(local_dir: Path, end: RunFinished) -> RunFinished:
-    """The recorded pass as replays show it (runners.run_view.believed_end); a record that
-    cannot be read back says why instead of passing."""
-    from runners.run_view import believed_end
-
-    try:
-        return believed_end(Path(local_dir), end)
-    except (FileNotFoundError, ValueError, KeyError, TypeError) as exc:
-        error = f"the record cannot be read back to check its verdict: {exc}"
-        summary = {**end.summary, "error": error}
-        return RunFinished(
-            verdict=f"{end.verdict} (unchecked)", exit_code=2, summary=summary, t=end.t
         )
 
 
