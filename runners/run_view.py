@@ -10,6 +10,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from analysis.run_compare import FAIL, RunSide
 from runners.events import RunFinished
 from runners.exits import EXIT_FAIL
@@ -26,13 +28,15 @@ IDENTITY_FILES = ("metadata.json", "result.json", "summary.json")
 IDENTITY_MAX_BYTES = 1 << 20
 
 
-def load_side(local_dir: Path) -> RunSide:
-    """The run in local_dir as a RunSide; ValueError / FileNotFoundError naming the file."""
+def load_side(local_dir: Path, events: list[dict[str, Any]] | None = None) -> RunSide:
+    """The run in local_dir as a RunSide; ValueError / FileNotFoundError naming the file.
+    events: the record's events as its lines hold them, when the caller has read them."""
     record = RunRecord.load(local_dir)
     path = Path(local_dir) / EVENTS
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: the run recorded no events; nothing to compare")
-    events = [e.to_dict() for e in iter_events(path, event_types())]
+    if events is None:
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: the run recorded no events; nothing to compare")
+        events = [e.to_dict() for e in iter_events(path, event_types())]
     kind = all_kinds().get(record.kind)
     if kind is None:
         raise ValueError(f"{local_dir}: run kind {record.kind!r} is not known to this tracedeck")
@@ -75,12 +79,14 @@ def load_side(local_dir: Path) -> RunSide:
     )
 
 
-def believed_end(local_dir: Path, end: RunFinished) -> RunFinished:
+def believed_end(
+    local_dir: Path, end: RunFinished, events: list[dict[str, Any]] | None = None
+) -> RunFinished:
     """A recorded run's end as a replay shows it: a pass its own events deny (load_side) is
     shown as what load_side makes of it (its word marked contradicted, exit 1, the reason)."""
     if end.exit_code != 0:
         return end
-    side = load_side(local_dir)
+    side = load_side(local_dir, events)
     if side.exit_code == 0 or side.exit_code is None:
         return end
     summary = {**end.summary, "error": side.problems[0] if side.problems else ""}
@@ -89,12 +95,14 @@ def believed_end(local_dir: Path, end: RunFinished) -> RunFinished:
     )
 
 
-def checked_end(local_dir: Path, end: RunFinished) -> RunFinished:
+def checked_end(local_dir: Path, end: RunFinished, lines: list[bytes] | None = None) -> RunFinished:
     """believed_end for a screen: a record that cannot be read back is shown unchecked (exit
-    2, why), never as the pass it says."""
+    2, why), never as the pass it says. lines: the record's lines, when the screen holds them
+    (a replay: decoded once more as plain JSON, not read and made events again)."""
     try:
-        return believed_end(Path(local_dir), end)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        events = None if lines is None else [orjson.loads(line) for line in lines if line.strip()]
+        return believed_end(Path(local_dir), end, events)
+    except (OSError, ValueError, KeyError, TypeError, orjson.JSONDecodeError) as exc:
         error = f"the record cannot be read back to check its verdict: {exc}"
         summary = {**end.summary, "error": error}
         return RunFinished(

@@ -170,7 +170,7 @@ async def replay_events(
                     await asyncio.sleep(delay)
             last_t = event.t
             if isinstance(event, RunFinished) and event.exit_code == 0:
-                event = await asyncio.to_thread(checked_end, local_dir, event)
+                event = await asyncio.to_thread(checked_end, local_dir, event, lines)
             sink(event)
         if bad is not None:
             number, exc = bad
