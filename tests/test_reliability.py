@@ -118,11 +118,13 @@ import os, sys, time
 marker = sys.argv[1]
 if os.fork() == 0:
     os.setsid()                 # leaves the run's process group
-    with open(marker, "w") as fh:
+    with open(marker + ".part", "w") as fh:
         fh.write(str(os.getpid()))
+    os.rename(marker + ".part", marker)
     time.sleep(300)
     sys.exit(0)
-time.sleep(0.2)
+while not os.path.exists(marker):  # the run stops what is left once this command ends
+    time.sleep(0.01)
 """
 
 

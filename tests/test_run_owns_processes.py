@@ -46,6 +46,10 @@ if os.fork() == 0:
         os.rename(pidfile + ".part", pidfile)
         os.execve("/bin/sleep", ["sleep", "300"], {})
     os._exit(0)
+# The command must not end before the escapee has said its pid: the run stops what is left the
+# moment its command ends, and a busy machine may not have run the grandchild yet.
+while not os.path.exists(pidfile):
+    time.sleep(0.01)
 """
 
 
