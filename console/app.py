@@ -22,7 +22,7 @@ from console.screens.presets import PresetsScreen
 from console.screens.run import RunScreen
 from console.screens.runs import Collect, RunsScreen
 from console.screens.sources import ReplaySource
-from runners.placement import default_out_dir
+from runners.local_run import default_out_dir
 from runners.presets import preset_files
 from runners.record import EVENTS
 

@@ -9,9 +9,9 @@ from pathlib import Path
 async def cancel_run(local: Path, grace: float, printer) -> int:  # type: ignore[no-untyped-def]
     """Kill every live process of the run, whatever its record says, then record its end
     (unless the console that follows it does that)."""
+    from runners.launchers.base import Cancel
     from runners.record import RecordBusy
     from runners.run import Run
-    from runners.scheduler import Cancel
 
     session = Run.from_record(local, printer)
     asked = time.time()

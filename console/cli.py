@@ -299,7 +299,7 @@ def _infra_error(exc: Exception) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from console.headless import Printer
     from runners.kinds import load_preset
-    from runners.placement import default_out_dir
+    from runners.local_run import default_out_dir
     from runners.presets import PresetError, resolve_preset
     from runners.run import Run
     from runners.targets.base import TargetError
@@ -337,7 +337,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from console import plan_text
     from runners import preflight, preview
     from runners.kinds import load_preset
-    from runners.placement import default_out_dir
+    from runners.local_run import default_out_dir
     from runners.presets import PresetError, resolve_preset
 
     try:
@@ -350,7 +350,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     checked = asyncio.run(preflight.check(view)) if args.check else None
     shown = checked.preview if checked is not None and checked.preview is not None else view
     if args.json:
-        doc = preview.plan_document(shown)
+        doc = plan_text.plan_document(shown)
         if checked is not None:
             doc["checks"] = preflight.checked_document(checked)
         print(plan_text.to_json(doc))
@@ -772,7 +772,7 @@ def cmd_presets(args: argparse.Namespace) -> int:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    from runners.placement import default_out_dir
+    from runners.local_run import default_out_dir
     from runners.prune import parse_duration
 
     if args.older_than is None and args.keep is None:

@@ -33,7 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from console.plan_text import check_lines
     from runners.doctor import check_here, check_target
-    from runners.placement import default_out_dir
+    from runners.local_run import default_out_dir
     from runners.preflight import checked_document
 
     out_dir = args.out or default_out_dir()

@@ -33,7 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 def cmd_history(args: argparse.Namespace) -> int:
     from analysis.trends import trend_lines, trends
-    from runners.placement import default_out_dir
+    from runners.local_run import default_out_dir
     from runners.run_history import preset_runs
 
     if args.last < 1 or args.drift < 2:

@@ -1,4 +1,5 @@
-"""A run's plan and its checks as the CLI prints them and the console shows them."""
+"""A run's plan and its checks as the CLI prints them (text or one JSON document) and the console
+shows them."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import orjson
 
 from runners.config import chosen_lock
 from runners.determinism import PROFILES
+from runners.launchers.slurm import job_script
 from runners.plan import PYTHON_RULE, cell_dir_name, home_relative
 from runners.preflight import OK, PROBLEM, WARN, Checked
-from runners.preview import HOME, MEMBER, Preview, judging, sbatch_directives
+from runners.preview import HOME, MEMBER, Preview, judging
 
 
 def _env_text(env: dict[str, str]) -> str:
@@ -168,3 +170,82 @@ def check_lines(checked: Checked) -> list[str]:
 
 def to_json(doc: Any) -> str:
     return orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode()
+
+
+def plan_document(p: Preview) -> dict[str, Any]:
+    """The plan as one JSON document (`tracedeck plan --json`)."""
+    preset, plan = p.preset, p.plan
+    tgt = preset.section("target")
+    shared = [t.path for t in plan.traces if t.cell is None]
+    judge = judging(p)
+    held = set(judge["held"]) if judge else set()
+    cells = []
+    for c in plan.cells:
+        cells.append(
+            {
+                "index": c.index,
+                "params": c.params,
+                "command": c.command,
+                "env": c.env,
+                "script": plan.cell_path(c.index, "cmd.sh"),
+                "stdout": plan.cell_path(c.index, "stdout.log"),
+                "stderr": plan.cell_path(c.index, "stderr.log"),
+                "exit_code": plan.cell_path(c.index, "exit_code"),
+                "fetch": [
+                    {
+                        "remote": f"{plan.artifacts}/{rel}",
+                        "local": str(p.local_dir / rel),
+                        "held": rel in held,  # judged on the host, it stays there
+                    }
+                    for rel in c.artifacts
+                ],
+                "follow": [t.path for t in plan.traces if t.cell == c.index],
+            }
+        )
+    return {
+        "preset": preset.name,
+        "kind": preset.kind,
+        "source": preset.source,
+        "judge": judge,
+        "target": p.target_name,
+        "resolved": p.resolved,
+        "python": p.python,
+        "python_rule": PYTHON_RULE,
+        "workdir": p.workdir,
+        "workdir_setting": tgt["workdir"],
+        "runs": p.runs,
+        "runs_setting": tgt["runs"],
+        "run_id": p.run_id,
+        "run_dir": p.run_dir,
+        "out": plan.artifacts,
+        "lock": p.lock,
+        "local_dir": str(p.local_dir),
+        "by_id": str(p.by_id),
+        "profile": preset.section("determinism")["profile"],
+        "ship_reference": preset.section("engine")["ship_reference"],
+        "pythonpath": plan.pythonpath,
+        "setup": plan.setup,
+        "follow_shared": shared,
+        "fleet": _fleet_document(p),
+        "slurm": {"directives": sbatch_directives(p)} if p.slurm is not None else None,
+        "cells": cells,
+    }
+
+
+def _fleet_document(p: Preview) -> dict[str, Any] | None:
+    if not p.hosts:
+        return None
+    fleet = p.preset.section("fleet")
+    return {
+        "hosts": [{"host": h.spec, "lock": h.lock} for h in p.placement.hosts],
+        "busy": fleet["busy"],
+        "requeue": fleet["requeue"],
+        "groups": p.groups,
+    }
+
+
+def sbatch_directives(p: Preview) -> list[str]:
+    """The #SBATCH lines of the run's job array, as the launch writes them."""
+    assert p.slurm is not None
+    script = job_script(p.plan, p.slurm, {"preset": p.preset.name})
+    return [line for line in script.splitlines() if line.startswith("#SBATCH ")]

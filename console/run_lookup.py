@@ -7,7 +7,7 @@ from pathlib import Path
 
 def find_run(run: str, out: Path | None) -> Path:
     """A run directory as given, or the run with that id under the out dir (OUT/by-id/ID)."""
-    from runners.placement import default_out_dir
+    from runners.local_run import default_out_dir
     from runners.record import find_local_run
 
     path = Path(run)

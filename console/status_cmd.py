@@ -31,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from runners.placement import default_out_dir
+    from runners.local_run import default_out_dir
     from runners.status import collect, status_lines
 
     status = asyncio.run(collect(args.out or default_out_dir(), args.recent, hosts=args.host))

@@ -19,28 +19,18 @@ from runners.cells import CellState
 from runners.changes import Changes
 from runners.events import CellFinished, Connection, Error, Event
 from runners.follower import RunFollower
+from runners.host_prep import ship_reference
 from runners.kind import Ending, HostJudging, Judge
 from runners.launchers.base import Launcher, Started
 from runners.leftovers import report_leftovers
 from runners.placement import Host
 from runners.plan import RunPlan, cell_scripts, plan_document
 from runners.presets import Preset
-from runners.reference import SHIPPED_WITH
 from runners.remote_judge import RemoteJudge
 from runners.targets.base import ConnectionLost, Target
 
 POLL_S = 0.1
 ALIVE_EVERY_S = 2.0
-REFERENCE_DIR = Path(__file__).resolve().parent / "reference"
-
-
-async def ship_reference(target: Target, pkg: str) -> None:
-    """Copy the reference engine (stdlib + torch only) so any host with torch can run it."""
-    for name in SHIPPED_WITH:
-        source = REFERENCE_DIR.parent / name
-        await target.write_file(f"{pkg}/runners/{name}", source.read_bytes())
-    for path in sorted(REFERENCE_DIR.glob("*.py")):
-        await target.write_file(f"{pkg}/runners/reference/{path.name}", path.read_bytes())
 
 
 async def reconnect(

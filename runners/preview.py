@@ -1,10 +1,9 @@
 """What a run of a preset would do, without starting it: its placement rendered on its paths.
 
 preview() renders every cell's exact command, environment, script, remote paths and the files
-it fetches and follows, without connecting (relative target paths show as `<home>/...`, under the
-target's login home, unless the target is this machine); plan_document() is that as one JSON
-document. `tracedeck plan` shows it (console.plan_text), `plan --check` (runners.preflight)
-renders it again with the target's real paths.
+it fetches and follows, without connecting (relative target paths show as `<home>/...` unless
+the target is this machine). `tracedeck plan` shows it as text or JSON (console.plan_text);
+`plan --check` (runners.preflight) renders it again with the target's real paths.
 """
 
 from __future__ import annotations
@@ -17,16 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from runners import kinds
-from runners.launchers.slurm import SlurmSettings, job_script
-from runners.placement import (
-    CONSOLE,
-    Placement,
-    by_id_link,
-    decide,
-    local_dir_for,
-    new_run_id,
-)
-from runners.plan import PYTHON_RULE, RunPlan, home_relative, interpreter
+from runners.launchers.slurm import SlurmSettings
+from runners.local_run import by_id_link, local_dir_for, new_run_id
+from runners.placement import CONSOLE, Placement, decide
+from runners.plan import RunPlan, home_relative, interpreter
 from runners.presets import Preset
 from runners.templates import template_fields
 
@@ -150,82 +143,3 @@ def uses_python(preset: Preset) -> bool:
     texts += [str(v) for v in preset.section("determinism")["env"].values()]
     texts.append(engine["version_command"])
     return engine["ship_reference"] or any("python" in template_fields(t) for t in texts)
-
-
-def plan_document(p: Preview) -> dict[str, Any]:
-    """The plan as one JSON document (`tracedeck plan --json`)."""
-    preset, plan = p.preset, p.plan
-    tgt = preset.section("target")
-    shared = [t.path for t in plan.traces if t.cell is None]
-    judge = judging(p)
-    held = set(judge["held"]) if judge else set()
-    cells = []
-    for c in plan.cells:
-        cells.append(
-            {
-                "index": c.index,
-                "params": c.params,
-                "command": c.command,
-                "env": c.env,
-                "script": plan.cell_path(c.index, "cmd.sh"),
-                "stdout": plan.cell_path(c.index, "stdout.log"),
-                "stderr": plan.cell_path(c.index, "stderr.log"),
-                "exit_code": plan.cell_path(c.index, "exit_code"),
-                "fetch": [
-                    {
-                        "remote": f"{plan.artifacts}/{rel}",
-                        "local": str(p.local_dir / rel),
-                        "held": rel in held,  # judged on the host, it stays there
-                    }
-                    for rel in c.artifacts
-                ],
-                "follow": [t.path for t in plan.traces if t.cell == c.index],
-            }
-        )
-    return {
-        "preset": preset.name,
-        "kind": preset.kind,
-        "source": preset.source,
-        "judge": judge,
-        "target": p.target_name,
-        "resolved": p.resolved,
-        "python": p.python,
-        "python_rule": PYTHON_RULE,
-        "workdir": p.workdir,
-        "workdir_setting": tgt["workdir"],
-        "runs": p.runs,
-        "runs_setting": tgt["runs"],
-        "run_id": p.run_id,
-        "run_dir": p.run_dir,
-        "out": plan.artifacts,
-        "lock": p.lock,
-        "local_dir": str(p.local_dir),
-        "by_id": str(p.by_id),
-        "profile": preset.section("determinism")["profile"],
-        "ship_reference": preset.section("engine")["ship_reference"],
-        "pythonpath": plan.pythonpath,
-        "setup": plan.setup,
-        "follow_shared": shared,
-        "fleet": _fleet_document(p),
-        "slurm": {"directives": sbatch_directives(p)} if p.slurm is not None else None,
-        "cells": cells,
-    }
-
-
-def _fleet_document(p: Preview) -> dict[str, Any] | None:
-    if not p.hosts:
-        return None
-    fleet = p.preset.section("fleet")
-    return {
-        "hosts": [{"host": h.spec, "lock": h.lock} for h in p.placement.hosts],
-        "busy": fleet["busy"],
-        "requeue": fleet["requeue"],
-        "groups": p.groups,
-    }
-
-
-def sbatch_directives(p: Preview) -> list[str]:
-    """The #SBATCH lines of the run's job array, as the launch writes them."""
-    assert p.slurm is not None
-    script = job_script(p.plan, p.slurm, {"preset": p.preset.name})
-    return [line for line in script.splitlines() if line.startswith("#SBATCH ")]

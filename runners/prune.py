@@ -41,7 +41,7 @@ from runners.targets.factory import parse_target
 
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
-# The ids runners.placement.new_run_id makes: DATE-TIME-PRESET-HEX4.
+# The ids runners.local_run.new_run_id makes: DATE-TIME-PRESET-HEX4.
 RUN_ID = re.compile(r"(\d{8}-\d{6})-[A-Za-z0-9][A-Za-z0-9._-]*-[0-9a-f]{4}")
 # A fleet host's batch directory in RUNS/RUN_ID (runners.run: the host's slug, a number).
 FLEET_BATCH = re.compile(r"[A-Za-z0-9._-]+-\d+")

@@ -23,8 +23,10 @@ from runners.events import (
     RunFinished,
 )
 from runners.exits import EXIT_INFRA
+from runners.launchers.base import Cancel
+from runners.local_run import by_id_link, new_record, recorded_preset
 from runners.member import POLL_S, Member
-from runners.placement import by_id_link, decide, new_record, recorded_preset
+from runners.placement import decide
 from runners.presets import Preset
 from runners.record import (
     EVENTS,
@@ -43,7 +45,6 @@ from runners.scheduler import (
     IDLE,
     OUT,
     WAITING,
-    Cancel,
     Slot,
 )
 from runners.start import DISCONNECTED

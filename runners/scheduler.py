@@ -12,15 +12,14 @@ import math
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from runners.cells import SETUP_CELL, CellState, cell_name
 from runners.events import CellFinished, CellRequeued, Error, Event, HostState, LockBusy
 from runners.kind import Ending, Judge
-from runners.launchers.base import LockBusyError
-from runners.launchers.detached import parse_holder
+from runners.launchers.base import Cancel, LockBusyError
+from runners.launchers.detached import holder_text, parse_holder
 from runners.member import Member
 from runners.placement import Host, Placement
 from runners.plan import PlannedCell
@@ -32,16 +31,6 @@ CANCEL_MARK = "cancel"  # in the local run directory: `tracedeck cancel` asked; 
 CONNECTING, WAITING, SKIPPED, RUNNING = "connecting", "waiting", "skipped", "running"
 IDLE, DONE, LOST, FAILED = "idle", "done", "lost", "failed"
 OUT = (LOST, FAILED, SKIPPED)  # a host in one of these states takes no more cells this run
-
-
-class Cancel(StrEnum):
-    """What a cancel did (the launchers' words)."""
-
-    CANCELLED = "TRACEDECK_CANCELLED"
-    KILLED = "TRACEDECK_KILLED"
-    STILL_ALIVE = "TRACEDECK_STILL_ALIVE"
-    NOT_RUNNING = "TRACEDECK_NOT_RUNNING"
-    SENT = ""  # the launcher said nothing
 
 
 @dataclass(slots=True)
@@ -60,15 +49,6 @@ class Slot:
     @property
     def active(self) -> Member | None:
         return self.members[-1] if self.members else None
-
-
-def who(holder: dict[str, Any]) -> str:
-    if holder.get("raw"):
-        return str(holder["raw"])
-    return (
-        f"run {holder.get('run_id')} of {holder.get('user')}@{holder.get('console_host')} "
-        f"(preset {holder.get('preset')}, pgid {holder.get('pgid')})"
-    )
 
 
 class Scheduler:
@@ -210,9 +190,9 @@ class Scheduler:
             self._emit(slot, Error(message=text, where=spec, affects_verdict=False))
         if self.settings["busy"] == "wait":
             slot.waited = True
-            self.set_state(slot, WAITING, f"lock {error.lock} held by {who(error.holder)}")
+            self.set_state(slot, WAITING, f"lock {error.lock} held by {holder_text(error.holder)}")
         else:
-            self.set_state(slot, SKIPPED, f"lock {error.lock} held by {who(error.holder)}")
+            self.set_state(slot, SKIPPED, f"lock {error.lock} held by {holder_text(error.holder)}")
 
     async def lock_free(self, slot: Slot) -> bool:
         """A waiting host: is its lock free now? (Says who holds it while it is not.)"""
@@ -222,7 +202,7 @@ class Scheduler:
         )
         if result.exit_status == 0:
             return True
-        holder = who(parse_holder(result.stdout))
+        holder = holder_text(parse_holder(result.stdout))
         self.set_state(slot, WAITING, f"lock {slot.place.lock} held by {holder}")
         return False
 

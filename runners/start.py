@@ -14,7 +14,6 @@ import orjson
 
 from runners.determinism import run_env
 from runners.events import (
-    EngineVersion,
     Error,
     HostAssigned,
     LockAcquired,
@@ -23,30 +22,18 @@ from runners.events import (
     RunStarted,
 )
 from runners.exits import EXIT_INFRA
+from runners.host_prep import engine_version, resolve_dir
 from runners.launchers.base import LockBusyError, NotStartedError
+from runners.local_run import link_by_id
 from runners.member import Member, reconnect
-from runners.placement import CONSOLE, HOST, link_by_id
-from runners.plan import RunPlan, dir_command, interpreter, plan_document
+from runners.placement import CONSOLE, HOST
+from runners.plan import RunPlan, interpreter, plan_document
 from runners.record import EVENTS, FLEET, RECORD_LOCK, RUN_JSON, Recorder
 from runners.run_core import RunCore
 from runners.scheduler import CONNECTING, IDLE, RUNNING, Slot
-from runners.targets.base import ConnectionLost, Target, TargetError
-from runners.templates import render
+from runners.targets.base import ConnectionLost, TargetError
 
 DISCONNECTED = "DISCONNECTED"  # the console stopped following; the run goes on
-VERSION_TIMEOUT_S = 30.0  # [engine] version_command: a version query, not work
-
-
-async def resolve_dir(target: Target, path: str, key: str) -> str:
-    """An absolute path on the target, made when missing: absolute as written; `~`, `~/x` and
-    relative paths under the target's home (the login user's, on the local target $HOME)."""
-    result = await target.run(dir_command(path, create=True))
-    if result.exit_status != 0:
-        raise TargetError(
-            f"{target.name}: {key} {path!r} is not usable: "
-            f"{result.stderr.strip()}; set {key} to a writable directory"
-        )
-    return result.stdout.strip()
 
 
 async def launch(run: RunCore) -> None:
@@ -125,7 +112,7 @@ async def _launch(run: RunCore) -> None:
         run.record.extra.update(judge_on="host", judge_python=judge_python)
     run.record.save()
     run.emit(_run_started(run, plan, _notes(run) or ([note] if note else [])))
-    version = await _engine_version(run, slot.target, plan.workdir, plan.python)
+    version = await engine_version(run.preset, slot.target, plan.workdir, plan.python)
     if version is not None:
         run.emit(version)
     run.stage = "starting"
@@ -257,33 +244,6 @@ def _notes(run: RunCore) -> list[str]:
         f"judged on each host whose python can: what is judged there stays there "
         f"(`tracedeck fetch {run.local_dir}` brings it home)"
     ]
-
-
-async def _engine_version(
-    run: RunCore, target: Target, workdir: str, python: str
-) -> EngineVersion | None:
-    """The engine's identity from [engine] version_command, run in the workdir (None when
-    the preset has none). A failure is recorded, never fatal: it says nothing of results."""
-    template = run.preset.section("engine")["version_command"]
-    if not template:
-        return None
-    command = render(template, {**run.preset.section("vars"), "python": python, "workdir": workdir})
-    try:
-        done = await target.run(
-            f"cd {shlex.quote(workdir)} && {command}", timeout=VERSION_TIMEOUT_S
-        )
-    except TargetError as exc:
-        return EngineVersion(command=command, version="", error=str(exc))
-    except TimeoutError:
-        return EngineVersion(
-            command=command, version="", error=f"no answer within {VERSION_TIMEOUT_S:g}s"
-        )
-    first = next((ln.strip() for ln in done.stdout.splitlines() if ln.strip()), "")
-    if done.exit_status != 0 or not first:
-        tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
-        why = f"exit {done.exit_status}: {tail[0][:200]}" if done.exit_status else "no output"
-        return EngineVersion(command=command, version=first[:200], error=why)
-    return EngineVersion(command=command, version=first[:200])
 
 
 def _holder(run: RunCore) -> dict[str, str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
 
 from runners.events import CellFinished, Event
@@ -14,6 +15,16 @@ if TYPE_CHECKING:
     from runners.kind import Ending
 
 HOLDER_KEYS = ("run_id", "user", "console_host", "preset", "started_at", "pgid")
+
+
+class Cancel(StrEnum):
+    """What a cancel did (the launchers' words)."""
+
+    CANCELLED = "TRACEDECK_CANCELLED"
+    KILLED = "TRACEDECK_KILLED"
+    STILL_ALIVE = "TRACEDECK_STILL_ALIVE"
+    NOT_RUNNING = "TRACEDECK_NOT_RUNNING"
+    SENT = ""  # the launcher said nothing
 
 
 class LockBusyError(TargetError):

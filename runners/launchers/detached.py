@@ -288,6 +288,16 @@ def parse_holder(text: str) -> dict[str, Any]:
         return {"raw": text.strip()}
 
 
+def holder_text(holder: dict[str, Any]) -> str:
+    """Who holds a lock, as its holder record says."""
+    if holder.get("raw"):
+        return str(holder["raw"])
+    return (
+        f"run {holder.get('run_id')} of {holder.get('user')}@{holder.get('console_host')} "
+        f"(preset {holder.get('preset')}, pgid {holder.get('pgid')})"
+    )
+
+
 class DetachedLauncher:
     """Runs the cells in order under setsid on any POSIX host with flock (util-linux)."""
 

@@ -1,0 +1,65 @@
+"""What a launch asks of a host and puts there before its first batch: the run's directories
+(made when missing), the engine's version, and the reference engine when the preset ships it."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+from runners.events import EngineVersion
+from runners.plan import dir_command
+from runners.presets import Preset
+from runners.reference import SHIPPED_WITH
+from runners.targets.base import Target, TargetError
+from runners.templates import render
+
+VERSION_TIMEOUT_S = 30.0  # [engine] version_command: a version query, not work
+REFERENCE_DIR = Path(__file__).resolve().parent / "reference"
+
+
+async def ship_reference(target: Target, pkg: str) -> None:
+    """Copy the reference engine (stdlib + torch only) so any host with torch can run it."""
+    for name in SHIPPED_WITH:
+        source = REFERENCE_DIR.parent / name
+        await target.write_file(f"{pkg}/runners/{name}", source.read_bytes())
+    for path in sorted(REFERENCE_DIR.glob("*.py")):
+        await target.write_file(f"{pkg}/runners/reference/{path.name}", path.read_bytes())
+
+
+async def resolve_dir(target: Target, path: str, key: str) -> str:
+    """An absolute path on the target, made when missing: absolute as written; `~`, `~/x` and
+    relative paths under the target's home (the login user's, on the local target $HOME)."""
+    result = await target.run(dir_command(path, create=True))
+    if result.exit_status != 0:
+        raise TargetError(
+            f"{target.name}: {key} {path!r} is not usable: "
+            f"{result.stderr.strip()}; set {key} to a writable directory"
+        )
+    return result.stdout.strip()
+
+
+async def engine_version(
+    preset: Preset, target: Target, workdir: str, python: str
+) -> EngineVersion | None:
+    """The engine's identity from [engine] version_command, run in the workdir (None when
+    the preset has none). A failure is recorded, never fatal: it says nothing of results."""
+    template = preset.section("engine")["version_command"]
+    if not template:
+        return None
+    command = render(template, {**preset.section("vars"), "python": python, "workdir": workdir})
+    try:
+        done = await target.run(
+            f"cd {shlex.quote(workdir)} && {command}", timeout=VERSION_TIMEOUT_S
+        )
+    except TargetError as exc:
+        return EngineVersion(command=command, version="", error=str(exc))
+    except TimeoutError:
+        return EngineVersion(
+            command=command, version="", error=f"no answer within {VERSION_TIMEOUT_S:g}s"
+        )
+    first = next((ln.strip() for ln in done.stdout.splitlines() if ln.strip()), "")
+    if done.exit_status != 0 or not first:
+        tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
+        why = f"exit {done.exit_status}: {tail[0][:200]}" if done.exit_status else "no output"
+        return EngineVersion(command=command, version=first[:200], error=why)
+    return EngineVersion(command=command, version=first[:200])
