@@ -16,7 +16,7 @@ from analysis.run_compare import FAIL, RunSide
 from runners.events import RunFinished
 from runners.exits import EXIT_FAIL
 from runners.kinds import all_kinds, event_types
-from runners.record import EVENTS, RunRecord, iter_events
+from runners.record import EVENTS, RunRecord, iter_events, paused_gc
 
 # The engine's own identity in the metadata it writes (seed 000 2.1: git_commit), in the order
 # they are shown; "unknown" and empty values say nothing and are left out.
@@ -100,8 +100,9 @@ def checked_end(local_dir: Path, end: RunFinished, lines: list[bytes] | None = N
     2, why), never as the pass it says. lines: the record's lines, when the screen holds them
     (a replay: decoded once more as plain JSON, not read and made events again)."""
     try:
-        events = None if lines is None else [orjson.loads(line) for line in lines if line.strip()]
-        return believed_end(Path(local_dir), end, events)
+        with paused_gc():  # 100k decoded lines: most of the time was collections, not parsing
+            events = None if lines is None else [orjson.loads(ln) for ln in lines if ln.strip()]
+            return believed_end(Path(local_dir), end, events)
     except (OSError, ValueError, KeyError, TypeError, orjson.JSONDecodeError) as exc:
         error = f"the record cannot be read back to check its verdict: {exc}"
         summary = {**end.summary, "error": error}
