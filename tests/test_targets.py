@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
+from runhelp import pid_alive, wait_for
 from sshd import CuttableProxy, SilentServer, SshHome, SshServer, free_port, keygen
 
 from runners.targets.base import (
@@ -69,6 +70,22 @@ async def test_run_timeout_is_an_error(target: Target) -> None:
     with pytest.raises(TargetError, match="did not finish within"):
         await guard(target.run("sleep 3", timeout=0.3))
     assert (await guard(target.run("echo still-usable"))).stdout == "still-usable\n"
+
+
+async def test_a_timed_out_command_leaves_nothing_running_on_the_target(
+    target: Target, tmp_path: Path
+) -> None:
+    """Over SSH a timed-out command was abandoned and went on there (a host judge: 900 s)."""
+    pidfile = tmp_path / "child.pid"
+    with pytest.raises(TargetError, match="did not finish within 1 s and was killed"):
+        await guard(target.run(f"sleep 60 & echo $! > {pidfile}; wait", timeout=1))
+    pid = int(pidfile.read_text())
+    wait_for(lambda: not pid_alive(pid), what=f"the timed-out command's child {pid} to be gone")
+
+
+async def test_a_command_that_exits_124_itself_is_no_timeout(target: Target) -> None:
+    result = await guard(target.run("exit 124", timeout=20))
+    assert result.exit_status == 124
 
 
 async def test_write_file_replaces_by_rename_and_makes_parents(

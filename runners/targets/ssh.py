@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import posixpath
 import shlex
@@ -32,6 +33,18 @@ from runners.trust import (
     read_known_hosts,
     resolve_host,
 )
+
+# A command run with a timeout is stopped by the host itself (coreutils or busybox `timeout`,
+# which signals the command's whole process group: TERM, then KILL after HOST_KILL_S); 124 is
+# timeout's word for it. A host without `timeout` runs the command as it is.
+HOST_KILL_S = 5
+TIMED_OUT = 124
+
+
+def host_limited(command: str, timeout: float) -> str:
+    limited = f"exec timeout -k {HOST_KILL_S} {max(1, math.ceil(timeout))} {command.removeprefix('exec ')}"
+    return f"if command -v timeout >/dev/null 2>&1; then {limited}; else {command}; fi"
+
 
 # sshd allows 10 sessions per connection (MaxSessions); SFTP holds one, a stream (the change
 # notifier) one, leave one spare.
@@ -276,10 +289,18 @@ class SshTarget:
         conn, _ = self._live()
         # The login shell may not be sh: hand the command to sh so quoting means the same.
         wrapped = "exec /bin/sh -c " + shlex.quote(command)
+        if timeout is not None:  # the host stops it: an abandoned channel leaves it running
+            wrapped = host_limited(wrapped, timeout)
+        loop = asyncio.get_running_loop()
+        began = loop.time()
         async with self._channels:
             try:
                 result = await conn.run(
-                    wrapped, check=False, timeout=timeout, encoding="utf-8", errors="replace"
+                    wrapped,
+                    check=False,
+                    timeout=None if timeout is None else timeout + HOST_KILL_S + 5,
+                    encoding="utf-8",
+                    errors="replace",
                 )
             except asyncssh.TimeoutError as exc:
                 raise TargetError(
@@ -289,6 +310,11 @@ class SshTarget:
             except (OSError, asyncssh.Error) as exc:
                 raise self._failure(exc, "run a command") from exc
         status = result.returncode
+        if timeout is not None and status == TIMED_OUT and loop.time() - began >= timeout:
+            raise TargetError(
+                f"command on {self._where} did not finish within {timeout:g} s and was killed "
+                f"there: {command[:200]}"
+            )
         if status is None:
             if self._lost is not None:
                 raise self._lost_error()
