@@ -35,7 +35,13 @@ async def resolve_dir(target: Target, path: str, key: str) -> str:
             f"{target.name}: {key} {path!r} is not usable: "
             f"{result.stderr.strip()}; set {key} to a writable directory"
         )
-    return result.stdout.strip()
+    resolved = result.stdout.removesuffix("\n")
+    if not resolved.startswith("/") or any(ord(c) < 32 or ord(c) == 127 for c in resolved):
+        raise TargetError(
+            f"{target.name}: {key} {path!r} resolves to {resolved!r}, not a plain absolute "
+            f"path; set {key} to a directory whose path has no control characters"
+        )
+    return resolved
 
 
 async def engine_version(

@@ -32,7 +32,9 @@ STEP_S = 0.2
 # P PID COMMAND: a live process of the run; S DEV INO: the lock file; K LINE: a flock the
 # kernel holds; H TEXT: the holder record beside the lock.
 LOOK = r"""
-for p in $(run_pids {marker} "$(runner_pid {run_dir})" {lock} {run_id}); do
+held=$(cat {run_dir}/lock_id 2>/dev/null)
+printf 'I %s\n' "$held"
+for p in $(run_pids {marker} "$(runner_pid {run_dir})" {lock} {run_id} "$held"); do
   printf 'P %s %s\n' "$p" "$(tr '\0' ' ' < "/proc/$p/cmdline" 2>/dev/null | cut -c1-200)"
 done
 if [ -e {lock} ]; then
@@ -58,17 +60,24 @@ class Leftovers:
     """What of a run the host still shows after it ended."""
 
     processes: list[tuple[int, str]] = field(default_factory=list)
-    lock_held: bool = False  # flocked, and the holder beside it names this run
+    lock_held: bool = False  # the run's flock still there, and the holder names this run
     openers: list[tuple[int, str]] = field(default_factory=list)  # when lock_held
 
     def __bool__(self) -> bool:
         return bool(self.processes) or self.lock_held
 
 
-def _flocked(dev: int, ino: int, lines: list[str]) -> bool:
-    """Does /proc/locks hold a flock on this file? (Its lines say MAJ:MIN:INODE, hex:hex:dec.)"""
+def _flocked(dev: int, ino: int, lines: list[str], held: str) -> bool:
+    """Does /proc/locks hold the run's flock on this file? (Its lines say PID MAJ:MIN:INODE,
+    hex:hex:dec; the run's hold is the one its launch took, `held`: its taker's pid.)"""
     want = f"{os.major(dev):02x}:{os.minor(dev):02x}:{ino}"
-    return any(want in line.split() for line in lines)
+    for line in lines:
+        words = line.split()
+        if want in words and want != words[0]:
+            at = words.index(want)
+            if not held or words[at - 1] == held:
+                return True
+    return False
 
 
 def _names_run(holder: str, run_id: str) -> bool:
@@ -104,9 +113,12 @@ async def find_leftovers(target: Target, plan: RunPlan) -> Leftovers:
     stat = [line[2:].split() for line in result.stdout.splitlines() if line.startswith("S ")]
     flocks = [line[2:] for line in result.stdout.splitlines() if line.startswith("K ")]
     holder = next((line[2:] for line in result.stdout.splitlines() if line.startswith("H ")), "")
+    held = next((line[2:] for line in result.stdout.splitlines() if line.startswith("I ")), "")
     if stat and len(stat[0]) == 2 and all(w.isdigit() for w in stat[0]):
         dev, ino = int(stat[0][0]), int(stat[0][1])
-        found.lock_held = _flocked(dev, ino, flocks) and _names_run(holder, plan.run_id)
+        found.lock_held = _flocked(dev, ino, flocks, held.strip()) and _names_run(
+            holder, plan.run_id
+        )
     if found.lock_held:
         openers = await target.run(OPENERS.format(lock=q(plan.lock)), timeout=60)
         found.openers = _pid_lines(openers.stdout, "O")

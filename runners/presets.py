@@ -6,6 +6,7 @@ import difflib
 import itertools
 import math
 import os
+import posixpath
 import re
 import tomllib
 from collections.abc import Mapping
@@ -106,6 +107,9 @@ REQUIRED_SECTIONS = ("preset", "engine", "matrix")
 
 # Placeholders every template may use besides the matrix keys.
 BUILTIN_PLACEHOLDERS = ("python", "out", "run_dir", "workdir", "cell", "date", "run_id", "name")
+# Placeholders that are absolute paths on the target: never part of a fetch or trace path.
+ABSOLUTE_PLACEHOLDERS = frozenset({"python", "out", "run_dir", "workdir"})
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # More cells than this is a typo in a matrix (a product grows fast), not a run: refused up front.
 MAX_CELLS = 10_000
 NAME_CHARS = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -273,8 +277,13 @@ def validate(
     for table in ("determinism.env", "engine.env"):
         sec, key = table.split(".")
         for name, value in out[sec][key].items():
-            if not name.isidentifier():
-                raise PresetError(source, f"{table}.{name}", "not a valid environment name")
+            if not ENV_NAME.fullmatch(name):
+                raise PresetError(
+                    source,
+                    f"{table}.{name}",
+                    "not an environment name a shell can export: ASCII letters, digits and _, "
+                    "not starting with a digit",
+                )
             _check_type(source, f"{table}.{name}", value, (str, int, float))
     for table in ("engine.setup", "artifacts.fetch", "traces.follow"):
         sec, key = table.split(".")
@@ -292,6 +301,13 @@ def validate(
     # The run's local directory is named before any cell exists: run-wide names only.
     _check_placeholders(source, "artifacts.dir", out["artifacts"]["dir"], {"date", "name"})
     _check_relative(source, "artifacts.dir", out["artifacts"]["dir"])
+    if posixpath.normpath(out["artifacts"]["dir"]) == ".":
+        raise PresetError(
+            source,
+            "artifacts.dir",
+            f"{out['artifacts']['dir']!r} is the out directory itself: each run needs a "
+            'directory of its own under it (e.g. "{date}/{name}")',
+        )
     for sec, key in (("engine", "setup"), ("artifacts", "fetch")):
         for i, item in enumerate(out[sec][key]):
             _check_placeholders(source, f"{sec}.{key}[{i}]", item, known)
@@ -307,6 +323,7 @@ def validate(
         for name, value in out[sec]["env"].items():
             _check_placeholders(source, f"{sec}.env.{name}", str(value), known)
     _check_run_settings(out, source)
+    _check_no_nul(out, source, "")
     _check_rendered_paths(out, source)
     _check_judge(out["judge"], source, kind)
     kind.check(out, source, options)
@@ -352,6 +369,20 @@ def check_new_matrix_keys(
         )
 
 
+def _check_no_nul(value: Any, source: str, key: str) -> None:
+    """No string anywhere in a preset holds a NUL: no command, argument, environment value or
+    path can carry one (a shell drops it: the engine would run with another value than the
+    plan says)."""
+    if isinstance(value, str) and "\0" in value:
+        raise PresetError(source, key, f"{value!r} holds a NUL byte; remove it")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_no_nul(v, source, f"{key}.{k}" if key else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_no_nul(v, source, f"{key}[{i}]")
+
+
 def _check_rendered_paths(out: dict[str, Any], source: str) -> None:
     """Every cell's fetch and trace paths, rendered with its values, stay inside the run."""
     from runners.templates import render_plain
@@ -364,10 +395,21 @@ def _check_rendered_paths(out: dict[str, Any], source: str) -> None:
         for section, key in (("artifacts", "fetch"), ("traces", "follow")):
             for i, template in enumerate(out[section][key]):
                 known = set(values)
-                if not set(template_fields(template, source, f"{section}.{key}[{i}]")) <= known:
+                used = set(template_fields(template, source, f"{section}.{key}[{i}]"))
+                if used & ABSOLUTE_PLACEHOLDERS:
+                    raise PresetError(
+                        source,
+                        f"{section}.{key}[{i}]",
+                        f"{template!r}: {{{min(used & ABSOLUTE_PLACEHOLDERS)}}} is an absolute "
+                        "path; these paths are relative to the run's artifacts directory ({out}) "
+                        "already: drop it",
+                    )
+                if not used <= known:
                     continue  # an unknown placeholder is reported where it is checked
                 rel = render_plain(template, values)
                 problem = relative_problem(rel)
+                if problem is None and section == "traces":
+                    problem = _rendered_trace_problem(rel)
                 if problem is None and section == "artifacts":
                     problem = record_name_problem(rel)
                 if problem is not None:
@@ -406,9 +448,13 @@ def _check_run_settings(out: dict[str, Any], source: str) -> None:
             raise PresetError(
                 source, f"target.{key}", f"must be a finite number > 0, got {value!r}"
             )
-    for key in ("workdir", "runs"):
+    for key in ("workdir", "runs", "lock"):
         value = target[key]
-        if not value.strip() or "\0" in value:
+        if any(ord(c) < 32 or ord(c) == 127 for c in value):
+            raise PresetError(
+                source, f"target.{key}", f"{value!r} holds a control character; remove it"
+            )
+        if key != "lock" and not value.strip():
             raise PresetError(source, f"target.{key}", f"{value!r}: name a directory")
         if value.startswith("~") and value != "~" and not value.startswith("~/"):
             raise PresetError(
@@ -556,6 +602,16 @@ def _check_trace_path(source: str, key: str, template: str) -> None:
         raise PresetError(
             source, key, "a file-name pattern may use letters, digits, . _ - * ? [ ] only"
         )
+
+
+def _rendered_trace_problem(rel: str) -> str | None:
+    """A file-name pattern, its values filled in, must still be plain characters: it is handed
+    to the host's shell to glob (a value such as $(cmd) would run there)."""
+    name = rel.rsplit("/", 1)[-1]
+    if any(c in name for c in "*?[") and not set(name) <= TRACE_NAME_CHARS - {"{", "}"}:
+        bad = "".join(sorted(set(name) - TRACE_NAME_CHARS))
+        return f"is a file-name pattern with {bad!r} from a value: use letters, digits, . _ - only"
+    return None
 
 
 def _check_placeholders(source: str, key: str, template: str, known: set[str]) -> None:

@@ -76,6 +76,7 @@ class Item:
     why: str = ""
     done: bool = False  # --yes deleted it
     note: str = ""  # what became of a local record's remote directory
+    unreadable: bool = False  # a run.json this tracedeck cannot read: never deleted
 
     def keep(self, why: str) -> None:
         self.delete = False
@@ -83,15 +84,30 @@ class Item:
 
 
 def choose(items: list[Item], older_than: float | None, keep: int | None, now: float) -> None:
-    """Mark the items old enough and beyond the newest `keep` for deletion (newest first)."""
+    """Mark the items old enough and beyond the newest `keep` for deletion (newest first). A
+    directory that is no record this tracedeck reads, or that holds another run's record, is
+    never deleted: what is in it is not known to be a run's."""
     items.sort(key=lambda i: (i.started or 0.0, i.run_id), reverse=True)
-    for n, item in enumerate(items):
-        if keep is not None and n < keep:
+    readable = [i for i in items if not i.unreadable]
+    for item in items:
+        if item.unreadable:
+            item.keep(f"{item.why}: not a run record this tracedeck reads; delete it by hand")
+    for n, item in enumerate(readable):
+        inner = next(
+            (o for o in items if o.where == item.where and _under(o.path, item.path)), None
+        )
+        if inner is not None:
+            item.keep(f"holds another run's record ({inner.path}); delete it by hand")
+        elif keep is not None and n < keep:
             item.keep(f"one of the {keep} newest")
         elif older_than is not None and (item.started is None or now - item.started < older_than):
             item.keep("age unknown" if item.started is None else "newer than --older-than")
         else:
             item.delete, item.why = True, ""
+
+
+def _under(path: str, folder: str) -> bool:
+    return path != folder and path.startswith(folder.rstrip("/") + "/")
 
 
 def _epoch(text: str) -> float | None:
@@ -120,7 +136,8 @@ def local_items(out_dir: Path) -> list[Item]:
         try:
             record = RunRecord.load(local)
         except (OSError, ValueError, TypeError) as exc:
-            items.append(Item("local", str(local), local.name, None, why=f"unreadable: {exc}"))
+            why = f"unreadable: {exc}"
+            items.append(Item("local", str(local), local.name, None, why=why, unreadable=True))
             continue
         remote = [(record.target, record.remote_dir)] if record.remote_dir else []
         members = record.extra.get(FLEET, {}).get("members", [])

@@ -206,23 +206,33 @@ def test_a_lock_of_the_same_name_in_another_mount_namespace_is_not_the_runs(
     shared.mkdir()
     lock = shared / "lock"
     lock.touch()
-    run_id = "ns-check"
+    run_id, run_dir = "ns-check", tmp_path / "run"
+    run_dir.mkdir()
     (shared / "lock.json").write_text(f'{{"run_id":"{run_id}"}}')
+    take = "exec 9>>{lock} && flock -n 9 && "
+    # The run's own hold: the flock its launch took, named by its taker's pid in lock_id.
+    held = (
+        "sed -n 's/^lock:.* FLOCK  *ADVISORY  *WRITE  *\\([0-9]*\\) .*/\\1/p' "
+        f"/proc/$$/fdinfo/9 > {run_dir}/lock_id && "
+    )
     other = subprocess.Popen(
         ["unshare", "-m", "sh", "-c",
-         f"mount -t tmpfs other {shared} && exec 9>>{lock} && echo held && exec sleep 3009"],
+         f"mount -t tmpfs other {shared} && {take.format(lock=lock)}echo held && exec sleep 3009"],
         stdout=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
+    assert other.stdout is not None and other.stdout.readline().strip() == "held"
     ours = subprocess.Popen(
-        ["sh", "-c", f"exec 9>>{lock} && echo held && exec sleep 3010"],
+        ["sh", "-c", f"{take.format(lock=lock)}{held}echo held && exec sleep 3010"],
         stdout=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     try:
-        assert other.stdout is not None and other.stdout.readline().strip() == "held"
         assert ours.stdout is not None and ours.stdout.readline().strip() == "held"
+        assert (run_dir / "lock_id").read_text().strip().isdigit()
         assert os.readlink(f"/proc/{other.pid}/fd/9") == os.readlink(f"/proc/{ours.pid}/fd/9")
         listed = subprocess.run(
-            ["sh", "-c", pids_command(run_id, "", str(lock))], capture_output=True, text=True
+            ["sh", "-c", pids_command(run_id, str(run_dir), str(lock))],
+            capture_output=True,
+            text=True,
         )
         assert listed.stdout.split() == [str(ours.pid)], listed.stdout + listed.stderr
     finally:

@@ -9,6 +9,7 @@ every trace line is credited to the cell that wrote it.
 
 from __future__ import annotations
 
+import re
 import shlex
 from typing import TYPE_CHECKING, Any
 
@@ -31,10 +32,13 @@ LOCK_BUSY = 75
 # a double-forked orphan reparents to it rather than to PID 1; and the lock file held open while
 # the holder sidecar names the run (once another run holds the lock, its holders are its own);
 # the file itself, by device and inode, not its name: a container's or another mount namespace's
-# /tmp/tracedeck.lock has the same name and is another host's lock, whose processes are not ours.
+# /tmp/tracedeck.lock has the same name and is another host's lock, whose processes are not ours;
+# and by the run's own hold on it: an fd whose fdinfo shows the flock the launch took (its taker's
+# pid, kept in RUN_DIR/lock_id), so a process waiting for the lock, or one that took it after the
+# run ended while the sidecar still names the run, is never the run's.
 # Zombies (a host whose PID 1 does not reap) are never counted. When the scan runs inside the
 # runner's tree (reap_cell), the scan's own processes and the runner itself are left out.
-#   run_pids MARKER [ROOT] [LOCK] [RUN_ID]
+#   run_pids MARKER [ROOT] [LOCK] [RUN_ID] [LOCK_ID]
 # runner_pid RUN_DIR: the runner's pid, while that pid is still the run's runner (not reused).
 RUN_PIDS = r"""runner_pid() {
   _p=$(cat "$1/pgid" 2>/dev/null)
@@ -43,14 +47,19 @@ RUN_PIDS = r"""runner_pid() {
 }
 run_pids() {
   _lk=
-  if [ -n "${3:-}" ] && grep -qF "\"run_id\":\"$4\"" "$3.json" 2>/dev/null; then
+  case "${5:-}" in *[!0-9]*) set -- "$1" "${2:-}" "${3:-}" "${4:-}" "" ;; esac
+  if [ -n "${3:-}" ] && [ -n "${5:-}" ] && grep -qF "\"run_id\":\"$4\"" "$3.json" 2>/dev/null; then
     _lk=$(readlink -f -- "$3" 2>/dev/null | sed 's/[][*?\\]/\\&/g')
   fi
   {
     grep -lszxF -- "$1" /proc/[0-9]*/environ | sed -n 's#^/proc/\([0-9]*\)/environ$#M \1#p'
     if [ -n "$_lk" ]; then
       find /proc/[0-9]*/fd -mindepth 1 -maxdepth 1 -lname "$_lk" 2>/dev/null |
-        while read -r _f; do [ "$_f" -ef "$3" ] && echo "$_f"; done |
+        while read -r _f; do
+          [ "$_f" -ef "$3" ] &&
+            grep -qE "^lock:.* FLOCK +ADVISORY +WRITE +$5 " "${_f%/fd/*}/fdinfo/${_f##*/}" 2>/dev/null &&
+            echo "$_f"
+        done |
         sed -n 's#^/proc/\([0-9]*\)/fd/.*#M \1#p'
     fi
     cat /proc/[0-9]*/stat 2>/dev/null
@@ -103,7 +112,7 @@ CELL_HELPERS = (
 """
     + RUN_PIDS
     + r"""cell_pids() {
-  run_pids "TRACEDECK_CELL=$TRACEDECK_RUN_ID/$1" $$ "$run_lock" "$TRACEDECK_RUN_ID"
+  run_pids "TRACEDECK_CELL=$TRACEDECK_RUN_ID/$1" $$ "$run_lock" "$TRACEDECK_RUN_ID" "$run_lock_id"
 }
 reap_cell() {
   left=$(cell_pids "$1")
@@ -127,6 +136,7 @@ cd {run_dir}
 mkdir -p artifacts  # {{out}}: there when the first cell starts; below it is the engine's
 export TRACEDECK_RUN_ID={run_id}
 run_lock={lock}
+run_lock_id=$(cat lock_id 2>/dev/null)
 # A caught TERM, not a fatal one: cancel stops the runner and TERMs its group; stopped, it must
 # outlive that TERM (a fatal one kills even a stopped process), to keep the orphans under it.
 trap 'exit 143' TERM
@@ -157,6 +167,9 @@ if ! flock -n 9; then
   cat {holder} 2>/dev/null
   exit 75
 fi
+# This hold of the lock, as the kernel shows it on every fd that shares it: its taker's pid.
+sed -n 's/^lock:.* FLOCK  *ADVISORY  *WRITE  *\([0-9][0-9]*\) .*/\1/p' /proc/$$/fdinfo/9 2>/dev/null |
+  head -n 1 > lock_id
 # The runner becomes a child subreaper (kept across exec) where a python can set it: orphans of
 # the run then stay under it. Without one, the environment marker and the lock still find them.
 # A system python first: it starts fast (a version manager's shim can take seconds).
@@ -172,7 +185,10 @@ fi
 pid=$!
 # Not a group leader (no job control here), so setsid did not fork: $! is the new group's id.
 echo "$pid" > pgid.part && mv pgid.part pgid
-sed "s/\"pgid\": *null/\"pgid\":$pid/" holder.json > {holder}.part && mv {holder}.part {holder}
+# Beside the lock (a shared /tmp): a fresh file of its own, renamed over the holder (never
+# written through a name someone else could have put there first).
+h=$(mktemp {holder}.XXXXXX) && {{ sed "s/\"pgid\": *null/\"pgid\":$pid/" holder.json > "$h" &&
+  chmod 644 "$h" && mv -f "$h" {holder} || rm -f "$h"; }}
 echo "TRACEDECK_STARTED $pid"
 """
 
@@ -211,11 +227,18 @@ def run_script(plan: RunPlan) -> str:
 
 
 def _shell_word(trace: TraceFile) -> str:
-    """The trace path as sh sees it: quoted, but a file-name pattern left to the shell's glob."""
+    """The trace path as sh sees it: quoted, but a file-name pattern's * ? [ ] ! left to the
+    shell's glob (the load refuses other characters in a pattern; quoted anyway)."""
     if not trace.is_pattern:
         return shlex.quote(trace.path)
     folder, name = trace.path.rsplit("/", 1)
-    return f"{shlex.quote(folder)}/{name}"  # the name's characters were checked at load time
+    parts = re.split(r"([*?\[\]!])", name)
+    return f"{shlex.quote(folder)}/" + "".join(
+        p if p in GLOB or not p else shlex.quote(p) for p in parts
+    )
+
+
+GLOB = frozenset("*?[]!")
 
 
 def launch_script(plan: RunPlan) -> str:
@@ -236,10 +259,13 @@ def pids_command(run_id: str, run_dir: str = "", lock: str = "") -> str:
     """Prints the pids of the run's live processes, one a line (none: the run is over): marked,
     under its runner (the pid in run_dir/pgid), or holding `lock` while the holder names the run."""
     root = f"$(runner_pid {shlex.quote(run_dir)})" if run_dir else ""
-    return (
-        RUN_PIDS
-        + f'run_pids {_marker(run_id)} "{root}" {shlex.quote(lock)} {shlex.quote(run_id)}\n'
-    )
+    return RUN_PIDS + f'run_pids {_marker(run_id)} "{root}" {_lock_args(lock, run_id, run_dir)}\n'
+
+
+def _lock_args(lock: str, run_id: str, run_dir: str) -> str:
+    """run_pids' LOCK RUN_ID LOCK_ID: the lock, and the run's hold on it (RUN_DIR/lock_id)."""
+    held = f'"$(cat {shlex.quote(run_dir + "/lock_id")} 2>/dev/null)"' if run_dir else '""'
+    return f"{shlex.quote(lock)} {shlex.quote(run_id)} {held}"
 
 
 def cancel_script(run_dir: str, run_id: str, grace_s: float, lock: str = "") -> str:
@@ -248,7 +274,7 @@ def cancel_script(run_dir: str, run_id: str, grace_s: float, lock: str = "") -> 
     last. The runner is stopped first, not killed: as the subreaper it keeps the orphans of the
     processes it loses meanwhile under it, so they are found; it is killed last."""
     d = shlex.quote(run_dir)
-    find = f'run_pids {_marker(run_id)} "$rp" {shlex.quote(lock)} {shlex.quote(run_id)}'
+    find = f'run_pids {_marker(run_id)} "$rp" {_lock_args(lock, run_id, run_dir)}'
     steps = max(1, int(grace_s * 10))
     return (
         RUN_PIDS
@@ -259,6 +285,16 @@ rp=$(runner_pid {d})
 others() {{ {find} | grep -vx "${{rp:-none}}"; }}
 pids=$({find})
 if [ -z "$pids" ]; then echo TRACEDECK_NOT_RUNNING; exit 0; fi
+# The recorded group is signalled only while it is the run's: its runner's, or that of one of
+# the run's own processes (a reused number, or one written over, is someone else's).
+case "$pg" in "" | *[!0-9]* | 0 | 1) pg= ;; esac
+if [ -n "$pg" ] && [ "$pg" != "${{rp:-}}" ]; then
+  ours=
+  for p in $pids; do
+    [ "$(sed 's/^.*) //' "/proc/$p/stat" 2>/dev/null | cut -d' ' -f3)" = "$pg" ] && ours=1
+  done
+  [ -n "$ours" ] || pg=
+fi
 [ -n "$rp" ] && kill -STOP "$rp" 2>/dev/null
 [ -n "$pg" ] && kill -TERM -"$pg" 2>/dev/null
 kill -TERM $(echo "$pids" | grep -vx "${{rp:-none}}") $(others) 2>/dev/null

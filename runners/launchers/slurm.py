@@ -41,6 +41,7 @@ JOB_DIR = "slurm"
 # Job states after which a task runs no more (squeue's long forms, scontrol's JobState).
 ENDED = frozenset({"COMPLETED", "FAILED", "CANCELLED", "REVOKED", "SPECIAL_EXIT", *SCHEDULER_KILLS})
 QUERY_TIMEOUT_S = 30.0
+SBATCH_PATH = re.compile(r"[^\s%\'\"\\\x00-\x1f\x7f]+")
 
 JOB_SH = r"""#!/bin/bash
 {directives}
@@ -64,8 +65,9 @@ node="$(hostname)"
 exec 9>>{lock}
 flock 9 || exit 75
 [ -n "$stopping" ] && exit 143  # Slurm ended the task while it waited for the lock
-printf '{{"run_id":"%s","user":"%s","console_host":%s,"preset":%s,"slurm_job":"%s","node":"%s","pgid":null}}\n' \
-  "$TRACEDECK_RUN_ID" "$(id -un)" {console_host} {preset} "$job" "$node" > {holder}
+h=$(mktemp {holder}.XXXXXX) && {{ printf '{{"run_id":"%s","user":"%s","console_host":%s,"preset":%s,"slurm_job":"%s","node":"%s","pgid":null}}\n' \
+  "$TRACEDECK_RUN_ID" "$(id -un)" {console_host} {preset} "$job" "$node" > "$h" &&
+  chmod 644 "$h" && mv -f "$h" {holder} || rm -f "$h"; }}
 ev "{{\"e\":\"start\",\"cell\":\"$cell\",\"t\":$(now),\"node\":\"$node\",\"job\":\"$job\"}}"
 TRACEDECK_CELL="$TRACEDECK_RUN_ID/$cell" bash "cells/$cell/cmd.sh" > "cells/$cell/stdout.log" \
   2> "cells/$cell/stderr.log" < /dev/null
@@ -131,6 +133,14 @@ def job_script(
     plan: RunPlan, settings: SlurmSettings, holder: dict[str, Any], setup: bool = False
 ) -> str:
     """The array's script (each task one cell), or the setup job's (setup=True)."""
+    if not SBATCH_PATH.fullmatch(plan.run_dir):
+        # sbatch reads a directive up to the first blank, expands % in --output, and a newline
+        # would end the directives (what follows runs as bash before the script's own cd).
+        raise TargetError(
+            f"the run directory {plan.run_dir!r} cannot be written in an #SBATCH line (it holds "
+            "a blank, %, a quote or a control character): set target.runs to a directory "
+            "without them"
+        )
     cells = [c.index for c in plan.cells]
     shared = [t for t in plan.traces if t.cell is None]
     if setup:
