@@ -277,6 +277,13 @@ def validate(
     for table in ("determinism.env", "engine.env"):
         sec, key = table.split(".")
         for name, value in out[sec][key].items():
+            if name.upper().startswith("TRACEDECK_"):
+                raise PresetError(
+                    source,
+                    f"{table}.{name}",
+                    "TRACEDECK_* names are tracedeck's own (the run finds its processes by "
+                    "TRACEDECK_RUN_ID and TRACEDECK_CELL, which every cell gets): use another name",
+                )
             if not ENV_NAME.fullmatch(name):
                 raise PresetError(
                     source,

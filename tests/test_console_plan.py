@@ -53,7 +53,7 @@ async def test_the_plan_is_shown_before_start_checked_then_started(home: Path) -
         assert any(
             line.startswith("  command: sh -c ") and line.endswith(" hello 2") for line in lines
         )
-        assert any(line == "  env:     TRACEDECK_CELL=2" for line in lines)
+        assert any(line == "  env:     HELLO_CELL=2" for line in lines)
         assert not out_dir(home).exists()  # nothing started, nothing written
         await pilot.press("c")
         checks = plan.query_one("#plan-checks")

@@ -291,6 +291,13 @@ def test_an_env_name_a_shell_cannot_export_is_refused(tmp_path: Path) -> None:
         load_preset(write_preset(tmp_path, engine_extra='env = { "Épsilon" = "1" }'))
 
 
+def test_tracedecks_own_environment_names_are_refused(tmp_path: Path) -> None:
+    """A preset's TRACEDECK_CELL (the shipped hello_command set one) replaced the marker
+    reap_cell and cancel find a cell's processes by."""
+    with pytest.raises(PresetError, match="determinism.env.TRACEDECK_CELL.*tracedeck's own"):
+        load_preset(write_preset(tmp_path), ['determinism.env.TRACEDECK_CELL="{n}"'])
+
+
 @pytest.mark.parametrize("extra", ['env = { "X" = "a\\u0000b" }', 'setup = ["echo a\\u0000b"]'])
 def test_a_nul_anywhere_in_a_preset_is_refused(tmp_path: Path, extra: str) -> None:
     with pytest.raises(PresetError, match="NUL"):
