@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import posixpath
 import shlex
 from pathlib import Path
 
@@ -69,3 +70,27 @@ async def engine_version(
         why = f"exit {done.exit_status}: {tail[0][:200]}" if done.exit_status else "no output"
         return EngineVersion(command=command, version=first[:200], error=why)
     return EngineVersion(command=command, version=first[:200])
+
+
+async def own_dirs(target: Target, run_dir: str, parents: int) -> None:
+    """Make the run's directory and check that it (and `parents` above it: a fleet's RUNS/RUN_ID)
+    is a directory of the login user's own, not a link: in a shared runs directory another user
+    could have made it first and would control what the run's scripts become."""
+    dirs = [run_dir]
+    for _ in range(parents):
+        dirs.append(posixpath.dirname(dirs[-1]))
+    words = " ".join(shlex.quote(d) for d in dirs)
+    result = await target.run(
+        f"mkdir -p -- {shlex.quote(run_dir)} && for d in {words}; do "
+        '[ -d "$d" ] && [ ! -L "$d" ] && [ -O "$d" ] || { printf %s "$d"; exit 3; }; done'
+    )
+    if result.exit_status == 3:
+        raise TargetError(
+            f"{target.name}: {result.stdout} is not a directory of this login user's own (another "
+            "user made it, or it is a link): the run's scripts would be where someone else can "
+            "change them; set target.runs to a directory of your own"
+        )
+    if result.exit_status != 0:
+        raise TargetError(
+            f"{target.name}: cannot make {run_dir}: {result.stderr.strip() or 'mkdir failed'}"
+        )

@@ -19,7 +19,7 @@ from runners.cells import CellState
 from runners.changes import Changes
 from runners.events import CellFinished, Connection, Error, Event
 from runners.follower import RunFollower
-from runners.host_prep import ship_reference
+from runners.host_prep import own_dirs, ship_reference
 from runners.kind import Ending, HostJudging, Judge
 from runners.launchers.base import Launcher, Started
 from runners.leftovers import report_leftovers
@@ -98,6 +98,7 @@ class Member:
 
     async def upload(self, preset: Preset, holder: dict[str, Any]) -> None:
         plan = self.plan
+        await own_dirs(self.target, plan.run_dir, parents=1 if self.host.slug else 0)
         plan_json = orjson.dumps(plan_document(plan, preset), option=orjson.OPT_INDENT_2)
         files = {
             **cell_scripts(plan),

@@ -311,3 +311,25 @@ def test_an_artifact_path_made_absolute_by_a_placeholder_is_refused(
     preset = write_preset(tmp_path, tail=f'[artifacts]\nfetch = ["{placeholder}/x.json"]\n')
     with pytest.raises(PresetError, match="absolute path"):
         load_preset(preset)
+
+
+# -- the run's directory is the login user's own -------------------------------------------------
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a directory another user owns needs root")
+def test_a_run_directory_someone_else_made_first_is_refused(tmp_path: Path) -> None:
+    """In a shared runs directory another user could make RUNS/RUN_ID (or a link) first: the
+    run's scripts would then be theirs to change."""
+    from runners.host_prep import own_dirs
+
+    runs = tmp_path / "runs"
+    theirs = runs / "20990101-000000-adv-abcd"
+    theirs.mkdir(parents=True)
+    os.chown(theirs, 65534, 65534)
+    (runs / "linked").symlink_to(tmp_path)
+    local = LocalTarget()
+    for run_dir, parents in ((theirs, 0), (theirs / "gpu-a-1", 1), (runs / "linked", 0)):
+        with pytest.raises(TargetError, match="not a directory of this login user's own"):
+            asyncio.run(own_dirs(local, str(run_dir), parents))
+    asyncio.run(own_dirs(local, str(runs / "mine" / "gpu-a-1"), 1))
+    assert (runs / "mine" / "gpu-a-1").is_dir()
