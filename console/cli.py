@@ -438,28 +438,34 @@ async def _launch_and_follow(session) -> int:  # type: ignore[no-untyped-def]
     if interrupts:
         _err(f"run {session.record.run_id} started; cancelling it now ({commands})")
         cancelling = asyncio.ensure_future(session.cancel())
-        code = await _follow_interruptible(session)
+        code = await _follow_interruptible(session, cancelling)
         if cancelling.done() and not cancelling.cancelled() and cancelling.exception():
             _err(f"the cancel failed: {cancelling.exception()} ({commands})")
         return code
     return await _follow_interruptible(session)
 
 
-async def _follow_interruptible(session) -> int:  # type: ignore[no-untyped-def]
-    """Follow to the end; the first Ctrl-C cancels the run on the target, a second detaches."""
+async def _follow_interruptible(session, cancelling=None) -> int:  # type: ignore[no-untyped-def]
+    """Follow to the end; the first Ctrl-C cancels the run on the target, a second detaches
+    (a cancel already under way finishes there without this console)."""
     loop = asyncio.get_running_loop()
     follow = asyncio.ensure_future(session.follow())
-    interrupts = 0
+    interrupts = 1 if cancelling is not None else 0
 
     def on_sigint() -> None:
-        nonlocal interrupts
+        nonlocal interrupts, cancelling
         interrupts += 1
         if interrupts == 1:
             _err("interrupt: cancelling the run (Ctrl-C again to detach and leave it running)")
-            asyncio.ensure_future(session.cancel())
+            cancelling = asyncio.ensure_future(session.cancel())
         else:
+            going = (
+                "the cancel already asked finishes there without this console"
+                if cancelling is not None and not cancelling.done()
+                else "the run goes on"
+            )
             _err(
-                f"detached; the run goes on. Reattach: tracedeck attach {session.local_dir}; "
+                f"detached; {going}. Reattach: tracedeck attach {session.local_dir}; "
                 f"cancel: tracedeck cancel {session.local_dir}"
             )
             follow.cancel()

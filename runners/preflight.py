@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from runners.launchers.detached import holder_path, parse_holder
+from runners.launchers.detached import holder_path, lock_probe, parse_holder
 from runners.launchers.slurm import SlurmSettings
 from runners.placement import Host
 from runners.plan import PYTHON_RULE, interpreter
@@ -251,18 +251,10 @@ async def _check_space(target: Target, out: Checked, runs: str, anchor: str) -> 
 
 
 async def lock_state(target: Target, lock: str) -> tuple[str, dict[str, Any], str]:
-    """Who holds the lock, found without taking it: a shared flock on a read-only descriptor
-    fails while a run holds it, and is let go at once. (state: held, free, absent, unwritable
-    or '' when the answer could not be read; the last holder's record; what the shell said.)"""
-    script = f"""l={_q(lock)}
-if [ ! -e "$l" ]; then
-  if [ -w "$(dirname -- "$l")" ]; then echo absent; else echo unwritable; fi
-  exit 0
-fi
-[ -w "$l" ] || {{ echo unwritable; exit 0; }}
-if flock -n -s "$l" true 2>/dev/null; then echo free; else echo held; fi
-"""
-    _, stdout, err = await _sh(target, script)
+    """Who holds the lock, found without taking it (launchers.detached.lock_probe). (state:
+    held, free, absent, unwritable, unknown, or '' when the answer could not be read; the last
+    holder's record; what the shell said.)"""
+    _, stdout, err = await _sh(target, lock_probe(lock))
     state = stdout.splitlines()[-1] if stdout else ""
     raw = await target.read_from(holder_path(lock), 0, 1 << 16)
     holder = parse_holder(raw.decode("utf-8", "replace")) if raw else {}

@@ -21,7 +21,8 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runners.events import RunFinished
+from runners.events import HostState, RunFinished
+from runners.exits import NOT_ENDINGS
 from runners.kinds import event_types
 from runners.launchers.detached import DetachedLauncher
 from runners.launchers.slurm import JOB_DIR, SlurmLauncher, SlurmSettings
@@ -36,6 +37,7 @@ from runners.record import (
     local_runs,
     writer_present,
 )
+from runners.scheduler import LOST
 from runners.targets.base import Target, TargetError
 from runners.targets.factory import parse_target
 
@@ -48,7 +50,6 @@ FLEET_BATCH = re.compile(r"[A-Za-z0-9._-]+-\d+")
 # A run directory with no process group yet, younger than this, may be a launch under way.
 LAUNCH_GRACE_S = 600.0
 # Verdicts that do not mean the run ended (the console stopped following, or recording).
-NOT_ENDINGS = ("DISCONNECTED", "NOT_RECORDED")
 
 
 def parse_duration(text: str) -> float:
@@ -151,14 +152,17 @@ def local_items(out_dir: Path) -> list[Item]:
 
 
 def recorded_end(local: Path) -> RunFinished | None:
-    """How the record says the run ended (None: it says no end, or only that following did)."""
+    """How the record says the run ended (None: it says no end, only that following did, or
+    a fleet host was lost: its batch may still run there, whatever the run's end says)."""
     path = local / EVENTS
-    end = None
+    end, lost = None, False
     with contextlib.suppress(OSError, ValueError):
         for event in iter_events(path, event_types()):
             if isinstance(event, RunFinished):
                 end = event if event.verdict not in NOT_ENDINGS else None
-    return end
+            elif isinstance(event, HostState) and event.state == LOST:
+                lost = True
+    return None if lost else end
 
 
 # -- liveness, on the launcher's word -----------------------------------------------------------

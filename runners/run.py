@@ -22,7 +22,7 @@ from runners.events import (
     HostAssigned,
     RunFinished,
 )
-from runners.exits import EXIT_INFRA
+from runners.exits import EXIT_INFRA, NOT_ENDINGS, NOT_JUDGED, NOT_RECORDED
 from runners.launchers.base import Cancel
 from runners.local_run import by_id_link, new_record, recorded_preset
 from runners.member import POLL_S, Member
@@ -47,11 +47,8 @@ from runners.scheduler import (
     WAITING,
     Slot,
 )
-from runners.start import DISCONNECTED
 from runners.targets.base import TargetError
 
-NOT_RECORDED = "NOT_RECORDED"
-NOT_JUDGED = "NOT_JUDGED"  # tracedeck itself failed while following: nothing was judged
 CANCEL_GRACE_S = 5.0
 WAIT_S = 2.0  # between looks at a busy host's lock (fleet.busy = "wait")
 
@@ -299,8 +296,8 @@ def attach(local_dir: Path, emit: Callable[[Event], None], replay: Callable[[Eve
         if events_path.exists():
             drop_torn_tail(events_path)
             for event in iter_events(events_path, kinds.event_types()):
-                if isinstance(event, RunFinished) and event.verdict == DISCONNECTED:
-                    continue  # the console gave up following; the run itself went on
+                if isinstance(event, RunFinished) and event.verdict in NOT_ENDINGS:
+                    continue  # a console's following ended there; the run itself went on
                 run._fold(event)
                 replay(event)
     except BaseException:

@@ -19,7 +19,7 @@ from runners.cells import SETUP_CELL, CellState, cell_name
 from runners.events import CellFinished, CellRequeued, Error, Event, HostState, LockBusy
 from runners.kind import Ending, Judge
 from runners.launchers.base import Cancel, LockBusyError
-from runners.launchers.detached import holder_text, parse_holder
+from runners.launchers.detached import holder_text, lock_probe, parse_holder
 from runners.member import Member
 from runners.placement import Host, Placement
 from runners.plan import PlannedCell
@@ -198,7 +198,7 @@ class Scheduler:
         """A waiting host: is its lock free now? (Says who holds it while it is not.)"""
         lock = shlex.quote(slot.place.lock)
         result = await slot.target.run(
-            f"exec 9>>{lock} && flock -n 9 && exit 0; cat {lock}.json 2>/dev/null; exit 75"
+            f"( {lock_probe(slot.place.lock)} ) | grep -qx held || exit 0; cat {lock}.json; exit 75"
         )
         if result.exit_status == 0:
             return True

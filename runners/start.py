@@ -21,7 +21,7 @@ from runners.events import (
     RunFinished,
     RunStarted,
 )
-from runners.exits import EXIT_INFRA
+from runners.exits import DISCONNECTED, EXIT_INFRA
 from runners.host_prep import engine_version, resolve_dir
 from runners.launchers.base import LockBusyError, NotStartedError
 from runners.local_run import link_by_id
@@ -32,8 +32,6 @@ from runners.record import EVENTS, FLEET, RECORD_LOCK, RUN_JSON, Recorder
 from runners.run_core import RunCore
 from runners.scheduler import CONNECTING, IDLE, RUNNING, Slot
 from runners.targets.base import ConnectionLost, TargetError
-
-DISCONNECTED = "DISCONNECTED"  # the console stopped following; the run goes on
 
 
 async def launch(run: RunCore) -> None:

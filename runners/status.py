@@ -15,10 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from runners.config import fleet_names, host_lock, load_config
-from runners.events import RunFinished, RunStarted
+from runners.events import HostState, RunFinished, RunStarted
+from runners.exits import NOT_ENDINGS
 from runners.kinds import event_types
-from runners.prune import NOT_ENDINGS, Targets, run_alive
+from runners.prune import Targets, run_alive
 from runners.record import EVENTS, FLEET, RunRecord, iter_events, local_runs, writer_present
+from runners.scheduler import LOST
 from runners.targets.base import TargetError
 
 RECENT = 20
@@ -93,16 +95,21 @@ def read_run(local: Path) -> tuple[RunStatus, list[tuple[str, str]]]:
         lock="" if members else record.lock,
     )
     end: RunFinished | None = None
+    lost = False  # a fleet host lost while its batch ran: that batch may run on after the end
     with contextlib.suppress(OSError, ValueError):
         for event in iter_events(local / EVENTS, event_types()):
             if isinstance(event, RunStarted) and run.started is None:
                 run.started = event.t
             elif isinstance(event, RunFinished):
                 end = event
+            elif isinstance(event, HostState) and event.state == LOST:
+                lost = True
     if end is not None and end.verdict not in NOT_ENDINGS:
         run.state, run.verdict, run.exit_code = ENDED, end.verdict, end.exit_code
         if run.started is not None:
             run.elapsed_s = max(0.0, end.t - run.started)
+        if lost:
+            run.state = UNKNOWN  # asked on its hosts; ended again when nothing of it runs
     run.followed = writer_present(local)
     return run, remote
 
@@ -120,11 +127,15 @@ async def _ask_hosts(run: RunStatus, remote: list[tuple[str, str]], targets: Tar
         try:
             if await run_alive(target, run_dir, run.run_id):
                 run.state = LIVE
+                if run.verdict is not None:
+                    run.note = f"ended {run.verdict}, but a lost host's batch still runs: cancel it"
                 return
         except TargetError as exc:
             unreachable.append(f"{spec}: {exc}")
     if unreachable:
         run.state, run.note = UNKNOWN, "cannot ask " + "; ".join(unreachable)
+    elif run.verdict is not None:
+        run.state = ENDED  # its end recorded, and nothing of it runs on any host
     elif run.followed:
         run.state, run.note = (
             ENDING,

@@ -12,10 +12,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from runners.events import Event, RunFinished
+from runners.exits import NOT_ENDINGS
 from runners.follow import FileFollower
 from runners.kinds import event_types
 from runners.record import EVENTS, decode_event, writer_present
-from runners.run import DISCONNECTED
 from runners.targets.local import LocalTarget
 
 POLL_S = 0.1
@@ -39,7 +39,7 @@ async def view(
             event = decode_event(path, number, line, types)
             sink(event)
             count += 1
-            if isinstance(event, RunFinished) and event.verdict != DISCONNECTED:
+            if isinstance(event, RunFinished) and event.verdict not in NOT_ENDINGS:
                 return event, count
         if got is None and follower.caught_up and not writer_was_there:
             return None, count  # read to the end after the writer had gone: nothing more comes

@@ -143,6 +143,8 @@ trap 'exit 143' TERM
 now() {{ date +%s.%N; }}
 ev() {{ printf '%s\n' "$1" >> progress.jsonl; }}
 {cell_helpers}run_cell() {{
+  # A cancel asked before this cell (while the run was being launched, or between cells)
+  if [ -e cancel ]; then ev "{{\"e\":\"cancelled\",\"t\":$(now)}}"; exit 130; fi
   ev "{{\"e\":\"start\",\"cell\":\"$1\",\"t\":$(now)}}"
   TRACEDECK_CELL="$TRACEDECK_RUN_ID/$1" bash "cells/$1/cmd.sh" > "cells/$1/stdout.log" \
     2> "cells/$1/stderr.log" < /dev/null
@@ -316,6 +318,35 @@ echo TRACEDECK_CANCELLED
     )
 
 
+def lock_probe(lock: str) -> str:
+    """sh that says whether `lock` is held (held, free, absent, unwritable; unknown when it
+    cannot tell), read from the kernel's table of flocks, never by taking it: a look that took
+    it, even for an instant, made a launch that came then LOCK_BUSY."""
+    return f"""l={shlex.quote(lock)}
+if [ ! -e "$l" ]; then
+  if [ -w "$(dirname -- "$l")" ]; then echo absent; else echo unwritable; fi
+  exit 0
+fi
+[ -w "$l" ] || {{ echo unwritable; exit 0; }}
+d=$(stat -L -c %d -- "$l" 2>/dev/null) && i=$(stat -L -c %i -- "$l" 2>/dev/null) &&
+  [ -r /proc/locks ] || {{ echo unknown; exit 0; }}
+key=$(printf '%02x:%02x:%s' $(( (d >> 8) & 4095 )) $(( (d & 255) | ((d >> 12) & 1048320) )) "$i")
+if grep ' FLOCK ' /proc/locks | grep -v -- '->' | grep -q " $key "; then echo held; else echo free; fi
+"""
+
+
+def apart(script: str, run_dir: str) -> str:
+    """Run `script` in a session of its own and wait for it: a console interrupted meanwhile
+    (its command killed, its link gone) leaves it to finish (a cancel stops the runner first:
+    killed half way, it left the runner stopped, holding the lock, for good)."""
+    q = shlex.quote(script)
+    return (
+        f"o=$(mktemp {shlex.quote(run_dir + '/.cancel')}.XXXXXX 2>/dev/null) || exec sh -c {q}\n"
+        f'setsid sh -c {q} > "$o" 2>&1 < /dev/null &\n'
+        'wait $!; rc=$?; cat "$o"; rm -f "$o"; exit $rc\n'
+    )
+
+
 def parse_holder(text: str) -> dict[str, Any]:
     try:
         holder = orjson.loads(text)
@@ -374,7 +405,12 @@ class DetachedLauncher:
             stat = await self.target.read_from(f"/proc/{self.pgid}/stat", 0, 4096)
             # Field 3, after the command name in parentheses, is the state; Z is a zombie.
             if stat is not None and stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z":
-                return True
+                # ... and still this run's runner: a reused pid is another program's
+                cmdline = await self.target.read_from(f"/proc/{self.pgid}/cmdline", 0, 4096)
+                if cmdline is not None and f"{plan.run_dir}/run.sh".encode() in cmdline.split(
+                    b"\0"
+                ):
+                    return True
         return bool(await self.pids(plan))
 
     async def pids(self, plan: RunPlan) -> list[int]:
@@ -392,7 +428,8 @@ class DetachedLauncher:
         return None
 
     async def cancel(self, plan: RunPlan, grace_s: float) -> str:
-        result = await self.target.run(cancel_script(plan.run_dir, plan.run_id, grace_s, plan.lock))
+        script = cancel_script(plan.run_dir, plan.run_id, grace_s, plan.lock)
+        result = await self.target.run(apart(script, plan.run_dir))
         words = result.stdout.split()
         if result.exit_status != 0:
             raise TargetError(
