@@ -169,6 +169,14 @@ if ! flock -n 9; then
   cat {holder} 2>/dev/null
   exit 75
 fi
+# Beside the lock (a shared /tmp): a fresh file of its own, renamed over the holder (never
+# written through a name someone else could have put there first). Written as soon as the lock
+# is held, so a launch refused now names this run, not the one before it.
+holder() {{
+  h=$(mktemp {holder}.XXXXXX) && {{ sed "s/\"pgid\": *null/\"pgid\":$1/" holder.json > "$h" &&
+    chmod 644 "$h" && mv -f "$h" {holder} || rm -f "$h"; }}
+}}
+holder null
 # This hold of the lock, as the kernel shows it on every fd that shares it: its taker's pid.
 sed -n 's/^lock:.* FLOCK  *ADVISORY  *WRITE  *\([0-9][0-9]*\) .*/\1/p' /proc/$$/fdinfo/9 2>/dev/null |
   head -n 1 > lock_id
@@ -187,10 +195,7 @@ fi
 pid=$!
 # Not a group leader (no job control here), so setsid did not fork: $! is the new group's id.
 echo "$pid" > pgid.part && mv pgid.part pgid
-# Beside the lock (a shared /tmp): a fresh file of its own, renamed over the holder (never
-# written through a name someone else could have put there first).
-h=$(mktemp {holder}.XXXXXX) && {{ sed "s/\"pgid\": *null/\"pgid\":$pid/" holder.json > "$h" &&
-  chmod 644 "$h" && mv -f "$h" {holder} || rm -f "$h"; }}
+holder "$pid"
 echo "TRACEDECK_STARTED $pid"
 """
 
