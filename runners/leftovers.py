@@ -25,7 +25,8 @@ from runners.launchers.detached import RUN_PIDS, DetachedLauncher, holder_path
 from runners.plan import RunPlan
 from runners.targets.base import Target, TargetError
 
-# A run's last processes exit a moment after its end is written: wait that long for them to go.
+# A run's last processes exit a moment after its end is written: wait that long at most for
+# them to go (no longer than its runner lives, and one look more).
 GRACE_S = 10.0
 STEP_S = 0.2
 
@@ -146,8 +147,13 @@ async def report_leftovers(
     try:
         found = await find_leftovers(target, plan)
         while found and loop.time() < deadline:
+            # Once the runner is gone, nothing of the run is on its way out any more (each
+            # cell's leftovers were reaped at its end): one more look, and what is left stays.
+            runner = await launcher.runner_alive(plan)
             await asyncio.sleep(STEP_S)
             found = await find_leftovers(target, plan)
+            if not runner:
+                break
     except TargetError as exc:
         emit(
             Error(

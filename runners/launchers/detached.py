@@ -402,21 +402,22 @@ class DetachedLauncher:
     async def alive(self, plan: RunPlan) -> bool:
         """Does any process of the run live? The group leader over SFTP (cheap, every check),
         else a scan for the run's marker (a process that left the group or outlived run.sh)."""
+        return await self.runner_alive(plan) or bool(await self.pids(plan))
+
+    async def runner_alive(self, plan: RunPlan) -> bool:
+        """Does the run's runner (its group leader, run.sh) live? A reused pid is not it."""
         if self.pgid is None:
             raw = await self.target.read_from(f"{plan.run_dir}/pgid", 0, 64)
             if raw is not None and raw.strip().isdigit():
                 self.pgid = int(raw)
-        if self.pgid is not None:
-            stat = await self.target.read_from(f"/proc/{self.pgid}/stat", 0, 4096)
-            # Field 3, after the command name in parentheses, is the state; Z is a zombie.
-            if stat is not None and stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z":
-                # ... and still this run's runner: a reused pid is another program's
-                cmdline = await self.target.read_from(f"/proc/{self.pgid}/cmdline", 0, 4096)
-                if cmdline is not None and f"{plan.run_dir}/run.sh".encode() in cmdline.split(
-                    b"\0"
-                ):
-                    return True
-        return bool(await self.pids(plan))
+        if self.pgid is None:
+            return False
+        stat = await self.target.read_from(f"/proc/{self.pgid}/stat", 0, 4096)
+        # Field 3, after the command name in parentheses, is the state; Z is a zombie.
+        if stat is None or stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] == b"Z":
+            return False
+        cmdline = await self.target.read_from(f"/proc/{self.pgid}/cmdline", 0, 4096)
+        return cmdline is not None and f"{plan.run_dir}/run.sh".encode() in cmdline.split(b"\0")
 
     async def pids(self, plan: RunPlan) -> list[int]:
         """The run's live processes, zombies left out."""
