@@ -76,7 +76,7 @@ def _flocked(dev: int, ino: int, lines: list[str], held: str) -> bool:
         words = line.split()
         if want in words and want != words[0]:
             at = words.index(want)
-            if not held or words[at - 1] == held:
+            if held in ("", "0") or words[at - 1] == held:
                 return True
     return False
 

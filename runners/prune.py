@@ -21,7 +21,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runners.events import HostState, RunFinished
+from runners.events import Event, HostState, RunFinished
 from runners.exits import NOT_ENDINGS
 from runners.kinds import event_types
 from runners.launchers.detached import DetachedLauncher
@@ -37,7 +37,7 @@ from runners.record import (
     local_runs,
     writer_present,
 )
-from runners.scheduler import LOST
+from runners.scheduler import LOST, RUNNING
 from runners.targets.base import Target, TargetError
 from runners.targets.factory import parse_target
 
@@ -155,14 +155,31 @@ def recorded_end(local: Path) -> RunFinished | None:
     """How the record says the run ended (None: it says no end, only that following did, or
     a fleet host was lost: its batch may still run there, whatever the run's end says)."""
     path = local / EVENTS
-    end, lost = None, False
+    end, hosts = None, LostHosts()
     with contextlib.suppress(OSError, ValueError):
         for event in iter_events(path, event_types()):
+            hosts.fold(event)
             if isinstance(event, RunFinished):
                 end = event if event.verdict not in NOT_ENDINGS else None
-            elif isinstance(event, HostState) and event.state == LOST:
-                lost = True
-    return None if lost else end
+    return None if hosts.batch_left else end
+
+
+class LostHosts:
+    """Folds a fleet run's host states: was a host lost while its batch ran (that batch may go
+    on there after the run's end)? A host lost with nothing running left nothing behind."""
+
+    def __init__(self) -> None:
+        self.running: set[str] = set()
+        self.batch_left = False
+
+    def fold(self, event: Event) -> None:
+        if isinstance(event, HostState):
+            if event.state == RUNNING:
+                self.running.add(event.host)
+            elif event.state == LOST and event.host in self.running:
+                self.batch_left = True
+            else:
+                self.running.discard(event.host)
 
 
 # -- liveness, on the launcher's word -----------------------------------------------------------
@@ -247,7 +264,7 @@ async def _live_on(spec: str, run_dir: str, run_id: str, targets: Targets) -> st
     is over there)."""
     target = await targets.get(spec)
     if target is None:
-        return f"its end is not recorded and {spec} cannot be reached to check it"
+        return f"not known to be over (no end recorded, or a host lost while its batch ran) and {spec} cannot be reached to check it"
     try:
         if await run_alive(target, run_dir, run_id):
             return f"live: processes of the run still run on {spec}"

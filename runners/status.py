@@ -15,12 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from runners.config import fleet_names, host_lock, load_config
-from runners.events import HostState, RunFinished, RunStarted
+from runners.events import RunFinished, RunStarted
 from runners.exits import NOT_ENDINGS
 from runners.kinds import event_types
-from runners.prune import Targets, run_alive
+from runners.prune import LostHosts, Targets, run_alive
 from runners.record import EVENTS, FLEET, RunRecord, iter_events, local_runs, writer_present
-from runners.scheduler import LOST
 from runners.targets.base import TargetError
 
 RECENT = 20
@@ -95,20 +94,19 @@ def read_run(local: Path) -> tuple[RunStatus, list[tuple[str, str]]]:
         lock="" if members else record.lock,
     )
     end: RunFinished | None = None
-    lost = False  # a fleet host lost while its batch ran: that batch may run on after the end
+    hosts = LostHosts()  # a fleet host lost while its batch ran: it may run on after the end
     with contextlib.suppress(OSError, ValueError):
         for event in iter_events(local / EVENTS, event_types()):
+            hosts.fold(event)
             if isinstance(event, RunStarted) and run.started is None:
                 run.started = event.t
             elif isinstance(event, RunFinished):
                 end = event
-            elif isinstance(event, HostState) and event.state == LOST:
-                lost = True
     if end is not None and end.verdict not in NOT_ENDINGS:
         run.state, run.verdict, run.exit_code = ENDED, end.verdict, end.exit_code
         if run.started is not None:
             run.elapsed_s = max(0.0, end.t - run.started)
-        if lost:
+        if hosts.batch_left:
             run.state = UNKNOWN  # asked on its hosts; ended again when nothing of it runs
     run.followed = writer_present(local)
     return run, remote

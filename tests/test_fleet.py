@@ -430,14 +430,25 @@ def test_hosts_that_share_a_lock_file_are_told_and_never_run_at_once(
     fleet: Fleet, tmp_path: Path
 ) -> None:
     shared = tmp_path / "shared.lock"  # in the home every host shares: one file for both
-    preset = lines_preset(tmp_path, cells=4, lines=2, pause=0.2)
+    gate = tmp_path / "gate"  # the home is shared too: the cells wait until the busy is said
+    preset = lines_preset(tmp_path, cells=4, lines=2, pause=0)
+    engine = f"while [ ! -e {gate} ]; do sleep 0.05; done; echo cell {{n}} line 1; echo cell {{n}} line 2"
     # Named for this run: a preset's own [target] lock speaks only for its own host.
-    done = tracedeck(
+    console = spawn(
         "run", str(preset), "--target", "gpu-a,gpu-b", "--out", str(tmp_path / "out"),
-        "--set", f'target.lock="{shared}"', env=cli_env(fleet.home.path),
+        "--set", f'target.lock="{shared}"', "--set", f"engine.command={engine!r}",
+        env=cli_env(fleet.home.path),
     )  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
-    [local_dir] = run_dirs(tmp_path / "out")
+    try:
+        local_dir = wait_for(lambda: run_dirs(tmp_path / "out"), what="run dir")[0]
+        wait_for(
+            lambda: any(e["type"] == "lock_busy" for e in events(local_dir)),
+            what="the second host to find the shared lock held",
+        )
+    finally:
+        gate.touch()
+    stdout, stderr = console.communicate(timeout=patience(120))
+    assert console.returncode == 0, stdout + stderr
     evts = events(local_dir)
     [busy] = [e for e in evts if e["type"] == "lock_busy"]
     assert busy["holder"]["run_id"] == record_of(local_dir)["run_id"]

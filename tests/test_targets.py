@@ -83,6 +83,17 @@ async def test_a_timed_out_command_leaves_nothing_running_on_the_target(
     wait_for(lambda: not pid_alive(pid), what=f"the timed-out command's child {pid} to be gone")
 
 
+def test_the_login_shell_is_handed_one_sh_command_with_or_without_a_timeout() -> None:
+    """A csh or fish login shell cannot read sh's if/then or >/dev/null 2>&1: whatever the
+    timeout wrapping, the login shell sees `exec /bin/sh -c WORD` alone (tcsh failed with
+    'Ambiguous output redirect' on every command given a timeout)."""
+    from runners.targets.ssh import sh_command
+
+    for timeout in (None, 0.3, 900):
+        words = shlex.split(sh_command("echo 'a b' > x; exit 3", timeout))
+        assert words[:3] == ["exec", "/bin/sh", "-c"] and len(words) == 4
+
+
 async def test_a_command_that_exits_124_itself_is_no_timeout(target: Target) -> None:
     result = await guard(target.run("exit 124", timeout=20))
     assert result.exit_status == 124

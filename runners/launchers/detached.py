@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from runners.follower import RunFollower
 
 LOCK_BUSY = 75
+LOCK_RETRY_S = 2.0  # a launch's tries for the lock before it says LOCK_BUSY
 
 # A run owns its processes by three things, so that one a process sheds (its environment under
 # `env -i`, sudo or a daemon; its group and session under setsid; the lock fd it may close) still
@@ -47,7 +48,8 @@ RUN_PIDS = r"""runner_pid() {
 }
 run_pids() {
   _lk=
-  case "${5:-}" in *[!0-9]*) set -- "$1" "${2:-}" "${3:-}" "${4:-}" "" ;; esac
+  # 0: the taker's pid is not visible (a pid namespace), so the hold cannot be told apart
+  case "${5:-}" in *[!0-9]* | 0) set -- "$1" "${2:-}" "${3:-}" "${4:-}" "" ;; esac
   if [ -n "${3:-}" ] && [ -n "${5:-}" ] && grep -qF "\"run_id\":\"$4\"" "$3.json" 2>/dev/null; then
     _lk=$(readlink -f -- "$3" 2>/dev/null | sed 's/[][*?\\]/\\&/g')
   fi
@@ -164,11 +166,18 @@ LAUNCH_SH = r"""#!/bin/sh
 cd {run_dir} || exit 70
 SUBREAPER={subreaper}
 exec 9>>{lock}
-if ! flock -n 9; then
-  echo TRACEDECK_LOCK_BUSY
-  cat {holder} 2>/dev/null
-  exit 75
-fi
+# Tried for a while before it is busy: a look at the lock (status, plan --check) holds it for
+# an instant.
+i=0
+until flock -n 9; do
+  i=$((i + 1))
+  if [ "$i" -ge {tries} ]; then
+    echo TRACEDECK_LOCK_BUSY
+    cat {holder} 2>/dev/null
+    exit 75
+  fi
+  sleep 0.1
+done
 # Beside the lock (a shared /tmp): a fresh file of its own, renamed over the holder (never
 # written through a name someone else could have put there first). Written as soon as the lock
 # is held, so a launch refused now names this run, not the one before it.
@@ -253,6 +262,7 @@ def launch_script(plan: RunPlan) -> str:
         run_dir=shlex.quote(plan.run_dir),
         lock=shlex.quote(plan.lock),
         holder=shlex.quote(holder_path(plan.lock)),
+        tries=int(LOCK_RETRY_S / 0.1),
         python=shlex.quote(plan.python),
         subreaper=shlex.quote(SUBREAPER),
     )
@@ -324,19 +334,17 @@ echo TRACEDECK_CANCELLED
 
 
 def lock_probe(lock: str) -> str:
-    """sh that says whether `lock` is held (held, free, absent, unwritable; unknown when it
-    cannot tell), read from the kernel's table of flocks, never by taking it: a look that took
-    it, even for an instant, made a launch that came then LOCK_BUSY."""
+    """sh that says whether `lock` is held (held, free, absent, unwritable): a shared flock,
+    let go at once. (The kernel's table of locks cannot say: in a container it leaves out a
+    lock whose taker has exited, and on an overlay it names another device.) A launch that
+    meets the probe's instant retries for LOCK_RETRY_S before it says LOCK_BUSY."""
     return f"""l={shlex.quote(lock)}
 if [ ! -e "$l" ]; then
   if [ -w "$(dirname -- "$l")" ]; then echo absent; else echo unwritable; fi
   exit 0
 fi
 [ -w "$l" ] || {{ echo unwritable; exit 0; }}
-d=$(stat -L -c %d -- "$l" 2>/dev/null) && i=$(stat -L -c %i -- "$l" 2>/dev/null) &&
-  [ -r /proc/locks ] || {{ echo unknown; exit 0; }}
-key=$(printf '%02x:%02x:%s' $(( (d >> 8) & 4095 )) $(( (d & 255) | ((d >> 12) & 1048320) )) "$i")
-if grep ' FLOCK ' /proc/locks | grep -v -- '->' | grep -q " $key "; then echo held; else echo free; fi
+if flock -n -s "$l" true 2>/dev/null; then echo free; else echo held; fi
 """
 
 

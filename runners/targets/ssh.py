@@ -41,9 +41,17 @@ HOST_KILL_S = 5
 TIMED_OUT = 124
 
 
-def host_limited(command: str, timeout: float) -> str:
-    limited = f"exec timeout -k {HOST_KILL_S} {max(1, math.ceil(timeout))} {command.removeprefix('exec ')}"
-    return f"if command -v timeout >/dev/null 2>&1; then {limited}; else {command}; fi"
+def sh_command(command: str, timeout: float | None = None) -> str:
+    """What the login shell is handed: `exec /bin/sh -c WORD`, whatever that shell is (csh,
+    fish), so quoting means what sh says; with a timeout, sh runs the command under timeout(1)."""
+    if timeout is not None:
+        inner = shlex.quote(command)
+        limit = f"timeout -k {HOST_KILL_S} {max(1, math.ceil(timeout))}"
+        command = (
+            f"if command -v timeout >/dev/null 2>&1; then exec {limit} /bin/sh -c {inner}; fi; "
+            f"exec /bin/sh -c {inner}"
+        )
+    return "exec /bin/sh -c " + shlex.quote(command)
 
 
 # sshd allows 10 sessions per connection (MaxSessions); SFTP holds one, a stream (the change
@@ -287,10 +295,9 @@ class SshTarget:
 
     async def run(self, command: str, timeout: float | None = None) -> CommandResult:
         conn, _ = self._live()
-        # The login shell may not be sh: hand the command to sh so quoting means the same.
-        wrapped = "exec /bin/sh -c " + shlex.quote(command)
-        if timeout is not None:  # the host stops it: an abandoned channel leaves it running
-            wrapped = host_limited(wrapped, timeout)
+        # The login shell may not be sh; with a timeout the host stops the command itself (an
+        # abandoned channel leaves it running there).
+        wrapped = sh_command(command, timeout)
         loop = asyncio.get_running_loop()
         began = loop.time()
         async with self._channels:
