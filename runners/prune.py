@@ -49,7 +49,6 @@ RUN_ID = re.compile(r"(\d{8}-\d{6})-[A-Za-z0-9][A-Za-z0-9._-]*-[0-9a-f]{4}")
 FLEET_BATCH = re.compile(r"[A-Za-z0-9._-]+-\d+")
 # A run directory with no process group yet, younger than this, may be a launch under way.
 LAUNCH_GRACE_S = 600.0
-# Verdicts that do not mean the run ended (the console stopped following, or recording).
 
 
 def parse_duration(text: str) -> float:
@@ -87,15 +86,15 @@ class Item:
 def choose(items: list[Item], older_than: float | None, keep: int | None, now: float) -> None:
     """Mark the items old enough and beyond the newest `keep` for deletion (newest first). A
     directory that is no record this tracedeck reads, or that holds another run's record, is
-    never deleted: what is in it is not known to be a run's."""
+    never deleted: what is in it is not known to be that run's."""
     items.sort(key=lambda i: (i.started or 0.0, i.run_id), reverse=True)
     readable = [i for i in items if not i.unreadable]
     for item in items:
         if item.unreadable:
             item.keep(f"{item.why}: not a run record this tracedeck reads; delete it by hand")
     for n, item in enumerate(readable):
-        inner = next(
-            (o for o in items if o.where == item.where and _under(o.path, item.path)), None
+        inner = next(  # a run.json this tracedeck cannot read, inside a run, is its content
+            (o for o in readable if o.where == item.where and _under(o.path, item.path)), None
         )
         if inner is not None:
             item.keep(f"holds another run's record ({inner.path}); delete it by hand")
@@ -148,7 +147,9 @@ def local_items(out_dir: Path) -> list[Item]:
                 remote.append(pair)
         started = _epoch(record.started_at)
         items.append(Item("local", str(local), record.run_id, started, remote=remote))
-    return items
+    runs = [i.path for i in items if not i.unreadable]
+    # A run.json this tracedeck cannot read inside a run's directory is that run's content.
+    return [i for i in items if not (i.unreadable and any(_under(i.path, r) for r in runs))]
 
 
 def recorded_end(local: Path) -> RunFinished | None:
@@ -264,7 +265,10 @@ async def _live_on(spec: str, run_dir: str, run_id: str, targets: Targets) -> st
     is over there)."""
     target = await targets.get(spec)
     if target is None:
-        return f"not known to be over (no end recorded, or a host lost while its batch ran) and {spec} cannot be reached to check it"
+        return (
+            f"not known to be over (no end recorded, or a host lost while its batch ran) and "
+            f"{spec} cannot be reached to check it"
+        )
     try:
         if await run_alive(target, run_dir, run_id):
             return f"live: processes of the run still run on {spec}"

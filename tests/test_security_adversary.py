@@ -333,3 +333,17 @@ def test_a_run_directory_someone_else_made_first_is_refused(tmp_path: Path) -> N
             asyncio.run(own_dirs(local, str(run_dir), parents))
     asyncio.run(own_dirs(local, str(runs / "mine" / "gpu-a-1"), 1))
     assert (runs / "mine" / "gpu-a-1").is_dir()
+
+
+def test_a_foreign_run_json_inside_a_run_goes_with_it(home: Path, tmp_path: Path) -> None:
+    """An artifact named run.json deeper in a run's directory is its content: it neither keeps
+    the run from prune nor is listed as a directory of its own."""
+    out = tmp_path / "o"
+    done = tracedeck("run", str(write_preset(tmp_path)), "--out", str(out), env=cli_env(home))
+    assert done.returncode == 0, done.stdout + done.stderr
+    [local] = run_dirs(out)
+    (local / "deep" / "x").mkdir(parents=True)
+    (local / "deep" / "x" / "run.json").write_text("[1, 2]\n")
+    done = tracedeck("prune", "--out", str(out), "--keep", "0", "--yes", env=cli_env(home))
+    assert not local.exists(), done.stdout
+    assert "not a run record" not in done.stdout
