@@ -2,7 +2,7 @@
 fix): an interrupted cancel left the runner stopped holding the lock; a cancel asked during the
 launch was ignored and the run passed; looking at a lock made a launch LOCK_BUSY; a NOT_JUDGED
 end was taken for the run's; a reused runner pid kept a dead run alive, or had its group
-signalled. A fleet host lost while its batch ran is kept by prune (tests/test_fleet-style)."""
+signalled. A fleet host lost while its batch ran is kept by prune (a real two-host fleet)."""
 
 from __future__ import annotations
 
@@ -30,8 +30,13 @@ from runhelp import (
 from sshd import Fleet
 from test_fleet import lines_preset, members
 
-# A cell that takes 4 s to obey a TERM (a process flushing its state), then exits.
-SLOW_TERM = "trap 'echo got-term >&2; sleep 4; exit 0' TERM; echo up; while :; do sleep 0.1; done"
+
+def slow_term(gate: Path) -> str:
+    """A cell that obeys a TERM only once `gate` exists (a process flushing its state)."""
+    return (
+        f"trap 'echo got-term >&2; while [ ! -e {gate} ]; do sleep 0.05; done; exit 0' TERM; "
+        "echo up; while :; do sleep 0.1; done"
+    )
 
 
 def _state(pid: int) -> str:
@@ -83,7 +88,8 @@ def test_ctrl_c_on_tracedeck_cancel_never_leaves_the_runner_stopped_holding_the_
     home = tmp_path / "home"
     home.mkdir()
     env = cli_env(home)
-    console, local = _start_run(tmp_path, env, SLOW_TERM)
+    gate = tmp_path / "flushed"
+    console, local = _start_run(tmp_path, env, slow_term(gate))
     cancel = None
     try:
         console.kill()  # nobody follows: the run goes on alone
@@ -95,14 +101,15 @@ def test_ctrl_c_on_tracedeck_cancel_never_leaves_the_runner_stopped_holding_the_
         assert _state(runner) == "T"  # the cancel stopped the runner, waits for the cell
         cancel.send_signal(signal.SIGINT)  # the operator gives up waiting
         cancel.communicate(timeout=patience(30))
-        # The cell exits 4 s after its TERM. Then the run must be over (cancelled) or going on:
-        # never a stopped runner holding the GPU's lock.
+        gate.touch()  # the cell obeys its TERM now. Then the run must be over (cancelled) or
+        # going on: never a stopped runner holding the GPU's lock.
         wait_for(
             lambda: lock_free(str(tmp_path / "gpu.lock")),
-            timeout=30,
+            timeout=patience(60),
             what=f"the lock to be freed (runner {runner} state {_state(runner)!r})",
         )
     finally:
+        gate.touch()
         _cleanup(local, env, console, cancel)
 
 
@@ -113,7 +120,8 @@ def test_a_second_ctrl_c_detaches_and_the_run_goes_on_not_stopped(tmp_path: Path
     home = tmp_path / "home"
     home.mkdir()
     env = cli_env(home)
-    console, local = _start_run(tmp_path, env, SLOW_TERM)
+    gate = tmp_path / "flushed"
+    console, local = _start_run(tmp_path, env, slow_term(gate))
     try:
         runner = int((Path(record_of(local)["remote_dir"]) / "pgid").read_text())
         err = Path(record_of(local)["remote_dir"]) / "cells" / "000" / "stderr.log"
@@ -121,13 +129,16 @@ def test_a_second_ctrl_c_detaches_and_the_run_goes_on_not_stopped(tmp_path: Path
         wait_for(lambda: err.exists() and "got-term" in err.read_text(), what="the TERM")
         os.killpg(console.pid, signal.SIGINT)  # Ctrl-C again: detach
         stdout, stderr = console.communicate(timeout=patience(60))
-        assert "detached; the cancel already asked finishes there" in stderr, stderr
+        # (the cancel's grace, 5 s, may have run out on a busy machine: then it said so)
+        assert "detached; " in stderr, stderr
+        gate.touch()
         wait_for(
             lambda: lock_free(str(tmp_path / "gpu.lock")),
-            timeout=30,
+            timeout=patience(60),
             what=f"the run to end and free its lock (runner {runner} state {_state(runner)!r})",
         )
     finally:
+        gate.touch()
         _cleanup(local, env, console)
 
 
