@@ -92,7 +92,8 @@ class RunFollower:
         if plan.setup:
             setup = PlannedCell(SETUP_CELL, {"step": SETUP}, " && ".join(plan.setup), {})
             self.cells[SETUP_CELL] = CellTrack(setup)
-        paths = progress_files or [f"{plan.run_dir}/progress.jsonl"]
+        self.run_level = f"{plan.run_dir}/progress.jsonl"  # run.sh's; said the run's end
+        paths = progress_files or [self.run_level]
         self.progress_files = [FileFollower(target, path) for path in paths]
         self._advance = advance or judge.advance
         self.traces: dict[str, FileFollower] = {}
@@ -302,6 +303,10 @@ class RunFollower:
                 missing.append(t.path)
         return missing
 
+    def forged_end(self) -> None:
+        """The run's end was read while its runner still runs: not tracedeck's line."""
+        self._forged(self.run_level, "the run's end while its runner still runs")
+
     def _forged(self, where: str, why: str) -> None:
         """A progress line tracedeck's scripts did not write (the engine shares the run's
         directory): said, never believed; the run cannot pass."""
@@ -361,7 +366,19 @@ class RunFollower:
             elif not track.finished:
                 track.end_sizes = await self._sizes_at_end(track)
                 await self._cell_ended(track, int(entry["rc"]), float(entry["t"]), pending)
+        elif word == "stopped":  # a Slurm task's script, TERMed by Slurm while its cell ran
+            name = entry.get("cell")
+            index = SETUP_CELL if name == SETUP else _cell_number(name)
+            track = self.cells.get(index) if index is not None else None
+            if track is None:
+                self._forged(where, f"a stop of a cell this run does not have ({name!r})")
+            elif track.said_end is not None:
+                self._forged(where, f"an end of {name} its own script then says was stopped")
         elif word in ("done", "cancelled"):
+            if where.rpartition(":")[0] != self.run_level:
+                # per-cell files (a Slurm task's) never say the run's end: only run.sh does
+                self._forged(where, f"a {word!r} line where no script of tracedeck writes one")
+                return
             if word == "cancelled":
                 self.cancelled = True
             self.setup_failed = bool(entry.get("setup_failed"))

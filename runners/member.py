@@ -30,6 +30,7 @@ from runners.remote_judge import RemoteJudge
 from runners.targets.base import ConnectionLost, Target
 
 POLL_S = 0.1
+END_GRACE_S = 5.0  # for run.sh to exit once it wrote the run's end
 ALIVE_EVERY_S = 2.0
 
 
@@ -139,7 +140,7 @@ class Member:
                     await asyncio.sleep(POLL_S / 2)
                     continue
                 try:
-                    if await self.follower.poll():
+                    if await self.follower.poll() and await self._over():
                         return self._ended()
                     if loop.time() - last_alive >= ALIVE_EVERY_S:
                         last_alive = loop.time()
@@ -160,6 +161,20 @@ class Member:
                     await self.changes.wait(POLL_S)
         finally:
             await self.changes.close()
+
+    async def _over(self) -> bool:
+        """The run's end was read: is it over? run.sh writes its end last and exits; a 'done'
+        while it still runs after END_GRACE_S is the engine's (it shares the directory): said,
+        never believed, and the run is followed on to its real end."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + END_GRACE_S
+        while await self.launcher.runner_alive(self.plan):
+            if loop.time() >= deadline:
+                self.follower.ended = self.follower.cancelled = False
+                self.follower.forged_end()
+                return False
+            await asyncio.sleep(POLL_S)
+        return True
 
     def _ended(self) -> Ending:
         return Ending("cancelled" if self.follower.cancelled else "done")

@@ -498,3 +498,36 @@ def test_only_a_host_lost_while_its_batch_ran_keeps_a_fleet_run_from_prune() -> 
     assert not states(("a", "connecting"), ("a", "lost")).batch_left  # never started one
     assert not states(("a", "running"), ("a", "idle"), ("a", "lost")).batch_left
     assert states(("a", "running"), ("b", "running"), ("b", "idle"), ("a", "lost")).batch_left
+
+
+def test_a_forged_run_end_while_the_runner_runs_is_said_and_never_believed(tmp_path: Path) -> None:
+    """The engine shares the run's directory: it wrote its cell's end (rc 0) and the run's
+    'done' into progress.jsonl and the console stopped following at once, before run.sh's real
+    lines could contradict them (a forged pass). The end of a run is believed only once its
+    runner has gone."""
+    home = tmp_path / "home"
+    home.mkdir()
+    gate = tmp_path / "gate"
+    forge = tmp_path / "forge.sh"
+    forge.write_text(
+        f'p={tmp_path}/remote-runs/"$TRACEDECK_RUN_ID"/progress.jsonl\n'
+        """printf '%s\\n' '{"e":"end","cell":"000","rc":0,"t":1}' '{"e":"done","t":1}' >> "$p"\n"""
+        f"while [ ! -e {gate} ]; do sleep 0.05; done\nexit 1\n"
+    )
+    console, local = _start_run(tmp_path, cli_env(home), f"echo up; sh {forge}")
+    try:
+        wait_for(
+            lambda: any(
+                "the run's end while its runner still runs" in e.get("message", "")
+                for e in events(local)
+                if e["type"] == "error"
+            ),
+            what="the forged end to be said",
+        )
+        assert console.poll() is None  # still following
+        gate.touch()
+        stdout, stderr = console.communicate(timeout=patience(60))
+        assert console.returncode != 0 and "RESULT: PASS" not in stdout, stdout + stderr
+    finally:
+        gate.touch()
+        _cleanup(local, cli_env(home), console)

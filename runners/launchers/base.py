@@ -80,6 +80,10 @@ class Launcher(Protocol):
         """Does any process of the run still live (zombies do not count)?"""
         ...
 
+    async def runner_alive(self, plan: RunPlan) -> bool:
+        """Does what writes the run's end still run (run.sh; a scheduler's tasks)?"""
+        ...
+
     async def cancel(self, plan: RunPlan, grace_s: float) -> str:
         """TERM the run's processes, KILL after the grace; returns the outcome word."""
         ...

@@ -48,10 +48,11 @@ JOB_SH = r"""#!/bin/bash
 # Written by tracedeck: one task of the run's job array runs one cell, under the node's lock.
 cd {run_dir} || exit 70
 export TRACEDECK_RUN_ID={run_id}
-# The tasks of one array share the node's lock (one holds it, the others wait with it open), so a
-# task's leftovers are found by their marker and by descent alone, never by holding the lock: that
-# would reap the next task waiting its turn. Slurm's process tracking ends what a task leaves.
-run_lock=
+# The tasks of one array share the node's lock (one holds it, the others wait with it open): a
+# task's leftovers are found by their marker, by descent, and by holding this task's own hold of
+# the lock (never by having the file open: that would reap the next task waiting its turn).
+run_lock={lock}
+run_lock_id=
 cell=${{1:-$(printf '%03d' "${{SLURM_ARRAY_TASK_ID:?not an array task}}")}}
 now() {{ date +%s.%N; }}
 ev() {{ printf '%s\n' "$1" >> "cells/$cell/progress.jsonl"; }}
@@ -65,6 +66,9 @@ node="$(hostname)"
 exec 9>>{lock}
 flock 9 || exit 75
 [ -n "$stopping" ] && exit 143  # Slurm ended the task while it waited for the lock
+[ -e cancel ] && exit 0  # tracedeck cancel came first (while the job was submitted, or pending)
+run_lock_id=$(sed -n 's/^lock:.* FLOCK  *ADVISORY  *WRITE  *\([0-9][0-9]*\) .*/\1/p' \
+  /proc/$$/fdinfo/9 2>/dev/null | head -n 1)
 h=$(mktemp {holder}.XXXXXX) && {{ printf '{{"run_id":"%s","user":"%s","console_host":%s,"preset":%s,"slurm_job":"%s","node":"%s","pgid":null}}\n' \
   "$TRACEDECK_RUN_ID" "$(id -un)" {console_host} {preset} "$job" "$node" > "$h" &&
   chmod 644 "$h" && mv -f "$h" {holder} || rm -f "$h"; }}
@@ -261,6 +265,8 @@ class SlurmLauncher:
         self.job_id = await self._sbatch(plan, f"{depends}{script}")
         ids = self.job_id + (f" {self.setup_job}" if self.setup_job else "")
         await self.target.write_file(f"{plan.run_dir}/{JOB_DIR}/job_id", (ids + "\n").encode())
+        if await self.target.read_from(f"{plan.run_dir}/cancel", 0, 0) is not None:
+            await self.target.run(f"scancel {ids}", timeout=QUERY_TIMEOUT_S)  # asked meanwhile
         cells = [c.index for c in plan.cells]
         return Started(
             holder={"slurm_job": self.job_id},
@@ -298,14 +304,21 @@ class SlurmLauncher:
                 self.setup_job = words[1] if len(words) > 1 and words[1].isdigit() else None
             else:
                 # The console stopped between sbatch and writing the id: find it by its name.
+                name = job_name(plan.run_id)
                 found = await self.target.run(
-                    f"squeue -h -o %F -n {shlex.quote(job_name(plan.run_id))}",
+                    f"squeue -h -o '%F %j' -n {shlex.quote(name)},{shlex.quote(name + '-setup')}",
                     timeout=QUERY_TIMEOUT_S,
                 )
-                ids = sorted({w for w in found.stdout.split() if w.isdigit()}, key=int)
-                if not ids:
+                jobs: dict[str, set[str]] = {}
+                for line in found.stdout.splitlines():
+                    job, _, named = line.strip().partition(" ")
+                    if job.isdigit():
+                        jobs.setdefault(named, set()).add(job)
+                array, setup = jobs.get(name, set()), jobs.get(name + "-setup", set())
+                if not array and not setup:
                     return []
-                self.job_id = ids[-1]
+                self.job_id = max(array, key=int) if array else None
+                self.setup_job = max(setup, key=int) if setup else None
         return [j for j in (self.setup_job, self.job_id) if j]
 
     async def _query(self, plan: RunPlan) -> None:
@@ -414,11 +427,20 @@ class SlurmLauncher:
         if not ids:
             return False
         result = await self.target.run(
-            f"squeue -h -j {','.join(ids)} -o %T 2>/dev/null", timeout=QUERY_TIMEOUT_S
+            f"squeue -h -j {','.join(ids)} -o %T", timeout=QUERY_TIMEOUT_S
         )
         if result.exit_status == 127:
             raise TargetError(f"{self.target.name}: squeue is not there: is it a login node?")
+        if result.exit_status != 0 and "Invalid job id" not in result.stderr:
+            # the controller did not answer: that says nothing of the tasks (never "ended")
+            raise TargetError(
+                f"{self.target.name}: cannot tell whether job {','.join(ids)} still runs: "
+                f"squeue failed (exit {result.exit_status}): {result.stderr.strip()[-300:]}"
+            )
         return any(state not in ENDED for state in result.stdout.split())
+
+    async def runner_alive(self, plan: RunPlan) -> bool:
+        return await self.alive(plan)
 
     async def outcome(self, plan: RunPlan, follower: RunFollower) -> Outcome:
         """Every task has ended: the cells that wrote no end of their own, as Slurm ended them."""
