@@ -24,6 +24,12 @@ if TYPE_CHECKING:
     from runners.follower import RunFollower
 
 LOCK_BUSY = 75
+# This hold of the lock on fd 9, as the kernel shows it on every fd that shares it: its taker's
+# pid (0 where that pid is not visible, a pid namespace: then no identity).
+HOLD_ID = (
+    "sed -n 's/^lock:.* FLOCK  *ADVISORY  *WRITE  *\\([0-9][0-9]*\\) .*/\\1/p' "
+    "/proc/$$/fdinfo/9 2>/dev/null | head -n 1"
+)
 LOCK_RETRY_S = 2.0  # a launch's tries for the lock before it says LOCK_BUSY
 
 # A run owns its processes by three things, so that one a process sheds (its environment under
@@ -186,9 +192,7 @@ holder() {{
     chmod 644 "$h" && mv -f "$h" {holder} || rm -f "$h"; }}
 }}
 holder null
-# This hold of the lock, as the kernel shows it on every fd that shares it: its taker's pid.
-sed -n 's/^lock:.* FLOCK  *ADVISORY  *WRITE  *\([0-9][0-9]*\) .*/\1/p' /proc/$$/fdinfo/9 2>/dev/null |
-  head -n 1 > lock_id
+{hold_id} > lock_id
 # The runner becomes a child subreaper (kept across exec) where a python can set it: orphans of
 # the run then stay under it. Without one, the environment marker and the lock still find them.
 # A system python first: it starts fast (a version manager's shim can take seconds).
@@ -263,6 +267,7 @@ def launch_script(plan: RunPlan) -> str:
         lock=shlex.quote(plan.lock),
         holder=shlex.quote(holder_path(plan.lock)),
         tries=int(LOCK_RETRY_S / 0.1),
+        hold_id=HOLD_ID,
         python=shlex.quote(plan.python),
         subreaper=shlex.quote(SUBREAPER),
     )

@@ -28,7 +28,7 @@ from runners.cells import SETUP_CELL, CellState, cell_name
 from runners.events import CellFinished, Event, JobSubmitted, SchedulerState
 from runners.kind import SCHEDULER_KILLS, Ending
 from runners.launchers.base import NotStartedError, Outcome, Started
-from runners.launchers.detached import _shell_word, cell_helpers, holder_path
+from runners.launchers.detached import HOLD_ID, _shell_word, cell_helpers, holder_path
 from runners.plan import SETUP, RunPlan
 from runners.targets.base import Target, TargetError
 
@@ -67,8 +67,7 @@ exec 9>>{lock}
 flock 9 || exit 75
 [ -n "$stopping" ] && exit 143  # Slurm ended the task while it waited for the lock
 [ -e cancel ] && exit 0  # tracedeck cancel came first (while the job was submitted, or pending)
-run_lock_id=$(sed -n 's/^lock:.* FLOCK  *ADVISORY  *WRITE  *\([0-9][0-9]*\) .*/\1/p' \
-  /proc/$$/fdinfo/9 2>/dev/null | head -n 1)
+run_lock_id=$({hold_id})
 h=$(mktemp {holder}.XXXXXX) && {{ printf '{{"run_id":"%s","user":"%s","console_host":%s,"preset":%s,"slurm_job":"%s","node":"%s","pgid":null}}\n' \
   "$TRACEDECK_RUN_ID" "$(id -un)" {console_host} {preset} "$job" "$node" > "$h" &&
   chmod 644 "$h" && mv -f "$h" {holder} || rm -f "$h"; }}
@@ -184,6 +183,7 @@ def job_script(
         holder=shlex.quote(holder_path(plan.lock)),
         console_host=shlex.quote(orjson.dumps(str(holder.get("console_host", ""))).decode()),
         preset=shlex.quote(orjson.dumps(str(holder.get("preset", ""))).decode()),
+        hold_id=HOLD_ID,
     )
 
 
