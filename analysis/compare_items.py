@@ -7,6 +7,7 @@ failure of the item, never believed.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
@@ -33,7 +34,7 @@ def cell_items(events: Events) -> list[Item]:
             cells.pop(e["cell"], None)
     out = []
     keys = {index: _cell_key(index, params[index]) for index in params}
-    twice = {k for k in keys.values() if list(keys.values()).count(k) > 1}
+    twice = {k for k, n in Counter(keys.values()).items() if n > 1}
     for index in sorted(params):
         key = keys[index]
         if key in twice:  # cells with the same parameters: told apart by their place

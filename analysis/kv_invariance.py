@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from analysis.json_once import GivenTwice, once
+
 FORMAT = "tracedeck.kv_invariance/1"
 RESULT, FLOWS = "result.json", "flows.bin"
 SUMMARY = "kv_invariance_summary.json"
@@ -198,19 +200,6 @@ def parse_precondition_line(line: str) -> dict[str, Any] | None:
 # ---------------------------------------------------------------- reading a cell's files
 
 
-class _Twice(Exception):
-    """A JSON object that gives a key twice: (key, first value, second value)."""
-
-
-def _once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _Twice(key, out[key], value)
-        out[key] = value
-    return out
-
-
 def read_meta(cell_dir: Path) -> dict[str, Any]:
     where = str(cell_dir / RESULT)
     try:
@@ -220,8 +209,8 @@ def read_meta(cell_dir: Path) -> dict[str, Any]:
             where, "no result.json: the engine wrote no result for this cell", "engine"
         ) from None
     try:
-        meta = json.loads(raw, object_pairs_hook=_once)
-    except _Twice as exc:
+        meta = json.loads(raw, object_pairs_hook=once)
+    except GivenTwice as exc:
         raise ResultError(
             where,
             f"key {exc.args[0]!r} is given twice ({exc.args[1]!r}, then {exc.args[2]!r}): a "

@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from analysis.json_once import GivenTwice, once
+
 try:
     import orjson
 
@@ -467,19 +469,6 @@ _METADATA_KEYS: dict[str, type] = {
 _MODES = ("prefill", "decode")
 
 
-class _Twice(ValueError):
-    """A JSON object that gives one key twice (a plain parse keeps the last)."""
-
-
-def _once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _Twice(key)
-        out[key] = value
-    return out
-
-
 def _given_twice(raw: bytes, keys: int, simd: Any) -> str | None:
     """The key an object line gives twice, or None; `keys`: how many its parse kept."""
     if simd is not None:
@@ -493,8 +482,8 @@ def _given_twice(raw: bytes, keys: int, simd: Any) -> str | None:
         if fields == keys:
             return None
     try:
-        json.loads(raw, object_pairs_hook=_once)
-    except _Twice as exc:
+        json.loads(raw, object_pairs_hook=once)
+    except GivenTwice as exc:
         return str(exc.args[0])
     except (ValueError, RecursionError):
         return None
@@ -511,8 +500,8 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
     except OSError as exc:
         raise InputError(path, None, f"cannot read metadata ({exc})", RERUN_HINT) from None
     try:
-        meta = json.loads(text, object_pairs_hook=_once)
-    except _Twice as exc:
+        meta = json.loads(text, object_pairs_hook=once)
+    except GivenTwice as exc:
         raise InputError(
             path,
             None,

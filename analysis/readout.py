@@ -18,6 +18,8 @@ from typing import Any
 
 import orjson
 
+from analysis.json_once import GivenTwice, once
+
 PHASE_PREFILL_LAST = "prefill_last"
 PHASE_DECODE = "decode"
 PHASES = (PHASE_PREFILL_LAST, PHASE_DECODE)
@@ -419,26 +421,17 @@ def load_record(raw: bytes | str, line_no: int, file: str = "") -> Any:
     record = orjson.loads(raw)
     if isinstance(record, dict):
         try:
-            json.loads(raw, object_pairs_hook=lambda pairs: _once(pairs, line_no, file))
+            json.loads(raw, object_pairs_hook=once)
+        except GivenTwice as exc:
+            key, first, second = exc.args
+            raise _refuse(
+                file, line_no, f"key {key!r} is given twice ({first!r}, then {second!r})", key
+            ) from None
         except RecursionError:  # orjson reads 1,023 levels, json fewer: no record nests so
             raise _refuse(
                 file, line_no, "a value nested deeper than the checks read (no record does)", ""
             ) from None
     return record
-
-
-def _once(pairs: list[tuple[str, Any]], line_no: int, file: str) -> dict[str, Any]:
-    seen: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in seen:
-            raise _refuse(
-                file,
-                line_no,
-                f"key {key!r} is given twice ({seen[key]!r}, then {value!r})",
-                key,
-            )
-        seen[key] = value
-    return seen
 
 
 def parse_line(raw: bytes | str, line_no: int, file: str = "") -> dict[str, Any]:

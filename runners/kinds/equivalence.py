@@ -93,6 +93,7 @@ LOGITS_NAME = "logits.jsonl.gz"
 HOST_JUDGING = HostJudging(
     modules=(
         "analysis/__init__.py",
+        "analysis/json_once.py",
         "analysis/logits.py",
         "analysis/parallel.py",
         "analysis/equivalence.py",
