@@ -9,6 +9,7 @@ import signal
 import stat
 from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 from runners.atomic import write_atomic
 from runners.targets.base import CommandResult, NotRegular, TargetError, local_write_error
@@ -126,17 +127,27 @@ def _write_atomic(path: Path, data: bytes, mode: int) -> None:
         raise TargetError(f"cannot write {path} on this machine: {exc}") from exc
 
 
+def _open_regular(path: Path, what: str = "") -> tuple[BinaryIO, int]:
+    """`path` open to read, and its size then; NotRegular for anything but a regular file,
+    found without waiting (a FIFO's open would wait forever; a device never ends)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    f = open(fd, "rb", closefd=True)  # noqa: SIM115 - handed to the caller's with
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        f.close()
+        raise NotRegular(f"{path} is not a regular file (a FIFO, device or directory){what}")
+    os.set_blocking(fd, True)
+    return f, info.st_size
+
+
 def _read_from(path: Path, offset: int, max_bytes: int) -> bytes | None:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO's open would wait forever
+        f, _ = _open_regular(path)
     except FileNotFoundError:
         return None
     except OSError as exc:
         raise TargetError(f"cannot read {path} on this machine: {exc}") from exc
-    with open(fd, "rb", closefd=True) as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise NotRegular(f"{path} is not a regular file (a FIFO, device or directory)")
-        os.set_blocking(fd, True)
+    with f:
         try:
             f.seek(offset)
             return f.read(max_bytes)
@@ -162,15 +173,10 @@ def _copy_atomic(
     part = local.with_name(local.name + ".part")
     try:
         local.parent.mkdir(parents=True, exist_ok=True)
-        # opened without waiting (a FIFO would block forever), and only a regular file is
-        # copied, no more than the size it had when opened (a device never ends)
-        fd = os.open(src, os.O_RDONLY | os.O_NONBLOCK)
-        with open(fd, "rb", closefd=True) as fin:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise NotRegular(f"{src} is not a regular file (a FIFO, device or directory): not fetched")  # fmt: skip
-            os.set_blocking(fd, True)
-            total, done = info.st_size, 0
+        # only a regular file, no more than the size it had when opened
+        fin, total = _open_regular(src, ": not fetched")
+        with fin:
+            done = 0
             with open(part, "wb") as fout:
                 while done < total and (chunk := fin.read(min(COPY_CHUNK, total - done))):
                     fout.write(chunk)
