@@ -318,6 +318,12 @@ class RunFollower:
             )
         )
 
+    def _track_of(self, entry: dict[str, Any]) -> tuple[Any, CellTrack | None]:
+        """A progress line's cell as it names it ("000", "setup"), and its track if it has one."""
+        name = entry.get("cell")
+        index = SETUP_CELL if name == SETUP else _cell_number(name)
+        return name, self.cells.get(index) if index is not None else None
+
     async def _on_progress(
         self, entry: Any, pending: dict[str, list[Lines]], where: str = "progress.jsonl"
     ) -> None:
@@ -326,9 +332,7 @@ class RunFollower:
             return
         word = entry.get("e")
         if word in ("start", "end"):
-            name = entry.get("cell")
-            index = SETUP_CELL if name == SETUP else _cell_number(name)
-            track = self.cells.get(index) if index is not None else None
+            name, track = self._track_of(entry)
             if track is None:
                 self._forged(where, f"{word} of a cell this run does not have ({name!r})")
                 return
@@ -367,9 +371,7 @@ class RunFollower:
                 track.end_sizes = await self._sizes_at_end(track)
                 await self._cell_ended(track, int(entry["rc"]), float(entry["t"]), pending)
         elif word == "stopped":  # a Slurm task's script, TERMed by Slurm while its cell ran
-            name = entry.get("cell")
-            index = SETUP_CELL if name == SETUP else _cell_number(name)
-            track = self.cells.get(index) if index is not None else None
+            name, track = self._track_of(entry)
             if track is None:
                 self._forged(where, f"a stop of a cell this run does not have ({name!r})")
             elif track.said_end is not None:
