@@ -251,9 +251,9 @@ async def _check_space(target: Target, out: Checked, runs: str, anchor: str) -> 
 
 
 async def lock_state(target: Target, lock: str) -> tuple[str, dict[str, Any], str]:
-    """Who holds the lock, found without taking it (launchers.detached.lock_probe). (state:
-    held, free, absent, unwritable, unknown, or '' when the answer could not be read; the last
-    holder's record; what the shell said.)"""
+    """Who holds the lock, as launchers.detached.lock_probe finds it (a shared flock held for an
+    instant). (state: held, free, absent, unwritable, or '' when the answer could not be read;
+    the last holder's record; what the shell said.)"""
     _, stdout, err = await _sh(target, lock_probe(lock))
     state = stdout.splitlines()[-1] if stdout else ""
     raw = await target.read_from(holder_path(lock), 0, 1 << 16)
