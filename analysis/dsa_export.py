@@ -95,9 +95,21 @@ def _leaves(t: pa.StructType | pa.Schema, prefix: str = "") -> list[str]:
     return out
 
 
-# Min/max statistics for every column but the positions (0 .. seq_len in every row group: no
-# use to a reader's filter, and ~2,000 values a row to scan).
-STATISTICS = [c for c in _leaves(SCHEMA) if not c.startswith("selected_token_pos.")]
+_INT_LISTS = [
+    c for c in _leaves(SCHEMA) if c.endswith(".list.element") and not c.startswith("scores_topk.")
+]
+# The writer's options, measured on top-2048 records (bench/bench_dsa_data.py): the lists of
+# integers (sorted positions and block ids) delta-encoded, which packs them to a few bits a
+# value with no dictionary to build, so snappy does as well as zstd on what is left and is
+# faster (~16 against ~21 us a record to write; a reader decodes it ~8x faster than the
+# dictionary-encoded positions). Min/max statistics for every column but the positions (0 ..
+# seq_len in every row group: no use to a reader's filter, and ~2,000 values a row to scan).
+PARQUET_OPTIONS: dict[str, Any] = {
+    "compression": "snappy",
+    "use_dictionary": [c for c in _leaves(SCHEMA) if c not in _INT_LISTS],
+    "column_encoding": dict.fromkeys(_INT_LISTS, "DELTA_BINARY_PACKED"),
+    "write_statistics": [c for c in _leaves(SCHEMA) if not c.startswith("selected_token_pos.")],
+}
 
 
 def _ints_as_text(t: pa.DataType) -> pa.DataType:
@@ -306,10 +318,8 @@ def _parsed(s: Scanned, json_lists: bool = False) -> pa.Table:
 
 
 class ExportChunk:
-    """The export's work on one chunk (any process): its lines as one table of SCHEMA, or for
-    csv as the csv text of flat_for_csv of it (header-less rows: the chunks' texts joined in
-    order are the file's body, so the writer only appends), its rows, and how many of them
-    are invalid."""
+    """The export's work on one chunk (any process): its lines as one table of SCHEMA (csv: of
+    CSV_SOURCE, for csv_rows), its rows, and how many of them are invalid."""
 
     def __init__(self, info: TraceInfo, csv: bool = False) -> None:
         self.info = info
@@ -317,16 +327,20 @@ class ExportChunk:
 
     def __call__(
         self, path: str, lines: list[bytes], first_line: int, torn: bool
-    ) -> tuple[pa.Table | bytes, int, int]:
+    ) -> tuple[pa.Table, int, int]:
         tables, invalid = [], 0
         for s in scan_span(self.info, Path(path), lines, first_line, torn):
             tables.append(record_table(s, json_lists=self.csv))
             invalid += int((~s.valid).sum()) + len(s.bad)
         schema = CSV_SOURCE if self.csv else SCHEMA
         table = pa.concat_tables(tables) if len(tables) > 1 else tables[0] if tables else schema.empty_table()  # fmt: skip
-        if not self.csv:
-            return table, table.num_rows, invalid
-        return csv_text(flat_for_csv(table), header=False), table.num_rows, invalid
+        return table, table.num_rows, invalid
+
+
+def csv_rows(table: pa.Table) -> bytes:
+    """A chunk's table as header-less csv rows: the chunks' rows joined in order are the
+    file's body, so the writer only appends."""
+    return csv_text(flat_for_csv(table), header=False)
 
 
 def csv_text(table: pa.Table, header: bool) -> bytes:

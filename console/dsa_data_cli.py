@@ -217,11 +217,10 @@ def export_block(
     """Stream a block directory's records into one file (written to a part file of its own,
     then renamed; none when its shards hold no line).
 
-    The chunks are parsed, judged and made tables (csv: its text) by `workers` processes
-    (analysis.dsa_parallel; here when 1), in order; parquet's encoding and compression
-    (pyarrow, outside the GIL) run in one writer thread meanwhile, and csv's text is only
-    appended; at most one write is in flight and a few chunks wait per worker (bounded
-    memory)."""
+    The chunks are parsed, judged and made tables by `workers` processes
+    (analysis.dsa_parallel; here when 1), in order; their encoding (parquet's, or csv's
+    text: pyarrow, mostly outside the GIL) runs in one writer thread meanwhile; at most one
+    write is in flight and a few chunks wait per worker (bounded memory)."""
     import os
     import secrets
     from concurrent.futures import Future, ThreadPoolExecutor
@@ -229,7 +228,14 @@ def export_block(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from analysis.dsa_export import SCHEMA, STATISTICS, ExportChunk, csv_text, flat_for_csv
+    from analysis.dsa_export import (
+        PARQUET_OPTIONS,
+        SCHEMA,
+        ExportChunk,
+        csv_rows,
+        csv_text,
+        flat_for_csv,
+    )
     from analysis.dsa_parallel import map_chunks
     from analysis.dsa_scan import known
     from analysis.dsa_tree import shard_files
@@ -252,12 +258,12 @@ def export_block(
     try:
         os.close(os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # (the umask's)
         if fmt == "parquet":
-            sink = pq.ParquetWriter(part, SCHEMA, compression="zstd", write_statistics=STATISTICS)
+            sink = pq.ParquetWriter(part, SCHEMA, **PARQUET_OPTIONS)
             write = sink.write_table
         else:
             sink = part.open("wb")
             sink.write(csv_text(flat_for_csv(SCHEMA.empty_table()), header=True))
-            write = sink.write
+            write = lambda table: sink.write(csv_rows(table))  # noqa: E731 (sink: the file)
         job = ExportChunk(info, csv=fmt == "csv")
         files = shard_files(info.folder)
         for payload, rows, bad in map_chunks(files, job, workers, lambda: known(info), chunk):
