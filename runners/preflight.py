@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import orjson
 
-from runners.launchers.detached import holder_path, lock_probe, parse_holder
+from runners.launchers.detached import lock_state
 from runners.launchers.slurm import SlurmSettings
 from runners.placement import Host
 from runners.plan import PYTHON_RULE, interpreter
@@ -248,17 +247,6 @@ async def _check_space(target: Target, out: Checked, runs: str, anchor: str) -> 
         out.add(WARN, "free space", f"{text}: low (artifacts and traces can be large)")
     else:
         out.add(OK, "free space", text)
-
-
-async def lock_state(target: Target, lock: str) -> tuple[str, dict[str, Any], str]:
-    """Who holds the lock, as launchers.detached.lock_probe finds it (a shared flock held for an
-    instant). (state: held, free, absent, unwritable, or '' when the answer could not be read;
-    the last holder's record; what the shell said.)"""
-    _, stdout, err = await _sh(target, lock_probe(lock))
-    state = stdout.splitlines()[-1] if stdout else ""
-    raw = await target.read_from(holder_path(lock), 0, 1 << 16)
-    holder = parse_holder(raw.decode("utf-8", "replace")) if raw else {}
-    return state, holder, err or stdout
 
 
 async def _check_lock(target: Target, out: Checked, lock: str) -> None:

@@ -14,6 +14,7 @@ import contextlib
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from runners import kinds, start
 from runners.events import (
@@ -266,24 +267,26 @@ def from_record(local_dir: Path, emit: Callable[[Event], None]) -> Run:
         raise ValueError(f"{record.local_dir}/run.json: extra.fleet.hosts is missing")
     hosts = [str(h) for h in fleet["hosts"]] if fleet else []
     run = Run(record, decide(preset, record.target, hosts=hosts, lock=record.lock), emit)
-    if fleet is None:
-        plan = run.placement.plan(
-            run_id=record.run_id,
-            run_dir=record.remote_dir,
-            workdir=extra["workdir"],
-            python=extra["python"],
-            date=record.date,
-            lock=record.lock,
-        )
-        judged_there = extra.get("judge_on") == "host"
-        run.new_member(run.only, plan, extra["judge_python"] if judged_there else "")
-    for m in (fleet or {}).get("members") or []:  # every batch: cancel reaches each
+    members = fleet.get("members") or [] if fleet is not None else [_only_batch(run)]
+    for m in members:  # every batch: cancel reaches each
         slot = run.slots.get(m["host"])
         if slot is not None:
             keys = ("member", "cells", "run_dir", "lock", "workdir", "python")
             event = HostAssigned(**{k: m[k] for k in keys}, judge_python=m.get("judge_python", ""))
             run.assigned(slot, event)
     return run
+
+
+def _only_batch(run: Run) -> dict[str, Any]:
+    """A run on one host's batch as a fleet's record names each of its own: all its cells."""
+    record, extra = run.record, run.record.extra
+    judged_there = extra.get("judge_on") == "host"
+    return {
+        "host": run.only.place.spec, "member": record.run_id, "run_dir": record.remote_dir,
+        "cells": [c.index for c in run.cells], "lock": record.lock,
+        "workdir": extra["workdir"], "python": extra["python"],
+        "judge_python": extra["judge_python"] if judged_there else "",
+    }  # fmt: skip
 
 
 def attach(local_dir: Path, emit: Callable[[Event], None], replay: Callable[[Event], None]) -> Run:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +18,7 @@ from runners.cells import SETUP_CELL, CellState, cell_name
 from runners.events import CellFinished, CellRequeued, Error, Event, HostState, LockBusy
 from runners.kind import Ending, Judge
 from runners.launchers.base import Cancel, LockBusyError
-from runners.launchers.detached import holder_text, lock_probe, parse_holder
+from runners.launchers.detached import holder_text, lock_state
 from runners.member import Member
 from runners.placement import Host, Placement
 from runners.plan import PlannedCell
@@ -196,14 +195,10 @@ class Scheduler:
 
     async def lock_free(self, slot: Slot) -> bool:
         """A waiting host: is its lock free now? (Says who holds it while it is not.)"""
-        lock = shlex.quote(slot.place.lock)
-        result = await slot.target.run(
-            f"( {lock_probe(slot.place.lock)} ) | grep -qx held || exit 0; cat {lock}.json; exit 75"
-        )
-        if result.exit_status == 0:
+        state, holder, _ = await lock_state(slot.target, slot.place.lock)
+        if state != "held":
             return True
-        holder = holder_text(parse_holder(result.stdout))
-        self.set_state(slot, WAITING, f"lock {slot.place.lock} held by {holder}")
+        self.set_state(slot, WAITING, f"lock {slot.place.lock} held by {holder_text(holder)}")
         return False
 
     async def cancel_all(self, grace_s: float) -> Cancel:

@@ -154,7 +154,7 @@ def configured_hosts() -> list[str]:
 
 
 async def _lock_of(spec: str, lock: str, targets: Targets) -> LockStatus:
-    from runners.preflight import lock_state
+    from runners.launchers.detached import lock_state
 
     target = await targets.get(spec)
     if target is None:

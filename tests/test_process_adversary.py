@@ -178,14 +178,14 @@ def test_a_cancel_asked_while_the_run_is_being_launched_is_not_ignored(tmp_path:
 
 def test_looking_at_a_free_lock_never_makes_a_launch_lock_busy(tmp_path: Path) -> None:
     """`tracedeck status` (the Runs screen's f5, `plan --check`, `doctor`) asks who holds a host's
-    lock by TAKING it (preflight.lock_state: `flock -n -s LOCK true`); a fleet host waiting for
+    lock by TAKING it (launchers.detached.lock_state: `flock -n -s LOCK true`); a fleet host waiting for
     its lock does the same exclusively (Scheduler.lock_free). A launch whose `flock -n 9` falls
     in that instant is refused LOCK_BUSY, naming as holder the last run in LOCK.json (one long
     over). Here the probe runs in a loop, as several operators' status screens would."""
     import asyncio
     import threading
 
-    from runners.preflight import lock_state
+    from runners.launchers.detached import lock_state
     from runners.targets.local import LocalTarget
 
     home = tmp_path / "home"
@@ -225,7 +225,7 @@ def test_a_lock_look_says_absent_free_and_held(tmp_path: Path) -> None:
     device); a launch meeting it retries."""
     import asyncio
 
-    from runners.preflight import lock_state
+    from runners.launchers.detached import lock_state
     from runners.targets.local import LocalTarget
 
     lock = tmp_path / "gpu.lock"

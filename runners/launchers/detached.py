@@ -353,6 +353,17 @@ if flock -n -s "$l" true 2>/dev/null; then echo free; else echo held; fi
 """
 
 
+async def lock_state(target: Target, lock: str) -> tuple[str, dict[str, Any], str]:
+    """Who holds the lock, as lock_probe finds it. (state: held, free, absent, unwritable, or
+    '' when the answer could not be read; the last holder's record; what the shell said.)"""
+    result = await target.run(lock_probe(lock), timeout=60)
+    stdout, err = result.stdout.strip(), result.stderr.strip()
+    state = stdout.splitlines()[-1] if stdout else ""
+    raw = await target.read_from(holder_path(lock), 0, 1 << 16)
+    holder = parse_holder(raw.decode("utf-8", "replace")) if raw else {}
+    return state, holder, err or stdout
+
+
 def apart(script: str, run_dir: str) -> str:
     """Run `script` in a session of its own and wait for it: a console interrupted meanwhile
     (its command killed, its link gone) leaves it to finish (a cancel stops the runner first:
