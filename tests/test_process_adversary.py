@@ -108,6 +108,9 @@ def test_ctrl_c_on_tracedeck_cancel_never_leaves_the_runner_stopped_holding_the_
             timeout=patience(60),
             what=f"the lock to be freed (runner {runner} state {_state(runner)!r})",
         )
+        # the cancel that finished on its own removed its output file (it was left behind)
+        run_dir = Path(record_of(local)["remote_dir"])
+        wait_for(lambda: not list(run_dir.glob(".cancel.*")), what="no .cancel.* left")
     finally:
         gate.touch()
         _cleanup(local, env, console, cancel)

@@ -367,12 +367,16 @@ async def lock_state(target: Target, lock: str) -> tuple[str, dict[str, Any], st
 def apart(script: str, run_dir: str) -> str:
     """Run `script` in a session of its own and wait for it: a console interrupted meanwhile
     (its command killed, its link gone) leaves it to finish (a cancel stops the runner first:
-    killed half way, it left the runner stopped, holding the lock, for good)."""
+    killed half way, it left the runner stopped, holding the lock, for good). Its output file
+    is removed by the script's own session once it ends; the waiting side reads it through a
+    descriptor opened first, so an interrupted console leaves no file behind."""
     q = shlex.quote(script)
+    then_rm = shlex.quote('sh -c "$1"; rc=$?; rm -f -- "$2"; exit $rc')
     return (
         f"o=$(mktemp {shlex.quote(run_dir + '/.cancel')}.XXXXXX 2>/dev/null) || exec sh -c {q}\n"
-        f'setsid sh -c {q} > "$o" 2>&1 < /dev/null &\n'
-        'wait $!; rc=$?; cat "$o"; rm -f "$o"; exit $rc\n'
+        'exec 3< "$o"\n'
+        f'setsid sh -c {then_rm} sh {q} "$o" > "$o" 2>&1 < /dev/null &\n'
+        "wait $!; rc=$?; cat <&3; exit $rc\n"
     )
 
 
