@@ -319,22 +319,24 @@ def _parsed(s: Scanned, json_lists: bool = False) -> pa.Table:
 
 class ExportChunk:
     """The export's work on one chunk (any process): its lines as one table of SCHEMA (csv: of
-    CSV_SOURCE, for csv_rows), its rows, and how many of them are invalid."""
+    CSV_SOURCE, for csv_rows; or, with text, csv_rows of it), its rows, and how many of them
+    are invalid."""
 
-    def __init__(self, info: TraceInfo, csv: bool = False) -> None:
+    def __init__(self, info: TraceInfo, csv: bool = False, text: bool = False) -> None:
         self.info = info
         self.csv = csv
+        self.text = text  # worker processes make the text: the writer then only appends
 
     def __call__(
         self, path: str, lines: list[bytes], first_line: int, torn: bool
-    ) -> tuple[pa.Table, int, int]:
+    ) -> tuple[pa.Table | bytes, int, int]:
         tables, invalid = [], 0
         for s in scan_span(self.info, Path(path), lines, first_line, torn):
             tables.append(record_table(s, json_lists=self.csv))
             invalid += int((~s.valid).sum()) + len(s.bad)
         schema = CSV_SOURCE if self.csv else SCHEMA
         table = pa.concat_tables(tables) if len(tables) > 1 else tables[0] if tables else schema.empty_table()  # fmt: skip
-        return table, table.num_rows, invalid
+        return csv_rows(table) if self.text else table, table.num_rows, invalid
 
 
 def csv_rows(table: pa.Table) -> bytes:

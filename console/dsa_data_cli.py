@@ -219,8 +219,9 @@ def export_block(
 
     The chunks are parsed, judged and made tables by `workers` processes
     (analysis.dsa_parallel; here when 1), in order; their encoding (parquet's, or csv's
-    text: pyarrow, mostly outside the GIL) runs in one writer thread meanwhile; at most one
-    write is in flight and a few chunks wait per worker (bounded memory)."""
+    text where the workers did not make it: pyarrow, mostly outside the GIL) runs in one
+    writer thread meanwhile; at most one write is in flight and a few chunks wait per worker
+    (bounded memory)."""
     import os
     import secrets
     from concurrent.futures import Future, ThreadPoolExecutor
@@ -263,8 +264,13 @@ def export_block(
         else:
             sink = part.open("wb")
             sink.write(csv_text(flat_for_csv(SCHEMA.empty_table()), header=True))
-            write = lambda table: sink.write(csv_rows(table))  # noqa: E731 (sink: the file)
-        job = ExportChunk(info, csv=fmt == "csv")
+
+            def write(got: pa.Table | bytes) -> None:
+                sink.write(got if isinstance(got, bytes) else csv_rows(got))
+
+        # one process: the text is made in the writer thread, beside the next chunk's parse;
+        # several: by the workers, which then share that work too
+        job = ExportChunk(info, csv=fmt == "csv", text=fmt == "csv" and workers > 1)
         files = shard_files(info.folder)
         for payload, rows, bad in map_chunks(files, job, workers, lambda: known(info), chunk):
             records += rows

@@ -161,8 +161,8 @@ def test_export_on_workers_writes_the_single_process_file(fmt: str, tmp_path: Pa
 def test_csv_chunks_joined_are_one_writer_s_file_of_the_parquet_rows(
     workers: int, tmp_path: Path
 ) -> None:
-    """Each chunk's csv text is made where the chunk is read (header-less) and the export only
-    appends them: the file is byte for byte what one csv writer makes of the whole export
+    """Each chunk's csv text is made by the workers, or by one process's writer thread
+    (header-less), and the export only appends them: the file is byte for byte what one csv writer makes of the whole export
     (the parquet export's rows, flattened), one header, every row, invalid ones marked."""
     import pyarrow.parquet as pq
 
