@@ -64,10 +64,19 @@ def _cell_key(index: int, params: dict[str, Any]) -> str:
 
 
 def equivalence_items(events: Events) -> list[Item]:
-    """B3.67 pairs: the verdict recomputed from each pair's recorded metrics and thresholds."""
+    """B3.67 pairs: the verdict recomputed from each pair's recorded metrics and thresholds.
+    A pair the run planned (its cells in run_started) with no recorded verdict is UNJUDGED:
+    a record that lost a pair's verdict never passes by leaving the pair out."""
     out: dict[str, Item] = {}
     for e in events:
-        if e["type"] == "pair_verdict":
+        if e["type"] == "run_started":
+            for cell in e.get("cells", []):
+                p = cell.get("params") or {}
+                if "kv_aligned" in p and "seed" in p:
+                    key = f"kv_aligned={p['kv_aligned']} seed={p['seed']}"
+                    why = "the record holds no verdict for this planned pair"
+                    out.setdefault(key, Item("pair", key, "UNJUDGED", FAIL, first_fail=why))
+        elif e["type"] == "pair_verdict":
             key = f"kv_aligned={e['kv_aligned']} seed={e['seed']}"
             out[key] = _pair_item(key, e)
         elif e["type"] == "pair_unjudged":
@@ -129,9 +138,14 @@ def _num(v: Any) -> str:
 def kv_items(events: Events) -> list[Item]:
     """03C grid cells: BITWISE_EQUAL passes; DIFFERS, PRECONDITION and UNJUDGED fail."""
     out: dict[str, Item] = {}
+    planned: dict[int, dict[str, Any]] = {}  # cell -> its params, from run_started
+    judged: set[int] = set()
     for e in events:
+        if e["type"] == "run_started":
+            planned = {c["index"]: c.get("params", {}) for c in e.get("cells", [])}
         if e["type"] != "kv_cell_verdict":
             continue
+        judged.add(e.get("cell"))  # type: ignore[arg-type]
         key = point_label(e.get("point") or {}, e.get("source", ""))
         detail = e.get("detail") or {}
         metrics = {
@@ -157,6 +171,10 @@ def kv_items(events: Events) -> list[Item]:
             text = e.get("reason") or word
         failing = [m for m in ("differing",) if not ok and metrics["differing"]]
         out[key] = Item("cell", key, word, PASS if ok else FAIL, metrics, failing, text, where)
+    for index in sorted(set(planned) - judged):  # a planned cell with no verdict: never a pass
+        key = f"{_cell_key(index, planned[index])} (cell {index + 1})"
+        why = "the record holds no verdict for this planned cell"
+        out[key] = Item("cell", key, "UNJUDGED", FAIL, first_fail=why)
     return list(out.values())
 
 

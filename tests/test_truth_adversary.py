@@ -1,0 +1,81 @@
+"""An adversarial round on verdict truth: each input below made tracedeck report a pass (or a
+better word, count or statistic) that its raw data did not support; each is now a failure named
+where and why. Recorded runs are the checked-in ones, edited by hand; trees are judged by the
+real analyzer."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from runhelp import cli_env, tracedeck
+from test_equivalence_tree import write_tree
+
+from runners.kinds.equivalence import analyze_tree
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def _edited(tmp_path: Path, name: str, drop: str, verdict: str) -> Path:
+    """A copy of a recorded run whose failing verdict events were deleted and whose end was
+    rewritten as a pass (`drop`: the event type whose non-passing lines go)."""
+    local = tmp_path / name
+    shutil.copytree(DATA / name, local)
+    path = local / "events.jsonl"
+    kept = []
+    for line in path.read_text().splitlines():
+        e = json.loads(line)
+        if e["type"] == drop and e["verdict"] not in (
+            "PASS_EQUIV",
+            "EXPECTED_DRIFT",
+            "BITWISE_EQUAL",
+        ):
+            continue
+        if e["type"] == "run_finished":
+            e.update(verdict=verdict, exit_code=0)
+        kept.append(json.dumps(e))
+    path.write_text("\n".join(kept) + "\n")
+    return local
+
+
+@pytest.mark.parametrize(
+    ("name", "drop", "verdict", "item"),
+    [("equivalence_fail", "pair_verdict", "PASS_GUARDRAIL", "pair kv_aligned=1 seed=1"),
+     ("kv_invariance_run", "kv_cell_verdict", "PASS_INVARIANCE", "cell d=128 kv=1024")],
+)  # fmt: skip
+def test_a_record_that_lost_its_failing_verdicts_is_no_pass(
+    tmp_path: Path, name: str, drop: str, verdict: str, item: str
+) -> None:
+    """The failing pair (cell) verdicts deleted from events.jsonl, the end made a pass: the
+    planned pair (cell) has no verdict, and replay, the CI reports and diff say so instead of
+    the pass (replay said PASS_GUARDRAIL exit 0, the summary ✅ with 0 failed)."""
+    local = _edited(tmp_path, name, drop, verdict)
+    summary = tmp_path / "s.md"
+    env = cli_env(tmp_path)
+    done = tracedeck("replay", str(local), "--headless", "--summary-md", str(summary), env=env)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"RESULT: {verdict} (contradicted) (exit 1)" in done.stdout
+    assert f"is contradicted by its own events ({item}" in done.stderr, done.stderr
+    assert summary.read_text().startswith(
+        f"## ❌ {json.loads((local / 'run.json').read_text())['preset']}"
+    )
+    done = tracedeck("diff", str(DATA / name), str(local), env=env)
+    assert f"-> {verdict} (contradicted)" in done.stdout, done.stdout
+
+
+def test_one_stricter_threshold_never_drops_the_trees_stricter_other(tmp_path: Path) -> None:
+    """config.json (the run's own thresholds) tightens p99 to 1e-4, which every kv_aligned=1
+    pair fails; `analyze --threshold max_abs_diff_max=4e-3` (stricter still) judged with the
+    seed's p99 (1e-3) instead, and the tree went from FAIL_GUARDRAIL to PASS_GUARDRAIL."""
+    root = tmp_path / "2026-02-07" / "b3_67"
+    root.mkdir(parents=True)
+    write_tree(root, {1: {0: 3e-4, 1: 3e-4, 2: 3e-4}, 0: {0: 0.5, 1: 0.5, 2: 0.5}})
+    strict = {"p99_abs_diff_max": 1e-4, "max_abs_diff_max": 5e-3, "top1_agreement_min": 0.999}
+    (root / "config.json").write_text(json.dumps({"thresholds": strict}))
+    summary, _ = analyze_tree(root, output=tmp_path / "plain")
+    assert summary["global_verdict"] == "FAIL_GUARDRAIL"
+    summary, _ = analyze_tree(root, {"max_abs_diff_max": 4e-3}, output=tmp_path / "stricter")
+    assert summary["global_verdict"] == "FAIL_GUARDRAIL", summary["threshold_config"]
+    assert summary["threshold_config"] == {**strict, "max_abs_diff_max": 4e-3}
