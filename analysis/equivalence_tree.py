@@ -415,11 +415,11 @@ class TreeJudgement:
 def tree_thresholds(
     root: Path, given: dict[str, float] | None, config: dict[str, Any]
 ) -> tuple[dict[str, float], list[str]]:
-    """The thresholds to judge with, and notes: config.json may tighten, never loosen."""
-    if given is not None:
-        return resolve_thresholds(given), []
+    """The thresholds to judge with, and notes: config.json may tighten, never loosen.
+    Thresholds given (analyze --threshold) replace only the keys they name: the others stay the
+    tree's own, so one stricter threshold never drops another that config.json tightened."""
     if "thresholds" not in config:
-        return resolve_thresholds(None), []
+        return resolve_thresholds(given), []
     try:
         wanted = resolve_thresholds(config["thresholds"])
     except (ValueError, AttributeError) as exc:
@@ -428,10 +428,13 @@ def tree_thresholds(
         ) from None
     loose = loosened(wanted)
     used = {k: (THRESHOLDS[k] if k in loose else v) for k, v in wanted.items()}
+    named = resolve_thresholds(given)
+    used.update({k: named[k] for k in given or {}})
     notes = [
         f"config.json's thresholds.{k} ({v['used']:g}) is looser than the seed's "
         f"({v['seed']:g}); the seed's is used (a tree never loosens its own guardrail)"
         for k, v in loose.items()
+        if k not in (given or {})
     ]
     return used, notes
 
