@@ -79,3 +79,36 @@ def test_one_stricter_threshold_never_drops_the_trees_stricter_other(tmp_path: P
     summary, _ = analyze_tree(root, {"max_abs_diff_max": 4e-3}, output=tmp_path / "stricter")
     assert summary["global_verdict"] == "FAIL_GUARDRAIL", summary["threshold_config"]
     assert summary["threshold_config"] == {**strict, "max_abs_diff_max": 4e-3}
+
+
+# The reference engine behind a wrapper: the first decode of the run writes broken logits
+# (the readout_offset bug), every later one is honest.
+FIRST_DECODE_BROKEN = (
+    'sh -c \'inject=none; if [ "$1" = decode ] && mkdir "$2" 2>/dev/null; then '
+    'inject=readout_offset; fi; shift 2; exec "$@" --inject $inject\' x {mode} FLAG '
+    "{python} -m runners.reference equivalence --mode {mode} --kv-aligned {kv_aligned} "
+    "--seed {seed} --dtype {dtype} --prompt-len {prompt_len} --gen-len {gen_len} "
+    "--vocab {vocab} --out {out}/runs/kv_aligned_{kv_aligned}/seed_{seed}/{mode}"
+)
+
+
+@pytest.mark.parametrize("key", ["seed", "kv_aligned"])
+def test_a_seed_run_twice_is_refused_never_judged_on_its_last_run(tmp_path: Path, key: str) -> None:
+    """matrix.seed = [0, 0]: both runs of seed 0 wrote the same directory and only the last
+    pair was judged; the first, broken, was never looked at and the run said PASS_GUARDRAIL
+    (exit 0). The B3.67 layout has one place per seed: a repeated value is a preset error."""
+    matrix = (
+        {"seed": "[0, 0]", "kv_aligned": "[1]"}
+        if key == "seed"
+        else {"seed": "[0]", "kv_aligned": "[1, 1]"}
+    )
+    command = FIRST_DECODE_BROKEN.replace("FLAG", str(tmp_path / "broken-once"))
+    done = tracedeck(
+        "run", "b3_67_smoke", "--out", str(tmp_path / "out"),
+        "--set", f'target.runs="{tmp_path}/remote"', "--set", f'target.lock="{tmp_path}/lock"',
+        "--set", f"matrix.seed={matrix['seed']}", "--set", f"matrix.kv_aligned={matrix['kv_aligned']}",
+        "--set", f"engine.command={json.dumps(command)}",
+        env=cli_env(tmp_path), timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr
+    assert f"matrix.{key}" in done.stderr and "more than once" in done.stderr, done.stderr

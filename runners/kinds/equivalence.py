@@ -670,6 +670,15 @@ class EquivalenceKind(Kind):
                 "matrix.kv_aligned",
                 "needs 1: a guardrail with no kv_aligned=1 pair guards nothing and never passes",
             )
+        for key in ("kv_aligned", "seed"):
+            twice = sorted({repr(v) for v in matrix[key] if matrix[key].count(v) > 1})
+            if twice:
+                raise PresetError(
+                    source,
+                    f"matrix.{key}",
+                    f"{', '.join(twice)} given more than once: the B3.67 layout has one place per "
+                    "pair, so only the last run of it would be judged and the others never seen",
+                )
         for key, values in matrix.items():
             if key not in PAIR_KEYS and len(values) != 1:
                 raise PresetError(
