@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from runhelp import cli_env, tracedeck
+from runhelp import cli_env, run_dirs, tracedeck
 from test_equivalence_tree import write_tree
 
 from runners.kinds.equivalence import analyze_tree
@@ -112,3 +112,27 @@ def test_a_seed_run_twice_is_refused_never_judged_on_its_last_run(tmp_path: Path
     )  # fmt: skip
     assert done.returncode == 2, done.stdout[-3000:] + done.stderr
     assert f"matrix.{key}" in done.stderr and "more than once" in done.stderr, done.stderr
+
+
+def test_analyze_of_a_run_whose_fetched_logits_were_swapped_is_refused(tmp_path: Path) -> None:
+    """A failed run (the readout_offset bug) whose decode logits were replaced afterwards by a
+    copy of the prefill's: analyze of the run's directory judged the files as they are now and
+    said PASS_GUARDRAIL (exit 0), though the record's sha256 of what the run fetched and judged
+    say otherwise. It is refused, naming the file, and nothing is written."""
+    out, env = tmp_path / "out", cli_env(tmp_path)
+    done = tracedeck(
+        "run", "b3_67_smoke", "--out", str(out),
+        "--set", f'target.runs="{tmp_path}/remote"', "--set", f'target.lock="{tmp_path}/lock"',
+        "--set", "matrix.seed=[0]", "--set", 'matrix.inject=["readout_offset"]',
+        env=env, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 1 and "RESULT: FAIL_GUARDRAIL (exit 1)" in done.stdout
+    [local] = run_dirs(out)
+    side = local / "runs" / "kv_aligned_1" / "seed_0"
+    shutil.copyfile(side / "prefill" / "logits.jsonl.gz", side / "decode" / "logits.jsonl.gz")
+    report = tmp_path / "again"
+    done = tracedeck("analyze", str(local), "--output", str(report), env=env, timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "PASS_GUARDRAIL" not in done.stdout
+    assert f"{side / 'decode' / 'logits.jsonl.gz'}: sha256 " in done.stderr, done.stderr
+    assert not report.exists() or not any(report.iterdir())

@@ -63,6 +63,7 @@ from runners.events import (
     event,
 )
 from runners.exits import EXIT_INFRA, EXIT_USAGE
+from runners.fetch import sha256_file
 from runners.hosted.equivalence import write_pair_metrics
 from runners.kind import (
     Asked,
@@ -748,6 +749,14 @@ class EquivalenceKind(Kind):
                 "them home, then analyze again (nothing was written)"
             )
             return EXIT_USAGE
+        changed = _changed_since_fetched(path)
+        if changed:
+            asked.err(
+                f"tracedeck: {path}: {len(changed)} file(s) the run judged changed since it "
+                f"fetched them, e.g. {changed[0]}; judging them now would not judge the run "
+                "(nothing was written): `tracedeck fetch` or a rerun brings the real ones"
+            )
+            return EXIT_USAGE
         engine = _engine_failures(path, asked["seeds"])
         meter = Meter("judge", str(path), "pairs", asked.progress)
         try:
@@ -870,6 +879,30 @@ def _held_on_host(root: Path) -> list[str]:
     held -= {(e.cell, e.path) for e in events if isinstance(e, ArtifactFetched)}
     missing = sorted(path for _, path in held if not (root / path).is_file())
     return [target, *missing] if missing else []
+
+
+def _changed_since_fetched(root: Path) -> list[str]:
+    """'PATH: why' for each file a run's record says it fetched (size and sha256) that is no
+    longer what was fetched; [] for a tree that is no run's directory."""
+    if not (root / RUN_JSON).is_file() or not (root / "events.jsonl").is_file():
+        return []
+    try:
+        events = read_events(root / "events.jsonl", event_types()).events
+    except (OSError, ValueError, TypeError):
+        return []
+    fetched = {e.path: e for e in events if isinstance(e, ArtifactFetched)}  # the last fetch
+    out = []
+    for rel, e in sorted(fetched.items()):
+        local = root / rel
+        if not local.is_file():
+            continue  # a missing file is named by the judge as missing
+        digest = sha256_file(local)
+        if digest != e.sha256:
+            out.append(
+                f"{local}: sha256 {digest[:16]}, the run fetched {e.sha256[:16]} "
+                f"({local.stat().st_size} bytes now, {e.size} then)"
+            )
+    return out
 
 
 def _engine_failures(root: Path, seeds: list[int] | None) -> list[Unjudged]:
