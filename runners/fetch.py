@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from runners.cells import PlannedCell, cell_name
@@ -108,6 +108,25 @@ async def fetch_cell(
             ArtifactFetched(cell=cell.index, path=rel, size=local.stat().st_size, sha256=digest)
         )
     return events
+
+
+def changed_since_fetched(root: Path, events: Iterable[Event]) -> list[str]:
+    """'PATH: why' for each file the events say a run fetched into root (its size and
+    sha256, the last fetch's) that is no longer what was fetched: judging it now would not
+    judge the run. A file that is gone is the judge's to name as missing."""
+    fetched = {e.path: e for e in events if isinstance(e, ArtifactFetched)}
+    out = []
+    for rel, e in sorted(fetched.items()):
+        local = root / rel
+        if not local.is_file():
+            continue
+        digest = sha256_file(local)
+        if digest != e.sha256:
+            out.append(
+                f"{local}: sha256 {digest[:16]}, the run fetched {e.sha256[:16]} "
+                f"({local.stat().st_size} bytes now, {e.size} then)"
+            )
+    return out
 
 
 def sha256_file(path: Path) -> str:

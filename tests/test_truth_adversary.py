@@ -136,3 +136,27 @@ def test_analyze_of_a_run_whose_fetched_logits_were_swapped_is_refused(tmp_path:
     assert "PASS_GUARDRAIL" not in done.stdout
     assert f"{side / 'decode' / 'logits.jsonl.gz'}: sha256 " in done.stderr, done.stderr
     assert not report.exists() or not any(report.iterdir())
+
+
+def test_analyze_of_a_kv_run_whose_fetched_cell_was_swapped_is_refused(tmp_path: Path) -> None:
+    """03C as B3.67 above: a failed cell's fetched files (split_reduction) replaced afterwards
+    by a passing run's made `analyze RUN_DIR` say PASS_INVARIANCE (exit 0) against the record's
+    sha256 of what the run fetched and judged. It is refused, naming the file."""
+    from test_kv_invariance_runs import ONE_CELL, run
+
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    bad, failed, _ = run(tmp_path / "a", *ONE_CELL, "--set", 'matrix.inject=["split_reduction"]')
+    good, passed, _ = run(tmp_path / "b", *ONE_CELL)
+    assert bad.returncode == 1 and good.returncode == 0, bad.stdout + good.stdout
+    assert failed is not None and passed is not None
+    [cell] = [p.parent for p in (failed / "kv_invariance").rglob("result.json")]
+    rel = cell.relative_to(failed)
+    for name in ("result.json", "flows.bin"):
+        shutil.copyfile(passed / rel / name, cell / name)
+    report = tmp_path / "again"
+    done = tracedeck("analyze", str(failed), "--output", str(report), env=cli_env(tmp_path))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "PASS_INVARIANCE" not in done.stdout
+    assert f"{cell}/" in done.stderr and ": sha256 " in done.stderr, done.stderr
+    assert not report.exists() or not any(report.iterdir())

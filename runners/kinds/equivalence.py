@@ -63,7 +63,7 @@ from runners.events import (
     event,
 )
 from runners.exits import EXIT_INFRA, EXIT_USAGE
-from runners.fetch import sha256_file
+from runners.fetch import changed_since_fetched
 from runners.hosted.equivalence import write_pair_metrics
 from runners.kind import (
     Asked,
@@ -749,7 +749,9 @@ class EquivalenceKind(Kind):
                 "them home, then analyze again (nothing was written)"
             )
             return EXIT_USAGE
-        changed = _changed_since_fetched(path)
+        changed, unchecked = _changed_since_fetched(path)
+        if unchecked:
+            asked.err(f"tracedeck: warning: {unchecked}")
         if changed:
             asked.err(
                 f"tracedeck: {path}: {len(changed)} file(s) the run judged changed since it "
@@ -881,28 +883,20 @@ def _held_on_host(root: Path) -> list[str]:
     return [target, *missing] if missing else []
 
 
-def _changed_since_fetched(root: Path) -> list[str]:
-    """'PATH: why' for each file a run's record says it fetched (size and sha256) that is no
-    longer what was fetched; [] for a tree that is no run's directory."""
-    if not (root / RUN_JSON).is_file() or not (root / "events.jsonl").is_file():
-        return []
+def _changed_since_fetched(root: Path) -> tuple[list[str], str]:
+    """runners.fetch.changed_since_fetched for a run's directory ([] for another tree), and
+    why the files could not be checked ("" when they were, or there is nothing to check)."""
+    events_path = root / "events.jsonl"
+    if not (root / RUN_JSON).is_file() or not events_path.is_file():
+        return [], ""
     try:
-        events = read_events(root / "events.jsonl", event_types()).events
-    except (OSError, ValueError, TypeError):
-        return []
-    fetched = {e.path: e for e in events if isinstance(e, ArtifactFetched)}  # the last fetch
-    out = []
-    for rel, e in sorted(fetched.items()):
-        local = root / rel
-        if not local.is_file():
-            continue  # a missing file is named by the judge as missing
-        digest = sha256_file(local)
-        if digest != e.sha256:
-            out.append(
-                f"{local}: sha256 {digest[:16]}, the run fetched {e.sha256[:16]} "
-                f"({local.stat().st_size} bytes now, {e.size} then)"
-            )
-    return out
+        events = read_events(events_path, event_types()).events
+    except (OSError, ValueError, TypeError) as exc:
+        return [], (
+            f"{events_path} cannot be read ({exc}): the files are judged as they are now, "
+            "not checked against what the run fetched"
+        )
+    return changed_since_fetched(root, events), ""
 
 
 def _engine_failures(root: Path, seeds: list[int] | None) -> list[Unjudged]:

@@ -66,6 +66,7 @@ from runners.events import (
     event,
 )
 from runners.exits import EXIT_USAGE
+from runners.fetch import changed_since_fetched
 from runners.kind import (
     Asked,
     Digest,
@@ -486,6 +487,14 @@ class KvInvarianceKind(Kind):
 
     def analyze(self, path: Path, asked: Asked) -> int:
         try:
+            changed = _changed_since_fetched(path)
+            if changed:
+                asked.err(
+                    f"tracedeck: {path}: {len(changed)} file(s) the run judged changed since "
+                    f"it fetched them, e.g. {changed[0]}; judging them now would not judge the "
+                    "run (nothing was written): `tracedeck fetch` or a rerun brings the real ones"
+                )
+                return EXIT_USAGE
             cells, problems, notes = _analyze(path)
         except (OSError, ValueError) as exc:
             asked.err(f"tracedeck: {exc}")
@@ -518,6 +527,18 @@ class KvInvarianceKind(Kind):
             asked.out(f"wrote {w}")
         asked.out(f"global verdict: {summary['global_verdict']}")
         return code
+
+
+def _changed_since_fetched(root: Path) -> list[str]:
+    """runners.fetch.changed_since_fetched for a run's directory; [] for another tree (a
+    record that cannot be read raises: a run's cells are judged against its record)."""
+    if not (root / RUN_JSON).is_file() or not (root / EVENTS).is_file():
+        return []
+    try:
+        events = read_events(root / EVENTS, event_types()).events
+    except TypeError as exc:
+        raise ValueError(f"{root / EVENTS}: {exc}") from exc
+    return changed_since_fetched(root, events)
 
 
 def _looks_like_log(path: Path) -> bool:
