@@ -54,8 +54,9 @@ def cmd_history(args: argparse.Namespace) -> int:
         )
         return EXIT_USAGE
     result = trends(sides, args.drift)
-    if args.json:
-        print(orjson.dumps(result.to_json(), option=orjson.OPT_INDENT_2).decode())
+    if args.json:  # what was left out is in the document too: a reader of it sees no gap
+        doc = {**result.to_json(), "left_out": skipped}
+        print(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode())
     else:
         print("\n".join(trend_lines(result)))
     return 0

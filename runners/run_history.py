@@ -13,14 +13,15 @@ def preset_runs(
     out_dir: Path, preset: str, target: str | None = None, last: int = 10
 ) -> tuple[list[RunSide], list[str]]:
     """The last `last` finished runs of `preset` (on `target` when given) under out_dir, oldest
-    first, and why any run of it was left out (unreadable, or not finished)."""
+    first, and why any run of it, or any record that cannot be read, was left out."""
     found: list[tuple[str, str, Path]] = []
     skipped: list[str] = []
     for local in local_runs(out_dir):
         try:
             record = RunRecord.load(local)
-        except (OSError, ValueError, TypeError):
-            continue  # another tool's run.json, or a damaged one: not a run of this preset
+        except (OSError, ValueError, TypeError) as exc:  # whose run it is cannot be known
+            skipped.append(f"{local}: left out: its record cannot be read ({exc})")
+            continue
         if record.preset != preset or (target is not None and record.target != target):
             continue
         found.append((record.started_at, record.run_id, local))

@@ -101,6 +101,16 @@ def test_history_json_of_a_preset(out: Path, tmp_path: Path) -> None:
     assert pair["tones"] == "✓✗"
     [max_abs] = [m for m in pair["metrics"] if m["metric"] == "max_abs_diff"]
     assert max_abs["values"][0] == 0 and max_abs["values"][1] > 14 and max_abs["spark"] == "▁█"
+    assert doc["left_out"] == []
+    # a record that cannot be read (a failed run's, for all anyone knows) is named, never
+    # silently missing from the trend: on stderr and in the document
+    shutil.copytree(out / "compare_canary", out / "damaged")
+    (out / "damaged" / "run.json").write_text("{")
+    done = tracedeck("history", "b3_67_smoke", "--out", str(out), "--json", env=cli_env(home))
+    assert done.returncode == 0, done.stderr
+    [why] = json.loads(done.stdout)["left_out"]
+    assert why.startswith(f"{out / 'damaged'}: left out: its record cannot be read"), why
+    assert why in done.stderr
     missing = tracedeck("history", "nope", "--out", str(out), env=cli_env(home))
     assert missing.returncode == 2 and "no finished run of preset 'nope'" in missing.stderr
 
