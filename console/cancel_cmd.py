@@ -10,7 +10,7 @@ async def cancel_run(local: Path, grace: float, printer) -> int:  # type: ignore
     """Kill every live process of the run, whatever its record says, then record its end
     (unless the console that follows it does that)."""
     from runners.launchers.base import Cancel
-    from runners.record import RecordBusy
+    from runners.record import RecordBusy, record_writer
     from runners.run import Run
 
     session = Run.from_record(local, printer)
@@ -24,7 +24,15 @@ async def cancel_run(local: Path, grace: float, printer) -> int:  # type: ignore
     try:
         attached = Run.attach(local, printer, replay=printer.track)
     except RecordBusy:
-        print(f"cancel: {word}; the console following run {run_id} records its end")
+        writer = record_writer(local)
+        if writer is not None and writer[1] in ("T", "t"):  # it records nothing while stopped
+            print(
+                f"cancel: {word}; the console following run {run_id} (pid {writer[0]}) is "
+                f"stopped (a Ctrl-Z?): it records the run's end once it goes on (`fg` in its "
+                f"terminal, or kill -CONT {writer[0]})"
+            )
+        else:
+            print(f"cancel: {word}; the console following run {run_id} records its end")
         return 0
     try:
         if attached.finished is not None:

@@ -122,6 +122,27 @@ def try_lock(local_dir: str | os.PathLike[str]) -> int | None:
     return fd
 
 
+def record_writer(local_dir: str | os.PathLike[str]) -> tuple[int, str] | None:
+    """(pid, state) of the console holding the run's record lock, as /proc/locks and
+    /proc/PID/stat name it (state T: stopped, say by a Ctrl-Z); None when that cannot be told
+    (no /proc, or a lock on a filesystem whose device /proc/locks names otherwise)."""
+    try:
+        st = os.stat(Path(local_dir) / RECORD_LOCK)
+        locks = Path("/proc/locks").read_text()
+    except OSError:
+        return None
+    where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in locks.splitlines():
+        f = line.split()  # N: FLOCK ADVISORY WRITE PID MAJ:MIN:INODE 0 EOF ("N: ->": waits)
+        if len(f) >= 6 and f[1] == "FLOCK" and f[5] == where and f[4].isdigit():
+            try:
+                stat = Path(f"/proc/{f[4]}/stat").read_bytes()
+            except OSError:
+                return None
+            return int(f[4]), stat[stat.rfind(b")") + 2 :].split()[0].decode()
+    return None
+
+
 def writer_present(local_dir: str | os.PathLike[str]) -> bool:
     """Does a console hold the run's record lock (is someone writing its events)?"""
     fd = try_lock(local_dir)

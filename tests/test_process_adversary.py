@@ -116,6 +116,31 @@ def test_ctrl_c_on_tracedeck_cancel_never_leaves_the_runner_stopped_holding_the_
         _cleanup(local, env, console, cancel)
 
 
+def test_cancel_says_when_the_console_holding_the_record_is_stopped(tmp_path: Path) -> None:
+    """A console suspended (Ctrl-Z) keeps the record's lock: `cancel` said the console
+    following the run records its end, and nothing did while it stayed stopped. It names the
+    stopped console and how to let it go on; once it goes on, it records the cancel."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = cli_env(home)
+    console, local = _start_run(tmp_path, env, "echo up; while :; do sleep 0.1; done")
+    try:
+        os.kill(console.pid, signal.SIGSTOP)
+        wait_for(lambda: _state(console.pid) == "T", what="the console stopped")
+        done = tracedeck("cancel", str(local), "--grace", "1", env=env)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert f"(pid {console.pid}) is stopped" in done.stdout, done.stdout
+        assert f"kill -CONT {console.pid}" in done.stdout
+        os.kill(console.pid, signal.SIGCONT)
+        console.communicate(timeout=patience(60))
+        [end] = [e for e in events(local) if e["type"] == "run_finished"]
+        assert end["verdict"] == "CANCELLED", end
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(console.pid, signal.SIGCONT)
+        _cleanup(local, env, console)
+
+
 def test_a_second_ctrl_c_detaches_and_the_run_goes_on_not_stopped(tmp_path: Path) -> None:
     """README: the first Ctrl-C cancels, 'Ctrl-C again to detach and leave it running'. The
     second one ends asyncio.run while the cancel task still waits: its script is SIGKILLed with
