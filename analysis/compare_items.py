@@ -14,7 +14,7 @@ from typing import Any
 from analysis.dsa_stream import TraceStream
 from analysis.equivalence import EXPECTED_DRIFT, THRESHOLDS, failing_metrics, pair_verdict
 from analysis.kv_invariance import BITWISE_EQUAL, point_label
-from analysis.readout import VERDICT_OK, ReadoutAggregator
+from analysis.readout import VERDICT_OK, ReadoutAggregator, rechecked_row
 from analysis.run_compare import DRIFT, FAIL, PASS, Item
 
 Events = Iterable[dict[str, Any]]
@@ -189,7 +189,8 @@ def readout_items(events: Events) -> list[Item]:
                 table.apply(fact, e["file"])
         elif e["type"] == "readout_row":
             row = e["row"]
-            legacy[f"{row.get('file')}:{row.get('line')}"] = row
+            # a whole row as runs once recorded it: its word is recomputed from its numbers
+            legacy[f"{row.get('file')}:{row.get('line')}"] = rechecked_row(row)
     rows = list(legacy.values()) + [r for t in tables.values() for r in t.rows()]
     names = [str(r.get("prompt")) for r in rows]
     out = []
@@ -214,6 +215,43 @@ def readout_items(events: Events) -> list[Item]:
         out.append(
             Item("prompt", key, word, PASS if ok else FAIL, metrics, failing, row["note"], where)
         )
+    return out + _readout_cells(events)
+
+
+def _readout_cells(events: Events) -> list[Item]:
+    """What the readout judge requires besides its rows (ReadoutJudge.verdict): every planned
+    cell passed and wrote a prefill_last line that was judged. A cell short of that is a
+    failing item: a record whose failed cell, or whose cell's trace lines, were lost (or
+    edited away) never passes on the prompts left."""
+    planned: dict[int, dict[str, Any]] = {}
+    finished: dict[int, dict[str, Any]] = {}
+    opened: Counter[int] = Counter()
+    for e in events:
+        if e["type"] == "run_started":
+            planned = {c["index"]: c.get("params", {}) for c in e.get("cells", [])}
+        elif e["type"] == "cell_finished" and e["cell"] >= 0:
+            finished[e["cell"]] = e
+        elif e["type"] == "cell_requeued":
+            finished.pop(e["cell"], None)
+        elif e["type"] == "trace" and e.get("digest"):
+            facts = e["digest"].get("facts", [])
+            opened[e.get("cell")] += sum(1 for f in facts if f and f[0] == "p")
+        elif e["type"] == "readout_row":
+            opened[e.get("cell")] += 1
+    out = []
+    for index in sorted(planned):
+        e = finished.get(index)
+        if e is None:
+            word, why = "UNJUDGED", "the cell never finished"
+        elif e["state"] != "passed":
+            word, why = e["state"].upper(), f"{e['state']} (exit {e.get('exit_code')})"
+        elif not opened[index]:
+            word = "UNJUDGED"
+            why = "the cell passed, but the record holds no prefill_last line of it judged"
+        else:
+            continue
+        key = f"{_cell_key(index, planned[index])} (cell {index + 1})"
+        out.append(Item("cell", key, word, FAIL, first_fail=why))
     return out
 
 

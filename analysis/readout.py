@@ -725,6 +725,30 @@ class ReadoutAggregator:
         return overall(self.rows())[1]
 
 
+def row_verdict(row: dict[str, Any]) -> str | None:
+    """A recorded row's verdict recomputed from its own numbers, as _Prompt.row makes it: the
+    word a row carries is a claim, never the judgement (runs recorded whole rows once)."""
+    seq = row.get("top1_seq") or []
+    decode0 = row.get("decode0_top1")
+    if seq and seq[0] != decode0:  # its decode0 is not its first decode step's top-1
+        return VERDICT_NO_OK
+    if row.get("readout_mismatch_count") or row.get("index_problem_lines"):
+        return VERDICT_NO_OK
+    if decode0 is None:
+        return None
+    return VERDICT_OK if decode0 == row.get("prefill_last_top1") else VERDICT_NO_OK
+
+
+def rechecked_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A recorded row with its verdict recomputed (row_verdict); a word it recomputes to
+    something else is replaced, and its note says what the record claimed."""
+    word = row_verdict(row)
+    if row.get("verdict") == word:
+        return row
+    claim = f"the record says {row.get('verdict') or 'no verdict'}, its own numbers say {word}"
+    return {**row, "verdict": word, "note": f"{claim}; {row.get('note', '')}".rstrip("; ")}
+
+
 def overall(rows: Iterable[dict[str, Any]], limit: int = 5) -> tuple[str, str]:
     """The trace's verdict and a one-line reason naming the prompts that are not OK."""
     rows = list(rows)

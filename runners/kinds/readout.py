@@ -23,6 +23,7 @@ from analysis.readout import (
     kept_facts,
     load_record,
     overall,
+    rechecked_row,
     to_json,
 )
 from analysis.run_compare import Item
@@ -57,7 +58,7 @@ class RowBook:
         if isinstance(event, ReadoutRow):
             key = row_key(event.row)
             # rows recorded before index problems were counted had none counted
-            self.legacy[key] = {"index_problem_lines": 0, **event.row}
+            self.legacy[key] = rechecked_row({"index_problem_lines": 0, **event.row})
             return [key]
         if not isinstance(event, TraceBatch) or not event.digest:
             return []
@@ -231,7 +232,10 @@ class ReadoutPrinter(KindPrinter):
         if "prompts" not in event.summary:
             return []
         summary = event.summary
-        table = format_table(summary["prompts"], event.verdict, summary.get("reason"))
+        # The rows as the record's own lines build them, not the end's copy of them: a replay
+        # shows what the events say (its verdict is checked by run_view.believed_end).
+        rows = list(self.book.rows().values())
+        table = format_table(rows, event.verdict, summary.get("reason"))
         return ["", table.rstrip()]
 
 
