@@ -478,6 +478,12 @@ class Kind:
 
     # -- tracedeck diff, --junit ---------------------------------------------------------------
 
+    def item_of(self, event: Event) -> tuple[str, str] | None:
+        """The (class, key) of the compare_items item whose verdict word this recorded event
+        states (a B3.67 pair verdict, a 03C cell verdict), so a replay can check the word
+        against the item's recomputation; None for an event that states no item's word."""
+        return None
+
     def compare_items(
         self, events: list[dict[str, Any]], summary: dict[str, Any] | None
     ) -> list[Item]:

@@ -6,14 +6,16 @@ metadata.json files, for its identity); the items are the run kind's own reading
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import orjson
 
 from analysis.run_compare import FAIL, RunSide
-from runners.events import RunFinished
+from runners.events import Event, RunFinished
 from runners.exits import EXIT_FAIL
 from runners.kinds import all_kinds, event_types
 from runners.record import EVENTS, RunRecord, iter_events, paused_gc
@@ -77,6 +79,32 @@ def load_side(local_dir: Path, events: list[dict[str, Any]] | None = None) -> Ru
         path=str(local_dir),
         problems=problems,
     )
+
+
+def item_words(local_dir: Path) -> Callable[[Event], Event]:
+    """For a replay: a function that returns a recorded event as it may be shown. An event
+    stating an item's verdict word (Kind.item_of) that the item's recomputation (load_side,
+    kind.compare_items) contradicts comes back with its word marked: a forged PASS_EQUIV for
+    a pair whose own metrics fail is never printed as that pass. ValueError /
+    FileNotFoundError when the record cannot be read back (as load_side)."""
+    side = load_side(local_dir)
+    kind = all_kinds()[side.kind]
+    items = {(i.klass, i.key): i for i in side.items}
+
+    def shown(event: Event) -> Event:
+        at = kind.item_of(event)
+        item = items.get(at) if at is not None else None
+        word = getattr(event, "verdict", None)
+        if item is None or not isinstance(word, str):
+            return event
+        same_word = item.verdict.split(" (")[0] == word
+        if same_word and (item.tone == FAIL) == (kind.tone(word) == FAIL):
+            return event
+        why = f"recomputed {item.verdict}" if not same_word else item.first_fail or "a failure"
+        mark = f"{word} (contradicted: {why})"
+        return dataclasses.replace(event, verdict=mark)  # type: ignore[type-var]
+
+    return shown
 
 
 def believed_end(

@@ -100,3 +100,34 @@ def test_a_readout_record_short_of_a_cell_is_no_pass(
     assert f"(cell 2): {word}): not believed" in done.stderr, done.stderr
     if how == "lost_trace":  # the table shows the rows the record's lines hold: one
         assert "| p0_short |" in done.stdout and "| p4_sys |" not in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize(
+    ("name", "etype", "was", "forged", "line"),
+    [("equivalence_fail", "pair_verdict", "FAIL_EQUIV", "PASS_EQUIV",
+      "verdict kv_aligned=1 seed=1: PASS_EQUIV (contradicted: recomputed FAIL_EQUIV)"),
+     ("kv_invariance_run", "kv_cell_verdict", "DIFFERS", "BITWISE_EQUAL",
+      "kv d=128 kv=1024 b=8 gqa=2 mask=1 alibi=1 sinks=0: BITWISE_EQUAL (contradicted: single vs "
+      "chunk33 differ first")],
+)  # fmt: skip
+def test_replay_marks_an_item_word_its_own_data_contradicts(
+    tmp_path: Path, name: str, etype: str, was: str, forged: str, line: str
+) -> None:
+    """The failing pair's (cell's) recorded word forged to a pass, its metrics (first
+    differing element) kept, the end left a failure: replay checked only the RESULT line, so
+    it printed `kv_aligned=1 seed=1: PASS_EQUIV` beside FAIL_GUARDRAIL, pointing the operator
+    at the wrong pair. The item's word is now shown with what its recomputation says."""
+    local = tmp_path / "run"
+    shutil.copytree(DATA / name, local)
+
+    def forge(e: dict[str, Any]) -> dict[str, Any]:
+        if e["type"] == etype and e["verdict"] == was:
+            e["verdict"] = forged
+        return e
+
+    _edit(local, forge)
+    done = tracedeck("replay", str(local), "--headless", env=cli_env(tmp_path))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert line in done.stdout, done.stdout
+    clean = tracedeck("replay", str(DATA / name), "--headless", env=cli_env(tmp_path))
+    assert "contradicted" not in clean.stdout, clean.stdout

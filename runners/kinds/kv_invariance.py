@@ -373,6 +373,11 @@ class KvInvarianceKind(Kind):
     pass_word, fail_word = PASS_INVARIANCE, FAIL_INVARIANCE
     pass_words = frozenset({PASS_INVARIANCE, "BITWISE_EQUAL"})
 
+    def item_of(self, event: Event) -> tuple[str, str] | None:
+        if isinstance(event, KvCellVerdict):
+            return "cell", point_label(event.point, event.source)
+        return None
+
     def compare_items(
         self, events: list[dict[str, Any]], summary: dict[str, Any] | None
     ) -> list[Item]:
