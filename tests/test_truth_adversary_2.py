@@ -131,3 +131,33 @@ def test_replay_marks_an_item_word_its_own_data_contradicts(
     assert line in done.stdout, done.stdout
     clean = tracedeck("replay", str(DATA / name), "--headless", env=cli_env(tmp_path))
     assert "contradicted" not in clean.stdout, clean.stdout
+
+
+def _dsa_run(tmp: Path, inject: str) -> tuple[Path, Path]:
+    """A real dsa_smoke run (the reference engine): its local directory and its shards' one."""
+    (tmp / "home").mkdir(parents=True)
+    done = tracedeck(
+        "run", "dsa_smoke", "--out", str(tmp / "out"),
+        "--set", f'target.runs="{tmp}/remote"', "--set", f'target.lock="{tmp}/lock"',
+        "--set", f'matrix.inject=["{inject}"]', env=cli_env(tmp / "home"), timeout=300,
+    )  # fmt: skip
+    assert done.returncode == (0 if inject == "none" else 1), done.stdout + done.stderr
+    [remote] = (tmp / "remote").glob("*/artifacts/dsa/block16")
+    return run_dirs(tmp / "out")[0], remote
+
+
+def test_analyze_of_a_dsa_run_whose_shards_were_swapped_is_no_pass(tmp_path: Path) -> None:
+    """A failed dsa_smoke run (block_off_by_one: 45 of 45 records invalid while it ran); a
+    passing run's shards and summary.json put into its directory: `analyze RUN_DIR` judged
+    the shards there whole and said RESULT: TRACE_OK (exit 0) beside `invalid: 45` from the
+    record. The shards must be the ones the run followed."""
+    bad, _ = _dsa_run(tmp_path / "bad", "block_off_by_one")
+    [home] = bad.glob("**/block16")
+    _, good = _dsa_run(tmp_path / "good", "none")
+    for name in [p.name for p in good.glob("trace_steps_*.jsonl")] + ["summary.json"]:
+        (home / name).write_bytes((good / name).read_bytes())
+    done = tracedeck("analyze", str(bad), "--json", env=cli_env(tmp_path / "bad" / "home"))
+    assert done.returncode == 1, done.stdout + done.stderr
+    [trace] = json.loads(done.stdout)["traces"]
+    assert trace["verdict"] == "TRACE_INVALID", trace
+    assert any(p["field"] == "shards" for p in trace["problems"]), trace["problems"]

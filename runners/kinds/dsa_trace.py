@@ -249,6 +249,34 @@ class DsaJudge(Judge):
         return trace_verdict(folder, stream, engine, why, None, serving)
 
 
+def _not_as_followed(stream: TraceStream, result: dict[str, Any], home: Path) -> list[str]:
+    """What the shards in a run's directory say against the run's record of the same trace
+    followed live: each shard's records, and no fewer invalid records than the live judge
+    found. Shards put there after the run (a passing run's, or edited) judge another trace."""
+    live = {file.rsplit("/", 1)[-1]: n for file, n in stream.files.items()}
+    here = {name: _count_records(home / name) for name in result.get("shards", [])}
+    out = []
+    if live != here:
+        out.append(
+            f"{home}: its shards are not the ones the run followed (records per shard: live "
+            f"{dict(sorted(live.items()))}, here {dict(sorted(here.items()))}); judging them "
+            "would not judge the run"
+        )
+    if int(result.get("invalid", 0)) < stream.invalid:
+        out.append(
+            f"{home}: the run found {stream.invalid} invalid record(s) in this trace while it ran, "
+            f"its shards here hold {result.get('invalid', 0)}: they were replaced or edited after "
+            "the run; judging them would not judge the run"
+        )
+    return out
+
+
+def _count_records(path: Path) -> int:
+    """A shard's records as the follower counts them: its non-blank lines."""
+    with open(path, "rb") as fh:
+        return sum(1 for line in fh if line.strip())
+
+
 def _missing_dir(folder: str) -> dict[str, Any]:
     message = f"{folder}: no trace record was followed there (the engine wrote no shard)"
     fail = {"file": folder, "line": None, "field": "records", "message": message}
@@ -515,6 +543,12 @@ def _rejudge_dir(
     if home.is_dir() and shard_files(home):
         result = analyze_block(home, topk, layers or None)
         result["from"] = "the shards in the run directory"
+        if stream is not None:  # followed live: the shards here must be the ones judged then
+            for message in _not_as_followed(stream, result, home):
+                fail = {"file": str(home), "line": None, "field": "shards", "message": message}
+                result["problems"] = [*result.get("problems", []), fail]
+                result["first_fail"] = result.get("first_fail") or fail
+                result["verdict"] = TRACE_INVALID
         return result
     if stream is None:
         return _missing_dir(folder)
