@@ -17,6 +17,7 @@ import orjson
 from analysis.run_compare import FAIL, RunSide
 from runners.events import Event, RunFinished
 from runners.exits import EXIT_FAIL
+from runners.kind import Kind
 from runners.kinds import all_kinds, event_types
 from runners.record import EVENTS, RunRecord, iter_events, paused_gc
 
@@ -87,8 +88,10 @@ def item_words(local_dir: Path) -> Callable[[Event], Event]:
     kind.compare_items) contradicts comes back with its word marked: a forged PASS_EQUIV for
     a pair whose own metrics fail is never printed as that pass. ValueError /
     FileNotFoundError when the record cannot be read back (as load_side)."""
+    kind = all_kinds().get(RunRecord.load(local_dir).kind)
+    if kind is None or type(kind).item_of is Kind.item_of:
+        return _as_recorded  # no event of this kind states an item's word: nothing to read
     side = load_side(local_dir)
-    kind = all_kinds()[side.kind]
     items = {(i.klass, i.key): i for i in side.items}
 
     def shown(event: Event) -> Event:
@@ -105,6 +108,10 @@ def item_words(local_dir: Path) -> Callable[[Event], Event]:
         return dataclasses.replace(event, verdict=mark)  # type: ignore[type-var]
 
     return shown
+
+
+def _as_recorded(event: Event) -> Event:
+    return event
 
 
 def believed_end(

@@ -161,3 +161,30 @@ def test_analyze_of_a_dsa_run_whose_shards_were_swapped_is_no_pass(tmp_path: Pat
     [trace] = json.loads(done.stdout)["traces"]
     assert trace["verdict"] == "TRACE_INVALID", trace
     assert any(p["field"] == "shards" for p in trace["problems"]), trace["problems"]
+
+
+async def test_the_replay_screen_marks_a_pair_word_its_own_metrics_contradict(
+    tmp_path: Path,
+) -> None:
+    """The console's replay of the same forged record: the pair table showed seed 1's row as
+    a green PASS_EQUIV (only the banner was checked). The row now says it is contradicted."""
+    from test_console import SIZE, wait_for_banner
+
+    from console.app import create_app
+    from console.panels.equivalence import VerdictTable
+
+    local = tmp_path / "run"
+    shutil.copytree(DATA / "equivalence_fail", local)
+
+    def forge(e: dict[str, Any]) -> dict[str, Any]:
+        if e["type"] == "pair_verdict" and e["verdict"] == "FAIL_EQUIV":
+            e["verdict"] = "PASS_EQUIV"
+        return e
+
+    _edit(local, forge)
+    app = create_app(out_dir=tmp_path / "out", replay_dir=local, speed=0)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await wait_for_banner(pilot, timeout=60)
+        rows = {(r[0], r[1]): r[-1] for r in screen.query_one("#verdicts", VerdictTable).contents()}
+        assert rows[("1", "1")].startswith("PASS_EQUIV (contradicted: recomputed FAIL_EQUIV"), rows
+        assert rows[("1", "0")] == "PASS_EQUIV", rows

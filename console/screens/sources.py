@@ -19,7 +19,7 @@ from runners.events import Error, Event, RunFinished
 from runners.kinds import event_types
 from runners.record import EVENTS, RUN_JSON, decode_lines, split_lines
 from runners.run import Run
-from runners.run_view import checked_end
+from runners.run_view import checked_end, item_words
 
 # A speed at or above this (or 0) replays as fast as the screen can take it.
 FAST_SPEED = 1e6
@@ -149,6 +149,10 @@ async def replay_events(
             )
         )
         return
+    try:  # a recorded pair's (cell's) word its own data contradicts is shown marked
+        shown = await asyncio.to_thread(item_words, local_dir)
+    except (OSError, ValueError, KeyError, TypeError):
+        shown = None  # the end is still checked (checked_end) and says why
     types = event_types()
     fast = is_fast(speed)
     loop = asyncio.get_running_loop()
@@ -171,7 +175,7 @@ async def replay_events(
             last_t = event.t
             if isinstance(event, RunFinished) and event.exit_code == 0:
                 event = await asyncio.to_thread(checked_end, local_dir, event, lines)
-            sink(event)
+            sink(event if shown is None else shown(event))
         if bad is not None:
             number, exc = bad
             sink(
