@@ -594,12 +594,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
     previous = None
     code = 0
     from runners.events import RunFinished
-    from runners.run_view import believed_end, item_words
+    from runners.run_view import as_recorded, believed_end, item_words
 
     try:  # each item's recorded word is shown as its recomputation has it
         shown = item_words(args.dir)
     except (FileNotFoundError, ValueError, KeyError, TypeError):
-        shown = _as_recorded  # a pass is still checked (and refused) at the end, below
+        shown = as_recorded  # a pass is still checked (and refused) at the end, below
     for event in recorded.events:
         event = shown(event)
         if args.speed > 0 and previous is not None:
@@ -623,10 +623,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from console.ci_cmd import write_reports
 
     return code if write_reports(args, args.dir) else (code or EXIT_USAGE)
-
-
-def _as_recorded(event):  # type: ignore[no-untyped-def]
-    return event
 
 
 def add_kind_options(parser: argparse.ArgumentParser) -> None:

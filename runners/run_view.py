@@ -90,7 +90,7 @@ def item_words(local_dir: Path) -> Callable[[Event], Event]:
     FileNotFoundError when the record cannot be read back (as load_side)."""
     kind = all_kinds().get(RunRecord.load(local_dir).kind)
     if kind is None or type(kind).item_of is Kind.item_of:
-        return _as_recorded  # no event of this kind states an item's word: nothing to read
+        return as_recorded  # no event of this kind states an item's word: nothing to read
     side = load_side(local_dir)
     items = {(i.klass, i.key): i for i in side.items}
 
@@ -110,7 +110,8 @@ def item_words(local_dir: Path) -> Callable[[Event], Event]:
     return shown
 
 
-def _as_recorded(event: Event) -> Event:
+def as_recorded(event: Event) -> Event:
+    """A recorded event shown as it was recorded."""
     return event
 
 
