@@ -77,12 +77,18 @@ def equivalence_items(events: Events) -> list[Item]:
                     why = "the record holds no verdict for this planned pair"
                     out.setdefault(key, Item("pair", key, "UNJUDGED", FAIL, first_fail=why))
         elif e["type"] == "pair_verdict":
-            key = f"kv_aligned={e['kv_aligned']} seed={e['seed']}"
-            out[key] = _pair_item(key, e)
+            item = pair_item(e)
+            out[item.key] = item
         elif e["type"] == "pair_unjudged":
             key = f"kv_aligned={e['kv_aligned']} seed={e['seed']}"
             out[key] = Item("pair", key, "UNJUDGED", FAIL, first_fail=e.get("reason", ""))
     return list(out.values())
+
+
+def pair_item(e: dict[str, Any]) -> Item:
+    """One recorded pair_verdict's item, its word recomputed from its own metrics and
+    thresholds (a word they contradict is the recomputed one, failing)."""
+    return _pair_item(f"kv_aligned={e['kv_aligned']} seed={e['seed']}", e)
 
 
 def _pair_item(key: str, e: dict[str, Any]) -> Item:
@@ -146,36 +152,41 @@ def kv_items(events: Events) -> list[Item]:
         if e["type"] != "kv_cell_verdict":
             continue
         judged.add(e.get("cell"))  # type: ignore[arg-type]
-        key = point_label(e.get("point") or {}, e.get("source", ""))
-        detail = e.get("detail") or {}
-        metrics = {
-            "differing": detail.get("differing", 0),
-            "max_abs_diff": detail.get("max_abs_diff", 0.0),
-            "max_ulp": detail.get("max_ulp", 0),
-        }
-        word = e["verdict"]
-        ok = word == BITWISE_EQUAL and not detail.get("first")
-        text, where = "", ""
-        first = detail.get("first")
-        if first:
-            flows = " vs ".join(first.get("flows", []))
-            where = (
-                f"batch {first.get('batch')} head {first.get('head')} index {first.get('index')}"
-            )
-            values = first.get("values") or [None, None]
-            text = (
-                f"{flows} differ first at {where}: {values[0]!r} vs {values[1]!r} "
-                f"({first.get('ulp')} ULP); {metrics['differing']} element(s) differ"
-            )
-        elif not ok:
-            text = e.get("reason") or word
-        failing = [m for m in ("differing",) if not ok and metrics["differing"]]
-        out[key] = Item("cell", key, word, PASS if ok else FAIL, metrics, failing, text, where)
+        item = kv_cell_item(e)
+        out[item.key] = item
     for index in sorted(set(planned) - judged):  # a planned cell with no verdict: never a pass
         key = f"{_cell_key(index, planned[index])} (cell {index + 1})"
         why = "the record holds no verdict for this planned cell"
         out[key] = Item("cell", key, "UNJUDGED", FAIL, first_fail=why)
     return list(out.values())
+
+
+def kv_cell_item(e: dict[str, Any]) -> Item:
+    """One recorded kv_cell_verdict's item: BITWISE_EQUAL passes only with no differing
+    element recorded beside it."""
+    key = point_label(e.get("point") or {}, e.get("source", ""))
+    detail = e.get("detail") or {}
+    metrics = {
+        "differing": detail.get("differing", 0),
+        "max_abs_diff": detail.get("max_abs_diff", 0.0),
+        "max_ulp": detail.get("max_ulp", 0),
+    }
+    word = e["verdict"]
+    ok = word == BITWISE_EQUAL and not detail.get("first")
+    text, where = "", ""
+    first = detail.get("first")
+    if first:
+        flows = " vs ".join(first.get("flows", []))
+        where = f"batch {first.get('batch')} head {first.get('head')} index {first.get('index')}"
+        values = first.get("values") or [None, None]
+        text = (
+            f"{flows} differ first at {where}: {values[0]!r} vs {values[1]!r} "
+            f"({first.get('ulp')} ULP); {metrics['differing']} element(s) differ"
+        )
+    elif not ok:
+        text = e.get("reason") or word
+    failing = [m for m in ("differing",) if not ok and metrics["differing"]]
+    return Item("cell", key, word, PASS if ok else FAIL, metrics, failing, text, where)
 
 
 def readout_items(events: Events) -> list[Item]:

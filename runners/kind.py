@@ -478,10 +478,10 @@ class Kind:
 
     # -- tracedeck diff, --junit ---------------------------------------------------------------
 
-    def item_of(self, event: Event) -> tuple[str, str] | None:
-        """The (class, key) of the compare_items item whose verdict word this recorded event
-        states (a B3.67 pair verdict, a 03C cell verdict), so a replay can check the word
-        against the item's recomputation; None for an event that states no item's word."""
+    def item_of(self, event: Event) -> Item | None:
+        """The compare_items item this recorded event states the verdict word of (a B3.67 pair
+        verdict, a 03C cell verdict), recomputed from the event's own data, so a replay can
+        check the word as it shows it; None for an event that states no item's word."""
         return None
 
     def compare_items(

@@ -84,19 +84,16 @@ def load_side(local_dir: Path, events: list[dict[str, Any]] | None = None) -> Ru
 
 def item_words(local_dir: Path) -> Callable[[Event], Event]:
     """For a replay: a function that returns a recorded event as it may be shown. An event
-    stating an item's verdict word (Kind.item_of) that the item's recomputation (load_side,
-    kind.compare_items) contradicts comes back with its word marked: a forged PASS_EQUIV for
-    a pair whose own metrics fail is never printed as that pass. ValueError /
-    FileNotFoundError when the record cannot be read back (as load_side)."""
+    stating an item's verdict word that the item's recomputation from the event's own data
+    (Kind.item_of) contradicts comes back with its word marked: a forged PASS_EQUIV for a
+    pair whose own metrics fail is never printed as that pass. ValueError / FileNotFoundError
+    when the record cannot be read (as RunRecord.load)."""
     kind = all_kinds().get(RunRecord.load(local_dir).kind)
     if kind is None or type(kind).item_of is Kind.item_of:
-        return as_recorded  # no event of this kind states an item's word: nothing to read
-    side = load_side(local_dir)
-    items = {(i.klass, i.key): i for i in side.items}
+        return as_recorded  # no event of this kind states an item's word
 
     def shown(event: Event) -> Event:
-        at = kind.item_of(event)
-        item = items.get(at) if at is not None else None
+        item = kind.item_of(event)
         word = getattr(event, "verdict", None)
         if item is None or not isinstance(word, str):
             return event

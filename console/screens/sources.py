@@ -150,7 +150,7 @@ async def replay_events(
         )
         return
     try:  # a recorded pair's (cell's) word its own data contradicts is shown marked
-        shown = await asyncio.to_thread(item_words, local_dir)
+        shown = item_words(local_dir)
     except (OSError, ValueError, KeyError, TypeError):
         shown = None  # the end is still checked (checked_end) and says why
     types = event_types()

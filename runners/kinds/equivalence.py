@@ -621,10 +621,10 @@ class EquivalenceKind(Kind):
     drift_words = frozenset({EXPECTED_DRIFT, PASS_GUARDRAIL_LOOSENED})
     host_judging = HOST_JUDGING
 
-    def item_of(self, event: Event) -> tuple[str, str] | None:
-        if isinstance(event, PairVerdict):
-            return "pair", f"kv_aligned={event.kv_aligned} seed={event.seed}"
-        return None
+    def item_of(self, event: Event) -> Item | None:
+        from analysis.compare_items import pair_item
+
+        return pair_item(event.to_dict()) if isinstance(event, PairVerdict) else None
 
     def compare_items(
         self, events: list[dict[str, Any]], summary: dict[str, Any] | None

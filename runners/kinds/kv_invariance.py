@@ -373,10 +373,10 @@ class KvInvarianceKind(Kind):
     pass_word, fail_word = PASS_INVARIANCE, FAIL_INVARIANCE
     pass_words = frozenset({PASS_INVARIANCE, "BITWISE_EQUAL"})
 
-    def item_of(self, event: Event) -> tuple[str, str] | None:
-        if isinstance(event, KvCellVerdict):
-            return "cell", point_label(event.point, event.source)
-        return None
+    def item_of(self, event: Event) -> Item | None:
+        from analysis.compare_items import kv_cell_item
+
+        return kv_cell_item(event.to_dict()) if isinstance(event, KvCellVerdict) else None
 
     def compare_items(
         self, events: list[dict[str, Any]], summary: dict[str, Any] | None
