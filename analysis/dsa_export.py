@@ -329,7 +329,7 @@ class ExportChunk:
 
     def __call__(
         self, path: str, lines: list[bytes], first_line: int, torn: bool
-    ) -> tuple[pa.Table | bytes, int, int]:
+    ) -> tuple[pa.Table | pa.Buffer, int, int]:
         tables, invalid = [], 0
         for s in scan_span(self.info, Path(path), lines, first_line, torn):
             tables.append(record_table(s, json_lists=self.csv))
@@ -339,17 +339,18 @@ class ExportChunk:
         return csv_rows(table) if self.text else table, table.num_rows, invalid
 
 
-def csv_rows(table: pa.Table) -> bytes:
+def csv_rows(table: pa.Table) -> pa.Buffer:
     """A chunk's table as header-less csv rows: the chunks' rows joined in order are the
     file's body, so the writer only appends."""
     return csv_text(flat_for_csv(table), header=False)
 
 
-def csv_text(table: pa.Table, header: bool) -> bytes:
-    """The table as csv, as one csv writer of the whole export writes it."""
+def csv_text(table: pa.Table, header: bool) -> pa.Buffer:
+    """The table as csv, as one csv writer of the whole export writes it (a buffer a file
+    writes as it is: no copy into a bytes object)."""
     out = pa.BufferOutputStream()
     pacsv.write_csv(table, out, pacsv.WriteOptions(include_header=header))
-    return out.getvalue().to_pybytes()
+    return out.getvalue()
 
 
 def _unparsed(s: Scanned, schema: pa.Schema = SCHEMA) -> pa.Table:

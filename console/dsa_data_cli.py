@@ -265,8 +265,8 @@ def export_block(
             sink = part.open("wb")
             sink.write(csv_text(flat_for_csv(SCHEMA.empty_table()), header=True))
 
-            def write(got: pa.Table | bytes) -> None:
-                sink.write(got if isinstance(got, bytes) else csv_rows(got))
+            def write(got: pa.Table | pa.Buffer) -> None:
+                sink.write(csv_rows(got) if isinstance(got, pa.Table) else got)
 
         # one process: the text is made in the writer thread, beside the next chunk's parse;
         # several: by the workers, which then share that work too
