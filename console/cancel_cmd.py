@@ -6,9 +6,9 @@ import time
 from pathlib import Path
 
 
-async def cancel_run(local: Path, grace: float, printer) -> int:  # type: ignore[no-untyped-def]
+async def cancel_run(local: Path, grace: float, printer, say=print) -> int:  # type: ignore[no-untyped-def]
     """Kill every live process of the run, whatever its record says, then record its end
-    (unless the console that follows it does that)."""
+    (unless the console that follows it does that); say(line) tells how it ended."""
     from runners.launchers.base import Cancel
     from runners.record import RecordBusy, record_writer
     from runners.run import Run
@@ -26,28 +26,26 @@ async def cancel_run(local: Path, grace: float, printer) -> int:  # type: ignore
     except RecordBusy:
         writer = record_writer(local)
         if writer is not None and writer[1] in ("T", "t"):  # it records nothing while stopped
-            print(
+            say(
                 f"cancel: {word}; the console following run {run_id} (pid {writer[0]}) is "
                 f"stopped (a Ctrl-Z?): it records the run's end once it goes on (`fg` in its "
                 f"terminal, or kill -CONT {writer[0]})"
             )
         else:
-            print(f"cancel: {word}; the console following run {run_id} records its end")
+            say(f"cancel: {word}; the console following run {run_id} records its end")
         return 0
     try:
         if attached.finished is not None:
             ended = attached.finished
             if ended.t >= asked:  # the console that followed it recorded the cancel
-                print(f"cancel: {word}; run {run_id} ended {ended.verdict}")
+                say(f"cancel: {word}; run {run_id} ended {ended.verdict}")
             elif outcome == Cancel.NOT_RUNNING:
-                print(f"cancel: nothing was running; run {run_id} had ended {ended.verdict}")
+                say(f"cancel: nothing was running; run {run_id} had ended {ended.verdict}")
             else:
-                print(
-                    f"cancel: {word} processes left over after run {run_id} ended {ended.verdict}"
-                )
+                say(f"cancel: {word} processes left over after run {run_id} ended {ended.verdict}")
             return 0
         result = await attached.follow()
     finally:
         await attached.close()
-    print(f"cancel: {word}; run {run_id} ended {result.verdict}")
+    say(f"cancel: {word}; run {run_id} ended {result.verdict}")
     return 0

@@ -6,7 +6,9 @@ signalled. A fleet host lost while its batch ran is kept by prune (a real two-ho
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import io
 import os
 import signal
 import subprocess
@@ -29,6 +31,9 @@ from runhelp import (
 )
 from sshd import Fleet
 from test_fleet import lines_preset, members
+
+from console.cancel_cmd import cancel_run
+from console.headless import Printer
 
 
 def slow_term(gate: Path) -> str:
@@ -131,6 +136,10 @@ def test_cancel_says_when_the_console_holding_the_record_is_stopped(tmp_path: Pa
         assert done.returncode == 0, done.stdout + done.stderr
         assert f"(pid {console.pid}) is stopped" in done.stdout, done.stdout
         assert f"kill -CONT {console.pid}" in done.stdout
+        # the runs screen's cancel (the same cancel_run) hears it too, for its notification
+        said: list[str] = []
+        asyncio.run(cancel_run(local, 1.0, Printer(out=io.StringIO()), said.append))
+        assert any(f"(pid {console.pid}) is stopped" in line for line in said), said
         os.kill(console.pid, signal.SIGCONT)
         console.communicate(timeout=patience(60))
         [end] = [e for e in events(local) if e["type"] == "run_finished"]

@@ -355,12 +355,16 @@ class RunsScreen(Screen[None]):
         from console.headless import Printer
         from runners.targets.base import TargetError
 
+        said: list[str] = []
         try:
-            code = await cancel_run(Path(run.local_dir), 5.0, Printer(out=io.StringIO()))
+            code = await cancel_run(
+                Path(run.local_dir), 5.0, Printer(out=io.StringIO()), said.append
+            )
         except (TargetError, OSError, ValueError) as exc:
             self.notify(f"cancel {run.run_id}: {exc}", severity="error", markup=False)
             return
-        self.notify(f"cancel {run.run_id}: done (exit {code})", markup=False)
+        how = "; ".join(line.removeprefix("cancel: ") for line in said) or "done"
+        self.notify(f"cancel {run.run_id}: {how} (exit {code})", markup=False)
         self.action_refresh()
 
     def action_close(self) -> None:
