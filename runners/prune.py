@@ -368,8 +368,14 @@ async def _delete_remote(spec: str, run_dir: str, item: Item, targets: Targets) 
 
 
 async def _rm(spec: str, run_dir: str, run_id: str, targets: Targets) -> str:
-    """rm -rf of one run directory, only ever a path that ends in its run id."""
-    if not run_dir.startswith("/") or not run_dir.endswith("/" + run_id) or "/../" in run_dir:
+    """rm -rf of one run directory, only ever a path that ends in its run id, and only an id
+    tracedeck makes (a record edited to say run_id "home", remote_dir "/home" names no run)."""
+    if (
+        not RUN_ID.fullmatch(run_id)
+        or not run_dir.startswith("/")
+        or not run_dir.endswith("/" + run_id)
+        or "/../" in run_dir
+    ):
         return f"{run_dir}: not a run directory of this run id; left alone"
     target = await targets.get(spec)
     if target is None:
