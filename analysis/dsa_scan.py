@@ -42,7 +42,13 @@ class TraceInfo:
 
 
 def trace_info(folder: Path, topk: int | None = None) -> TraceInfo:
-    summary, _ = read_summary(folder / "summary.json")
+    summary, why = read_summary(folder / "summary.json")
+    if why not in ("", "missing"):  # its settings would be guessed silently: said instead
+        raise ValueError(
+            f"{folder / 'summary.json'}: {why}; the trace's top-k, block size and KV bytes per "
+            "token are read from it: fix it, or move it out of the block directory (and give "
+            "--topk)"
+        )
     config = summary.get("config") if isinstance(summary.get("config"), dict) else {}
     assert isinstance(config, dict)
     k_top = topk or _int(config.get("index_topk"))

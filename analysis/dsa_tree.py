@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from analysis.dsa_lines import READ_CHUNK, complete_lines, torn_line
+from analysis.dsa_lines import READ_CHUNK, complete_lines, open_regular, torn_line
 from analysis.dsa_record import Fail
 from analysis.dsa_stats import compare_summary, percentile
 from analysis.dsa_stream import (
@@ -229,13 +229,22 @@ def feed_file(stream: TraceStream, path: Path, chunk: int = READ_CHUNK) -> dict[
     return None
 
 
+SUMMARY_MAX = 1 << 24  # no engine's summary.json comes near (the live path reads as much)
+
+
 def read_summary(path: Path) -> tuple[dict[str, Any], str]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        with open_regular(path) as fh:
+            raw = fh.read(SUMMARY_MAX + 1)
+        if len(raw) > SUMMARY_MAX:
+            return {}, f"unreadable (larger than {SUMMARY_MAX >> 20} MiB)"
+        data = json.loads(raw.decode("utf-8"))
     except FileNotFoundError:
         return {}, "missing"
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return {}, f"unreadable ({exc})"
+        return {}, f"unreadable ({exc.strerror if isinstance(exc, OSError) else exc})"
+    except RecursionError:
+        return {}, "unreadable (nested deeper than a JSON parser reads)"
     if not isinstance(data, dict):
         return {}, "not a JSON object"
     return data, ""

@@ -439,8 +439,14 @@ class DsaTraceKind(Kind):
         workers = dsa_workers(asked["workers"])
         try:
             result = analyze_dir(path, asked["dsa_topk"], asked["dsa_layers"], workers)
-        except (NotATrace, OSError) as exc:
+        except NotATrace as exc:
             asked.err(f"tracedeck: {exc}")
+            return EXIT_USAGE
+        except OSError as exc:  # a shard that is no readable file: named, and what to do
+            asked.err(
+                f"tracedeck: {exc.filename or path}: cannot read ({exc.strerror or exc}); each "
+                "trace_steps_*.jsonl of a block directory must be a readable file: fix or move it"
+            )
             return EXIT_USAGE
         except WorkerError as exc:
             asked.err(f"tracedeck: {path}: not judged: {exc}")
@@ -744,4 +750,6 @@ async def _read_summary(target: Any, folder: str) -> tuple[dict[str, Any], str]:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         return {}, f"unreadable ({exc})"
+    except RecursionError:
+        return {}, "unreadable (nested deeper than a JSON parser reads)"
     return (data, "") if isinstance(data, dict) else ({}, "not a JSON object")
