@@ -30,6 +30,23 @@ def _err(message: str) -> None:
     print(f"tracedeck: {message}", file=sys.stderr)
 
 
+def report_paths_problem(args: argparse.Namespace) -> str:
+    """Why a --junit / --summary-md path cannot be written ('' when it can): never over or
+    inside a run's directory (its run.json, events: that run's record, not a report's place)."""
+    from runners.rejudge import run_dir_holding
+
+    for flag, path in (("--junit", args.junit), ("--summary-md", args.summary_md)):
+        if path is None:
+            continue
+        held = run_dir_holding(Path(path).parent)  # the name itself: replaced, never followed
+        if held is not None:
+            return (
+                f"{flag} {path}: inside the run's directory {held}; a report is never written "
+                "into a run's record: name a file outside every run's directory"
+            )
+    return ""
+
+
 def write_reports(args: argparse.Namespace, local_dir: Path, side: Any = None) -> bool:
     """Write the reports asked for from the run's record (or `side`, a run that left none);
     False (said on stderr) when they could not be written."""
@@ -40,6 +57,10 @@ def write_reports(args: argparse.Namespace, local_dir: Path, side: Any = None) -
     from runners.atomic import write_atomic
     from runners.run_view import load_side
 
+    problem = report_paths_problem(args)
+    if problem:
+        _err(f"{problem}; the CI reports were not written")
+        return False
     try:
         side = side or load_side(local_dir)
     except (FileNotFoundError, ValueError, KeyError, TypeError) as exc:
@@ -69,6 +90,8 @@ def after_run(args: argparse.Namespace, session: Any, code: int) -> int:
     # a run that left no record (refused by a busy lock, never started) still has its reports
     # said: never a green one left from an earlier run at the same paths
     wrote = write_reports(args, local, None if recorded else _unrecorded(session, code))
+    if not wrote:  # a report asked for and not written: no exit 0 (as replay and analyze)
+        code = code or EXIT_USAGE
     try:
         config = load_config()
     except ConfigError as exc:

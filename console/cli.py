@@ -297,6 +297,7 @@ def _infra_error(exc: Exception) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from console.ci_cmd import report_paths_problem
     from console.headless import Printer
     from runners.kinds import load_preset
     from runners.local_run import default_out_dir
@@ -304,6 +305,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from runners.run import Run
     from runners.targets.base import TargetError
 
+    problem = report_paths_problem(args)  # before anything is launched
+    if problem:
+        _err(problem)
+        return EXIT_USAGE
     try:
         overrides = list(args.overrides)
         if args.busy:
@@ -570,12 +575,17 @@ async def _fetch(local: Path, printer) -> int:  # type: ignore[no-untyped-def]
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    from console.ci_cmd import report_paths_problem
     from runners.kinds import event_types
     from runners.record import EVENTS, read_events
 
     path = args.dir / EVENTS
     if not path.exists():
         _err(f"{path}: no recorded events; pass a run directory written by `tracedeck run`")
+        return EXIT_USAGE
+    problem = report_paths_problem(args)
+    if problem:
+        _err(problem)
         return EXIT_USAGE
     if not args.headless:
         from console.app import run_app
@@ -669,6 +679,12 @@ def _analyze(args: argparse.Namespace) -> int:
     kinds = _kinds()
     if not path.exists():
         _err(f"{path}: no such file or directory; pass {_analyze_forms()}")
+        return EXIT_USAGE
+    from console.ci_cmd import report_paths_problem
+
+    problem = report_paths_problem(args)  # before anything is judged or written
+    if problem:
+        _err(problem)
         return EXIT_USAGE
     given = args.output
     said, args.output = guard_record(path, given)  # a run's recorded verdict is never rewritten
