@@ -1,0 +1,130 @@
+"""Found by an adversarial review of the data tools and the commands over run records (each
+failed before its fix): prune deleting a directory no run of its own on a hand-edited record,
+a summary.json nested past the parser's depth that was a traceback, a shard that is a FIFO or
+a device (a hang, memory without end), CI reports written over a run's record, and a run
+whose asked-for report could not be written that said exit 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from dsa_writer import write_trace
+from runhelp import cli_env, run_dirs, tracedeck, write_lines_preset
+
+DATA = Path(__file__).parent / "data"
+
+
+def _run(tmp_path: Path, out: Path, *extra: str) -> Path:
+    """One quick recorded run of the lines preset (one line a cell) under out."""
+    preset = write_lines_preset(tmp_path, lines=1, pause=0)
+    before = set(run_dirs(out))
+    done = tracedeck("run", str(preset), "--out", str(out), *extra, env=cli_env(tmp_path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    (new,) = set(run_dirs(out)) - before
+    return new
+
+
+# -- prune ---------------------------------------------------------------------------------------
+
+
+def test_prune_never_deletes_a_directory_a_hand_edited_record_names_as_its_remote_dir(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "o"
+    local = _run(tmp_path, out)
+    victim = tmp_path / "precious"
+    (victim / "keep").mkdir(parents=True)
+    (victim / "keep" / "data").write_text("the operator's\n")
+    record = json.loads((local / "run.json").read_text())
+    # a record edited by hand (or by another tool): its id and remote dir name no run
+    record["run_id"], record["remote_dir"] = victim.name, str(victim)
+    (local / "run.json").write_text(json.dumps(record))
+    done = tracedeck("prune", "--out", str(out), "--keep", "0", "--yes", env=cli_env(tmp_path))
+    assert (victim / "keep" / "data").exists(), done.stdout + done.stderr
+    assert "not a run directory of this run id; left alone" in done.stdout, done.stdout
+
+
+# -- hostile DSA inputs --------------------------------------------------------------------------
+
+VERBS = [
+    (["analyze"], ["--workers", "1"]),
+    (["dsa", "whatif"], ["--workers", "1"]),
+    (["dsa", "tiers"], ["--hbm-blocks", "4"]),
+    (["export"], ["--format", "csv"]),
+]
+
+
+@pytest.mark.parametrize(("verb", "opts"), VERBS)
+def test_a_summary_nested_past_the_parsers_depth_is_named_never_a_traceback(
+    verb: list[str], opts: list[str], tmp_path: Path
+) -> None:
+    folder = write_trace(tmp_path / "t")
+    (folder / "summary.json").write_text("[" * 100_000)
+    args = [*verb, str(folder), *opts]
+    if verb == ["export"]:
+        args += ["--output", str(tmp_path / "out.csv")]
+    done = tracedeck(*args, env=cli_env(tmp_path), timeout=30)
+    assert "Traceback" not in done.stderr, done.stderr
+    if verb == ["analyze"]:  # the summary is judged: it is no engine's summary
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert "summary.json" in done.stdout and "nested" in done.stdout, done.stdout
+    else:  # the tools read it for the trace's settings: named, and what to do
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert f"{folder / 'summary.json'}" in done.stderr and "nested" in done.stderr
+
+
+@pytest.mark.parametrize("what", ["a FIFO", "/dev/zero"])
+@pytest.mark.parametrize(("verb", "opts"), [*VERBS, (["analyze"], ["--workers", "2"])])
+def test_a_shard_that_is_a_fifo_or_a_device_is_named_never_read_forever(
+    what: str, verb: list[str], opts: list[str], tmp_path: Path
+) -> None:
+    folder = write_trace(tmp_path / "t")
+    shard = folder / "trace_steps_9_10.jsonl"
+    if what == "a FIFO":
+        os.mkfifo(shard)  # nobody ever writes it: open() alone would wait for ever
+    else:
+        shard.symlink_to("/dev/zero")  # no newline, no end: read whole, memory without bound
+    args = [*verb, str(folder), *opts]
+    if verb == ["export"]:
+        args += ["--output", str(tmp_path / "out.csv")]
+    done = tracedeck(*args, env=cli_env(tmp_path), timeout=30)
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"{shard}: cannot read (not a regular file" in done.stderr, done.stderr
+    assert not (tmp_path / "out.csv").exists()
+
+
+# -- CI reports ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag", ["--junit", "--summary-md"])
+@pytest.mark.parametrize("whose", ["its own", "another run's"])
+def test_a_ci_report_is_never_written_over_a_runs_record(
+    flag: str, whose: str, tmp_path: Path
+) -> None:
+    judged, other = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(DATA / "dsa_run", judged)
+    shutil.copytree(DATA / "dsa_run", other)
+    victim = (judged if whose == "its own" else other) / "run.json"
+    before = victim.read_bytes()
+    done = tracedeck("analyze", str(judged), "--output", str(tmp_path / "re"), flag, str(victim),
+                     env=cli_env(tmp_path))  # fmt: skip
+    assert victim.read_bytes() == before, done.stderr
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"{flag} {victim}: inside the run's directory" in done.stderr, done.stderr
+
+
+def test_a_run_whose_asked_report_could_not_be_written_is_no_exit_0(tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    preset = write_lines_preset(tmp_path, lines=1, pause=0)
+    junit = tmp_path / "no-such-dir-file"
+    junit.write_text("a file where a directory should be\n")
+    done = tracedeck("run", str(preset), "--out", str(out), "--junit", str(junit / "j.xml"),
+                     env=cli_env(tmp_path))  # fmt: skip
+    assert "RESULT: PASS" in done.stdout, done.stdout  # the run passed; its report was not made
+    assert f"{junit / 'j.xml'}: cannot write it" in done.stderr, done.stderr
+    assert done.returncode == 2, done.stdout + done.stderr
