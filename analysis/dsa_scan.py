@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from analysis.dsa_checks import Context, Derived, check_batch, explain
-from analysis.dsa_lines import READ_CHUNK, complete_lines
+from analysis.dsa_lines import READ_CHUNK, complete_lines, open_regular
 from analysis.dsa_record import Batch, Fail, read_batch, torn_fail
 from analysis.dsa_stream import DEFAULT_TOPK, dir_block_size, row_runs
 from analysis.dsa_tree import block_dirs, read_summary, shard_files
@@ -69,19 +69,30 @@ def trace_info(folder: Path, topk: int | None = None) -> TraceInfo:
     )
     serving = folder / "serving.jsonl"
     if serving.is_file():
-        for n, line in enumerate(serving.read_text(encoding="utf-8").splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                entry = json.loads(line)
-                rid = int(entry["request_id"])
-                info.arrival_ms[rid] = float(entry["arrival_ms"])
-                info.end_ms[rid] = float(entry["end_ms"])
-                if "prompt_tokens" in entry:
-                    info.prompt_tokens[rid] = int(entry["prompt_tokens"])
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"{serving}:{n}: not a serving entry ({exc})") from None
+        with open_regular(serving) as fh:  # a line at a time; lines end at a newline only
+            for n, entry in _entries(fh, serving):
+                try:
+                    rid = int(entry["request_id"])
+                    info.arrival_ms[rid] = float(entry["arrival_ms"])
+                    info.end_ms[rid] = float(entry["end_ms"])
+                    if "prompt_tokens" in entry:
+                        info.prompt_tokens[rid] = int(entry["prompt_tokens"])
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise ValueError(f"{serving}:{n}: not a serving entry ({exc})") from None
     return info
+
+
+def _entries(fh: Any, path: Path) -> Iterator[tuple[int, Any]]:
+    """serving.jsonl's entries with their line numbers; a line that is no JSON (or no UTF-8)
+    is a ValueError naming its file and line."""
+    for n, line in enumerate(fh, start=1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+        except (ValueError, RecursionError) as exc:
+            raise ValueError(f"{path}:{n}: not a serving entry ({exc})") from None
+        yield n, entry
 
 
 @dataclass

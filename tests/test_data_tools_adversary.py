@@ -128,3 +128,21 @@ def test_a_run_whose_asked_report_could_not_be_written_is_no_exit_0(tmp_path: Pa
     assert "RESULT: PASS" in done.stdout, done.stdout  # the run passed; its report was not made
     assert f"{junit / 'j.xml'}: cannot write it" in done.stderr, done.stderr
     assert done.returncode == 2, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(("verb", "opts"), VERBS[1:])
+def test_a_serving_line_that_is_no_utf8_is_named_by_file_and_line(
+    verb: list[str], opts: list[str], tmp_path: Path
+) -> None:
+    folder = write_trace(tmp_path / "t")
+    (folder / "serving.jsonl").write_bytes(
+        b'{"request_id": 0, "arrival_ms": 1, "end_ms": 2}\n'
+        b'{"request_id": 1, "arrival_ms": 1, "end_ms": 2, "note": "\xff"}\n'
+    )
+    args = [*verb, str(folder), *opts]
+    if verb == ["export"]:
+        args += ["--output", str(tmp_path / "out.csv")]
+    done = tracedeck(*args, env=cli_env(tmp_path), timeout=30)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"{folder / 'serving.jsonl'}:2: not a serving entry" in done.stderr, done.stderr
+    assert not (tmp_path / "out.csv").exists()
