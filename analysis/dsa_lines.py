@@ -2,34 +2,15 @@
 
 from __future__ import annotations
 
-import errno
-import os
-import stat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from analysis.dsa_record import Lines, torn_fail
 from analysis.dsa_stream import TraceStream, problem
+from analysis.regular_file import open_regular
 
 READ_CHUNK = 4 << 20
-
-
-def open_regular(path: Path | str):  # type: ignore[no-untyped-def]
-    """A trace file opened for reading, refused (an OSError naming it) unless a regular file:
-    a FIFO nobody writes blocks the open for ever, and a device (/dev/zero) never ends, so a
-    reader of its 'lines' would hold them without bound."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO's open returns
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(
-                errno.EINVAL, "not a regular file (a FIFO, device or socket has no end)", str(path)
-            )
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
 
 
 def complete_lines(
@@ -44,7 +25,7 @@ def complete_lines(
     (its head), never the chunk, nor a line each."""
     line_no = 1
     carry = b""  # the bytes after the last newline read (the start of a line)
-    with open_regular(path) as fh:
+    with open_regular(path, fifo=True) as fh:
         while data := fh.read(chunk):
             first = data.find(b"\n")
             if first < 0:
@@ -64,7 +45,7 @@ def chunk_spans(path: Path, chunk: int = READ_CHUNK) -> Iterator[tuple[int, int,
     newline, first line's number, torn). read_span gives the same lines."""
     line_no = 1
     start = at = 0  # the next chunk's first byte; the bytes read so far
-    with open_regular(path) as fh:
+    with open_regular(path, fifo=True) as fh:
         while data := fh.read(chunk):
             at += len(data)
             cut = data.rfind(b"\n")
@@ -80,7 +61,7 @@ def chunk_spans(path: Path, chunk: int = READ_CHUNK) -> Iterator[tuple[int, int,
 
 def read_span(path: Path, offset: int, size: int) -> Lines:
     """The lines of one chunk_spans chunk."""
-    with open_regular(path) as fh:
+    with open_regular(path, fifo=True) as fh:
         fh.seek(offset)
         return Lines(fh.read(size))
 

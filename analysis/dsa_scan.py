@@ -18,10 +18,11 @@ from typing import Any
 import numpy as np
 
 from analysis.dsa_checks import Context, Derived, check_batch, explain
-from analysis.dsa_lines import READ_CHUNK, complete_lines, open_regular
+from analysis.dsa_lines import READ_CHUNK, complete_lines
 from analysis.dsa_record import Batch, Fail, read_batch, torn_fail
 from analysis.dsa_stream import DEFAULT_TOPK, dir_block_size, row_runs
 from analysis.dsa_tree import block_dirs, read_summary, shard_files
+from analysis.regular_file import open_regular
 
 
 @dataclass

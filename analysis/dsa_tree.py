@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from analysis.dsa_lines import READ_CHUNK, complete_lines, open_regular, torn_line
+from analysis.dsa_lines import READ_CHUNK, complete_lines, torn_line
 from analysis.dsa_record import Fail
 from analysis.dsa_stats import compare_summary, percentile
 from analysis.dsa_stream import (
@@ -25,6 +25,7 @@ from analysis.dsa_stream import (
     problem,
     shard_range,
 )
+from analysis.regular_file import open_regular
 
 SERVING = "serving.jsonl"
 TRACE_OK = "TRACE_OK"

@@ -185,14 +185,14 @@ def cmd_export(args: argparse.Namespace) -> int:
         except WorkerError as exc:
             _err(f"{folder}: not exported: {exc}")
             return EXIT_INFRA
-        except ValueError as exc:
-            _err(str(exc))
-            return EXIT_USAGE
-        except OSError as exc:
+        except OSError as exc:  # first: a file that is no regular one is a ValueError too
             if exc.filename is not None and Path(exc.filename).parent == folder:
                 _err(f"{_unreadable(folder, exc)}; {out} not written")
             else:
                 _err(f"{out}: cannot write ({exc.strerror or exc})")
+            return EXIT_USAGE
+        except ValueError as exc:
+            _err(str(exc))
             return EXIT_USAGE
         if records == 0:
             _err(
@@ -342,11 +342,11 @@ def _each_folder(
     for folder in folders:
         try:
             results.append(compute(folder))
+        except OSError as exc:  # first: a file that is no regular one is a ValueError too
+            _err(_unreadable(folder, exc))
+            return EXIT_USAGE
         except ValueError as exc:
             _err(str(exc))
-            return EXIT_USAGE
-        except OSError as exc:
-            _err(_unreadable(folder, exc))
             return EXIT_USAGE
         except WorkerError as exc:
             _err(f"{folder}: not computed: {exc}")

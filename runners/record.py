@@ -14,6 +14,7 @@ from typing import Any
 
 import orjson
 
+from analysis.regular_file import open_regular
 from runners.atomic import write_atomic
 from runners.events import Event, event_from_owned
 from runners.targets.base import TargetError
@@ -68,7 +69,8 @@ class RunRecord:
     def load(cls, local_dir: str | os.PathLike[str]) -> RunRecord:
         path = Path(local_dir) / RUN_JSON
         try:
-            data = orjson.loads(path.read_bytes())
+            with open_regular(path) as fh:  # a FIFO named run.json would hang every lister
+                data = orjson.loads(fh.read())
         except FileNotFoundError:
             raise FileNotFoundError(
                 f"{path}: no run record here; pass a run directory written by `tracedeck run`"
@@ -250,7 +252,7 @@ def iter_events(path: str | os.PathLike[str], types: Types) -> Iterator[Event]:
     record's size); a torn last line is left out, a malformed complete line is an error."""
     number = 0
     pending = b""
-    with open(path, "rb") as fh:
+    with open_regular(path) as fh:
         while chunk := fh.read(CHUNK):
             lines, pending = split_lines(pending + chunk)
             events, error = decode_lines(path, number + 1, lines, types)
@@ -268,7 +270,7 @@ def recorded_count(local_dir: str | os.PathLike[str], types: Types) -> int:
 
 def torn_tail(path: str | os.PathLike[str]) -> bytes:
     """What follows the record's last newline (a console killed mid-write leaves it)."""
-    with open(path, "rb") as fh:
+    with open_regular(path) as fh:
         size = fh.seek(0, 2)
         back = min(size, CHUNK)
         fh.seek(size - back)
