@@ -77,19 +77,7 @@ def test_a_summary_nested_past_the_parsers_depth_is_named_never_a_traceback(
         assert f"{folder / 'summary.json'}" in done.stderr and "nested" in done.stderr
 
 
-FIFO_SHARD = pytest.param(
-    "a FIFO",
-    marks=pytest.mark.xfail(
-        strict=True,
-        reason="a FIFO shard nobody writes still hangs every DSA reader: "
-        "tests/test_dsa_export_faults.py uses a FIFO shard as its way to hold an export "
-        "mid-way (SIGTERM, two exports to one file); the fix is open_regular(path) without "
-        "fifo=True in analysis/dsa_lines.py once those tests hold the export another way",
-    ),
-)
-
-
-@pytest.mark.parametrize("what", [FIFO_SHARD, "/dev/zero"])
+@pytest.mark.parametrize("what", ["a FIFO", "/dev/zero"])
 @pytest.mark.parametrize(("verb", "opts"), [*VERBS, (["analyze"], ["--workers", "2"])])
 def test_a_shard_that_is_a_fifo_or_a_device_is_named_never_read_forever(
     what: str, verb: list[str], opts: list[str], tmp_path: Path

@@ -59,18 +59,19 @@ def test_an_output_inside_any_block_directory_is_refused_before_anything_is_writ
     assert sorted(p.relative_to(root) for p in root.rglob("*")) == before  # block16.csv too
 
 
-def _blocked_trace(tmp_path: Path) -> tuple[Path, bytes, Path]:
-    """A trace whose last shard is a FIFO: an export reads it only when the test writes it."""
+def _blocked_trace(tmp_path: Path) -> tuple[Path, bytes, Path, int]:
+    """A trace whose last shard is a FIFO held open by a writer (this test: the descriptor
+    returned): an export reads it only as the test writes it, and ends when it closes it."""
     folder = write_trace(tmp_path / "t")
     last = sorted(folder.glob("trace_steps_*.jsonl"))[-1]
     data = last.read_bytes()
     last.unlink()
     os.mkfifo(last)
-    return folder, data, last
+    return folder, data, last, os.open(last, os.O_RDWR)  # (a FIFO's O_RDWR never waits)
 
 
 def test_a_sigterm_mid_export_leaves_no_file_and_says_so(tmp_path: Path) -> None:
-    folder, _, fifo = _blocked_trace(tmp_path)
+    folder, _, fifo, writer = _blocked_trace(tmp_path)
     out = tmp_path / "x.parquet"
     proc = spawn("export", str(folder), "--output", str(out), env=cli_env(tmp_path))
     try:
@@ -78,6 +79,7 @@ def test_a_sigterm_mid_export_leaves_no_file_and_says_so(tmp_path: Path) -> None
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
     finally:
+        os.close(writer)
         if proc.poll() is None:
             proc.kill()
             proc.wait()
@@ -94,7 +96,7 @@ def test_two_exports_to_one_file_each_write_their_own_part_and_the_file_is_one_w
     """Export A waits on its last shard with its part file open; export B of another trace to
     the same file runs to the end; then A ends. The file is A's whole export (the last
     renamed), byte for byte what A alone writes: never a mix."""
-    folder, data, fifo = _blocked_trace(tmp_path / "a")
+    folder, data, fifo, writer = _blocked_trace(tmp_path / "a")
     other = write_trace(tmp_path / "b" / "t", requests=3)
     out = tmp_path / "same.csv"
     env = cli_env(tmp_path)
@@ -103,10 +105,14 @@ def test_two_exports_to_one_file_each_write_their_own_part_and_the_file_is_one_w
         wait_for(lambda: list(tmp_path.glob("same.csv.*.part")), what="A's part file")
         second = tracedeck("export", str(other), "--format", "csv", "--output", str(out), env=env)
         assert second.returncode == 0, second.stderr
-        with open(fifo, "wb") as fh:
+        with open(writer, "wb", closefd=False) as fh:  # the writer writes the shard
             fh.write(data)
+        os.close(writer)  # and closes it: the export's read of it ends
+        writer = -1
         _, err = first.communicate(timeout=60)
     finally:
+        if writer >= 0:
+            os.close(writer)
         if first.poll() is None:
             first.kill()
             first.wait()
