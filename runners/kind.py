@@ -478,11 +478,14 @@ class Kind:
 
     # -- tracedeck diff, --junit ---------------------------------------------------------------
 
-    def item_of(self, event: Event) -> Item | None:
-        """The compare_items item this recorded event states the verdict word of (a B3.67 pair
-        verdict, a 03C cell verdict), recomputed from the event's own data, so a replay can
-        check the word as it shows it; None for an event that states no item's word."""
-        return None
+    # The recorded events that state an item's verdict word (a B3.67 pair verdict, a 03C cell
+    # verdict): a replay checks each as it shows it (item_of). None for the others.
+    item_events: ClassVar[tuple[type[Event], ...]] = ()
+
+    def item_of(self, event: Event) -> Item:
+        """The compare_items item an event of item_events states the verdict word of,
+        recomputed from the event's own data."""
+        raise NotImplementedError
 
     def compare_items(
         self, events: list[dict[str, Any]], summary: dict[str, Any] | None

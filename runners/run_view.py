@@ -17,7 +17,6 @@ import orjson
 from analysis.run_compare import FAIL, RunSide
 from runners.events import Event, RunFinished
 from runners.exits import EXIT_FAIL
-from runners.kind import Kind
 from runners.kinds import all_kinds, event_types
 from runners.record import EVENTS, RunRecord, iter_events, paused_gc
 
@@ -89,13 +88,16 @@ def item_words(local_dir: Path) -> Callable[[Event], Event]:
     pair whose own metrics fail is never printed as that pass. ValueError / FileNotFoundError
     when the record cannot be read (as RunRecord.load)."""
     kind = all_kinds().get(RunRecord.load(local_dir).kind)
-    if kind is None or type(kind).item_of is Kind.item_of:
+    if kind is None or not kind.item_events:
         return as_recorded  # no event of this kind states an item's word
+    stating = kind.item_events
 
     def shown(event: Event) -> Event:
+        if not isinstance(event, stating):
+            return event
         item = kind.item_of(event)
         word = getattr(event, "verdict", None)
-        if item is None or not isinstance(word, str):
+        if not isinstance(word, str):
             return event
         same_word = item.verdict.split(" (")[0] == word
         if same_word and (item.tone == FAIL) == (kind.tone(word) == FAIL):

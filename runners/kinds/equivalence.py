@@ -621,10 +621,12 @@ class EquivalenceKind(Kind):
     drift_words = frozenset({EXPECTED_DRIFT, PASS_GUARDRAIL_LOOSENED})
     host_judging = HOST_JUDGING
 
-    def item_of(self, event: Event) -> Item | None:
+    item_events = (PairVerdict,)
+
+    def item_of(self, event: Event) -> Item:
         from analysis.compare_items import pair_item
 
-        return pair_item(event.to_dict()) if isinstance(event, PairVerdict) else None
+        return pair_item(event.to_dict())
 
     def compare_items(
         self, events: list[dict[str, Any]], summary: dict[str, Any] | None

@@ -373,10 +373,12 @@ class KvInvarianceKind(Kind):
     pass_word, fail_word = PASS_INVARIANCE, FAIL_INVARIANCE
     pass_words = frozenset({PASS_INVARIANCE, "BITWISE_EQUAL"})
 
-    def item_of(self, event: Event) -> Item | None:
+    item_events = (KvCellVerdict,)
+
+    def item_of(self, event: Event) -> Item:
         from analysis.compare_items import kv_cell_item
 
-        return kv_cell_item(event.to_dict()) if isinstance(event, KvCellVerdict) else None
+        return kv_cell_item(event.to_dict())
 
     def compare_items(
         self, events: list[dict[str, Any]], summary: dict[str, Any] | None
