@@ -6,7 +6,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from analysis.dsa_record import Lines, torn_fail
+from analysis.dsa_record import MAX_LINE, Lines, torn_fail
 from analysis.dsa_stream import TraceStream, problem
 from analysis.regular_file import open_regular
 
@@ -28,16 +28,20 @@ def complete_lines(
     with open_regular(path, fifo=True) as fh:
         while data := fh.read(chunk):
             first = data.find(b"\n")
-            if first < 0:
-                carry += data  # a line longer than a chunk goes on
+            if first < 0:  # a line longer than a chunk goes on, kept up to MAX_LINE bytes
+                carry += data[: max(0, MAX_LINE - len(carry))]
                 continue
             cut = data.rfind(b"\n")
-            lines = Lines(data, first + 1, cut, head=carry + data[:first])
+            head = carry + data[: min(first, max(0, MAX_LINE - len(carry)))]
+            lines = Lines(data, first + 1, cut, head=head)
             yield line_no, lines, False
             line_no += len(lines)
             carry = data[cut + 1 :]
     if carry:
         yield line_no, [carry], True
+
+
+SPAN_WHOLE = 2 * READ_CHUNK  # a span of chunk_spans' with no line longer than a chunk
 
 
 def chunk_spans(path: Path, chunk: int = READ_CHUNK) -> Iterator[tuple[int, int, int, bool]]:
@@ -60,10 +64,28 @@ def chunk_spans(path: Path, chunk: int = READ_CHUNK) -> Iterator[tuple[int, int,
 
 
 def read_span(path: Path, offset: int, size: int) -> Lines:
-    """The lines of one chunk_spans chunk."""
+    """The lines of one chunk_spans chunk (each kept up to MAX_LINE bytes, as complete_lines
+    keeps them: a longer line is no record whatever it holds)."""
     with open_regular(path, fifo=True) as fh:
         fh.seek(offset)
-        return Lines(fh.read(size))
+        if size <= SPAN_WHOLE:
+            return Lines(fh.read(size))
+        out = bytearray()
+        kept = 0  # bytes kept of the line being read
+        while size > 0 and (data := fh.read(min(READ_CHUNK, size))):
+            size -= len(data)
+            start = 0
+            while True:
+                nl = data.find(b"\n", start)
+                end = len(data) if nl < 0 else nl
+                take = min(end - start, max(0, MAX_LINE - kept))
+                out += data[start : start + take]
+                kept += take
+                if nl < 0:
+                    break
+                out += b"\n"
+                kept, start = 0, nl + 1
+        return Lines(bytes(out))
 
 
 def torn_line(stream: TraceStream, path: Path, line_no: int, size: int) -> dict[str, Any]:

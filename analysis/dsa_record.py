@@ -30,6 +30,9 @@ except ImportError:  # pragma: no cover - depends on the install
     simdjson = None
 
 MAX_RECORD_BYTES = 1 << 20  # a 2048-position record is ~11 KB; with scores_topk ~50 KB
+# A line is read no further than this: a longer one is no record whatever it holds, and
+# keeping all of it would make memory grow with one line ("more than MAX_RECORD_BYTES").
+MAX_LINE = MAX_RECORD_BYTES + 1
 MAX_SEQ = 1 << 22  # no DSA model has a longer context; bounds the per-batch work
 SHA1 = re.compile(r"[0-9a-f]{40}")
 
@@ -574,7 +577,7 @@ def read_batch(lines: Sequence[bytes], first_line: int) -> Batch:
             raw, a, b = span, 0, len(span)
             mv = memoryview(raw)
         if b - a > MAX_RECORD_BYTES:
-            fail = Fail("record", f"at most {MAX_RECORD_BYTES} bytes", f"{b - a} bytes")
+            fail = Fail("record", f"at most {MAX_RECORD_BYTES} bytes", _size(b - a))
             batch.bad.append((n, fail, None))
             continue
         cut = cut_positions(raw, a, b)
@@ -791,8 +794,13 @@ def torn_fail(size: int) -> Fail:
     return Fail(
         "record",
         TORN_EXPECTED,
-        f"{size} bytes with no newline (the writer stopped mid-line)",
+        f"{_size(size)} with no newline (the writer stopped mid-line)",
     )
+
+
+def _size(n: int) -> str:
+    """A line's size as it is known: one read no further than MAX_LINE bytes is longer."""
+    return f"more than {MAX_RECORD_BYTES} bytes" if n >= MAX_LINE else f"{n} bytes"
 
 
 def _slow(

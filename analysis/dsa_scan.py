@@ -19,7 +19,7 @@ import numpy as np
 
 from analysis.dsa_checks import Context, Derived, check_batch, explain
 from analysis.dsa_lines import READ_CHUNK, complete_lines
-from analysis.dsa_record import Batch, Fail, read_batch, torn_fail
+from analysis.dsa_record import MAX_LINE, Batch, Fail, read_batch, torn_fail
 from analysis.dsa_stream import DEFAULT_TOPK, dir_block_size, row_runs
 from analysis.dsa_tree import block_dirs, read_summary, shard_files
 from analysis.regular_file import open_regular
@@ -112,7 +112,8 @@ class Scanned:
         return explain(self.derived, row)
 
     def raw(self, line: int) -> bytes:
-        return self.lines[line - self.first_line]
+        """A line's text, up to MAX_LINE bytes (where a read of it stops, whichever read)."""
+        return bytes(self.lines[line - self.first_line][:MAX_LINE])
 
 
 def scan_block(info: TraceInfo, chunk: int = READ_CHUNK) -> Iterator[Scanned]:

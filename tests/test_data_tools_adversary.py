@@ -181,3 +181,66 @@ def test_a_run_record_that_is_a_fifo_or_a_device_never_hangs_a_command(
         assert "Traceback" not in done.stderr, (args, done.stderr)
         assert done.returncode == 2, (args, done.stdout + done.stderr)
         assert f"{bad / 'events.jsonl'}" in done.stderr, (args, done.stderr)
+
+
+# The command's own peak RSS, as its process says at exit (/proc/self/status VmHWM: the memory
+# of this program only; a fork's rusage would count the test's pages from before the exec).
+_PEAK = (
+    "import runpy, sys\n"
+    "sys.argv = ['tracedeck', *sys.argv[1:]]\n"
+    "try:\n"
+    "    runpy.run_module('console.cli', run_name='__main__')\n"
+    "finally:\n"
+    "    hwm = next(x for x in open('/proc/self/status') if x.startswith('VmHWM'))\n"
+    "    print('PEAK', hwm.split()[1], file=sys.stderr)\n"
+)
+
+
+def _peak_rss_mib(args: list[str], env: dict[str, str]) -> tuple[float, str]:
+    """A tracedeck command's own peak RSS in MiB, and its stderr."""
+    import subprocess
+    import sys
+
+    from runhelp import ROOT
+
+    done = subprocess.run(
+        [sys.executable, "-c", _PEAK, *args], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    peak = [line for line in done.stderr.splitlines() if line.startswith("PEAK ")]
+    assert peak, done.stderr
+    return int(peak[-1].split()[1]) / 1024, done.stderr
+
+
+@pytest.mark.parametrize(("verb", "opts"), [*VERBS, (["analyze"], ["--workers", "2"])])
+def test_one_enormous_line_is_read_no_further_than_a_record_can_be(
+    verb: list[str], opts: list[str], tmp_path: Path
+) -> None:
+    """A shard holding one 48 MiB line: every reader kept all of it, and then some (a 100 MB
+    line peaked at ~259 MB in analyze). A line longer than a record can be is read no further
+    than that (MAX_LINE): memory stays what the same trace needs without it, and the line is
+    one invalid record, said to be longer than the limit."""
+    from analysis.dsa_record import MAX_RECORD_BYTES
+
+    env = cli_env(tmp_path)
+    peaks = []
+    for name, big in (("plain", 0), ("big", 48 << 20)):
+        folder = write_trace(tmp_path / name / "t")
+        shard = folder / "trace_steps_9_10.jsonl"
+        if big:  # written a MiB at a time: the line never in this process's memory
+            with open(shard, "wb") as fh:
+                fh.write(b'{"event": "dsa_topk", ')
+                for _ in range(big >> 20):
+                    fh.write(b" " * (1 << 20))
+                fh.write(b"}\n")
+        args = [*verb, str(folder), *opts]
+        if verb == ["export"]:
+            args += ["--output", str(tmp_path / name / "out.csv")]
+        peak, err = _peak_rss_mib(args, env)
+        assert "Traceback" not in err, err
+        peaks.append(peak)
+    assert peaks[1] < peaks[0] + 24, (
+        f"peak RSS {peaks[1]:.0f} MiB against {peaks[0]:.0f} without it"
+    )
+    if verb == ["analyze"]:
+        done = tracedeck(*verb, str(tmp_path / "big" / "t"), *opts, "--json", env=env)
+        assert f"more than {MAX_RECORD_BYTES} bytes" in done.stdout, done.stdout[-2000:]
