@@ -6,11 +6,12 @@ import asyncio
 import contextlib
 import os
 import signal
-import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
+from analysis.regular_file import NotRegular as FileRegularError
+from analysis.regular_file import open_regular
 from runners.atomic import write_atomic
 from runners.targets.base import CommandResult, NotRegular, TargetError, local_write_error
 
@@ -128,16 +129,15 @@ def _write_atomic(path: Path, data: bytes, mode: int) -> None:
 
 
 def _open_regular(path: Path, what: str = "") -> tuple[BinaryIO, int]:
-    """`path` open to read, and its size then; NotRegular for anything but a regular file,
-    found without waiting (a FIFO's open would wait forever; a device never ends)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    f = open(fd, "rb", closefd=True)  # noqa: SIM115 - handed to the caller's with
-    info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode):
-        f.close()
-        raise NotRegular(f"{path} is not a regular file (a FIFO, device or directory){what}")
-    os.set_blocking(fd, True)
-    return f, info.st_size
+    """`path` open to read (analysis.regular_file.open_regular), and its size then;
+    NotRegular (the target's error) for anything but a regular file."""
+    try:
+        f = open_regular(path)
+    except FileRegularError as exc:
+        raise NotRegular(
+            f"{path} is not a regular file (a FIFO, device or directory){what}"
+        ) from exc
+    return f, os.fstat(f.fileno()).st_size
 
 
 def _read_from(path: Path, offset: int, max_bytes: int) -> bytes | None:
