@@ -129,6 +129,7 @@ def analyze_block(
     result["first_fail"] = stream.first or (result["problems"] or [None])[0]
     result["verdict"] = TRACE_OK if not result["invalid"] and not result["problems"] else TRACE_INVALID  # fmt: skip
     result["shards"] = [p.name for p in files]
+    result["shard_records"] = {Path(f).name: n for f, n in stream.files.items()}
     result["recomputed"] = {"records": stream.summary.records, **stream.summary.summary()}
     return result
 

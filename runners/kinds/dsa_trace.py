@@ -254,7 +254,7 @@ def _not_as_followed(stream: TraceStream, result: dict[str, Any], home: Path) ->
     followed live: each shard's records, and no fewer invalid records than the live judge
     found. Shards put there after the run (a passing run's, or edited) judge another trace."""
     live = {file.rsplit("/", 1)[-1]: n for file, n in stream.files.items()}
-    here = {name: _count_records(home / name) for name in result.get("shards", [])}
+    here = {name: result["shard_records"].get(name, 0) for name in result.get("shards", [])}
     out = []
     if live != here:
         out.append(
@@ -269,12 +269,6 @@ def _not_as_followed(stream: TraceStream, result: dict[str, Any], home: Path) ->
             "the run; judging them would not judge the run"
         )
     return out
-
-
-def _count_records(path: Path) -> int:
-    """A shard's records as the follower counts them: its non-blank lines."""
-    with open(path, "rb") as fh:
-        return sum(1 for line in fh if line.strip())
 
 
 def _missing_dir(folder: str) -> dict[str, Any]:
