@@ -7,6 +7,7 @@ import contextlib
 import math
 import os
 import posixpath
+import secrets
 import shlex
 import stat
 from collections.abc import Callable
@@ -41,9 +42,10 @@ HOST_KILL_S = 5
 TIMED_OUT = 124
 
 
-def sh_command(command: str, timeout: float | None = None) -> str:
+def sh_command(command: str, timeout: float | None = None, mark: str = "") -> str:
     """What the login shell is handed: `exec /bin/sh -c WORD`, whatever that shell is (csh,
-    fish), so quoting means what sh says; with a timeout, sh runs the command under timeout(1)."""
+    fish), so quoting means what sh says; with a timeout, sh runs the command under timeout(1).
+    mark: a line sh writes on stdout and on stderr before the command (see own_output)."""
     if timeout is not None:
         inner = shlex.quote(command)
         limit = f"timeout -k {HOST_KILL_S} {max(1, math.ceil(timeout))}"
@@ -51,7 +53,22 @@ def sh_command(command: str, timeout: float | None = None) -> str:
             f"if command -v timeout >/dev/null 2>&1; then exec {limit} /bin/sh -c {inner}; fi; "
             f"exec /bin/sh -c {inner}"
         )
+    if mark:
+        command = f"printf '%s\\n' {mark}; printf '%s\\n' {mark} >&2; {command}"
     return "exec /bin/sh -c " + shlex.quote(command)
+
+
+def new_mark() -> str:
+    """A line no rc file prints: where a command's own output begins."""
+    return f"TRACEDECK-OUTPUT-{secrets.token_hex(8)}"
+
+
+def own_output(text: str, mark: str) -> str | None:
+    """The output after the mark line: what the login shell's startup files printed before the
+    command (a greeting, `module load` notes; bash reads ~/.bashrc before every command sshd
+    starts) is not the command's. None: no mark, the command never ran."""
+    _, found, rest = text.partition(mark + "\n")
+    return rest if found else None
 
 
 # sshd allows 10 sessions per connection (MaxSessions); SFTP holds one, a stream (the change
@@ -297,7 +314,8 @@ class SshTarget:
         conn, _ = self._live()
         # The login shell may not be sh; with a timeout the host stops the command itself (an
         # abandoned channel leaves it running there).
-        wrapped = sh_command(command, timeout)
+        mark = new_mark()
+        wrapped = sh_command(command, timeout, mark)
         loop = asyncio.get_running_loop()
         began = loop.time()
         async with self._channels:
@@ -326,7 +344,17 @@ class SshTarget:
             if self._lost is not None:
                 raise self._lost_error()
             raise TargetError(f"{self._where} gave no exit status for: {command[:200]}")
-        return CommandResult(status, str(result.stdout or ""), str(result.stderr or ""))
+        out, err = str(result.stdout or ""), str(result.stderr or "")
+        own_out = own_output(out, mark)
+        if own_out is None:
+            said = (err or out).strip()[-500:] or "nothing"
+            raise TargetError(
+                f"the login shell on {self._where} never ran the command (exit {status}): its "
+                f"startup files (~/.bashrc, BASH_ENV) may end the session or exec another "
+                f"program; it said: {said}"
+            )
+        own_err = own_output(err, mark)
+        return CommandResult(status, own_out, err if own_err is None else own_err)
 
     async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
         _, sftp = self._live()
@@ -379,14 +407,15 @@ class SshTarget:
     async def open_stream(self, command: str) -> SshStream:
         conn, _ = self._live()
         try:
+            mark = new_mark()
             proc = await conn.create_process(
-                "exec /bin/sh -c " + shlex.quote(command),
+                "exec /bin/sh -c " + shlex.quote(f"printf '%s\\n' {mark}; {command}"),
                 encoding=None,
                 stderr=asyncssh.STDOUT,
             )
         except (OSError, asyncssh.Error) as exc:
             raise self._failure(exc, "start a command") from exc
-        return SshStream(proc)
+        return SshStream(proc, mark.encode() + b"\n")
 
     async def download(
         self, path: str, local: Path, progress: Callable[[int, int], None] | None = None
@@ -447,11 +476,18 @@ FETCH_CHUNK = 16 << 20  # asyncssh reads a large block as parallel requests
 class SshStream:
     """A command on the host over its own channel; it ends when the channel closes."""
 
-    def __init__(self, proc: asyncssh.SSHClientProcess) -> None:  # type: ignore[type-arg]
+    def __init__(self, proc: asyncssh.SSHClientProcess, mark: bytes) -> None:  # type: ignore[type-arg]
         self._proc = proc
+        self._mark: bytes | None = mark  # the line before the command's own (own_output)
 
     async def readline(self) -> bytes:
         try:
+            while self._mark is not None:  # what the login shell's rc files said is skipped
+                line = bytes(await self._proc.stdout.readline())
+                if not line:
+                    return b""
+                if line.endswith(self._mark):
+                    self._mark = None
             return bytes(await self._proc.stdout.readline())
         except (OSError, asyncssh.Error):
             return b""  # the channel or the link went away: the stream has ended
