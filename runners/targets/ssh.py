@@ -323,6 +323,9 @@ class SshTarget:
                 result = await conn.run(
                     wrapped,
                     check=False,
+                    # stdin at EOF: a startup file that reads it (a prompt, `read`) goes on at
+                    # once instead of holding the command until the timeout, or forever
+                    stdin=asyncssh.DEVNULL,
                     timeout=None if timeout is None else timeout + HOST_KILL_S + 5,
                     encoding="utf-8",
                     errors="replace",
