@@ -92,7 +92,12 @@ class SshServer:
 
 
 def _sshd_config(
-    d: Path, port: int, listen: str, extra_keys: tuple[str, ...], session_env: tuple[str, ...]
+    d: Path,
+    port: int,
+    listen: str,
+    extra_keys: tuple[str, ...],
+    session_env: tuple[str, ...],
+    sftp: str,
 ) -> str:
     return "\n".join(
         [
@@ -117,7 +122,7 @@ def _sshd_config(
             " ".join(["SetEnv", "SHLVL=1", *session_env]),
             "UseDNS no",
             "LogLevel VERBOSE",
-            "Subsystem sftp internal-sftp",
+            f"Subsystem sftp {sftp}",
             "",
         ]
     )
@@ -131,13 +136,15 @@ def start_sshd(
     listen: str = "127.0.0.1",
     extra_host_keys: tuple[str, ...] = (),
     session_env: tuple[str, ...] = (),
+    sftp: str = "internal-sftp",
 ) -> SshServer:
     """Start /usr/sbin/sshd on a free port with fresh keys in d; wait until it listens.
 
     wrap: a command that execs the rest (e.g. a new mount namespace, see own_tmp).
     listen: the address (loopback unless told); extra_host_keys: more host key types
     ("ecdsa", "rsa") besides the ed25519 one; session_env: more NAME=VALUE words every
-    session starts with (e.g. BASH_ENV, an rc file the login shell reads before each command)."""
+    session starts with (e.g. BASH_ENV, an rc file the login shell reads before each command);
+    sftp: the sftp subsystem (a program is started through the login shell, internal-sftp not)."""
     d.mkdir(parents=True, exist_ok=True)
     host_key = d / "ssh_host_ed25519_key"
     client_key = d / "id_ed25519"
@@ -158,7 +165,7 @@ def start_sshd(
     for _ in range(attempts):
         port = free_port()
         config = d / "sshd_config"
-        config.write_text(_sshd_config(d, port, listen, extra_host_keys, session_env))
+        config.write_text(_sshd_config(d, port, listen, extra_host_keys, session_env, sftp))
         with log.open("ab") as log_file:
             proc = subprocess.Popen(
                 [*(wrap or []), str(SSHD), "-D", "-e", "-f", str(config)],

@@ -151,3 +151,34 @@ def test_an_rc_that_ends_the_session_is_said_never_a_silent_empty_answer(
         assert "this node is drained" in said
     finally:
         server.stop()
+
+
+SFTP_SERVER = Path("/usr/lib/openssh/sftp-server")
+
+
+@pytest.mark.parametrize("rc_text", ["", "echo 'Welcome to gpu-node-7'\n"])
+def test_an_sftp_server_started_through_a_talkative_login_shell_is_named_for_it(
+    rc_text: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """sshd starts an sftp server program (Debian's default subsystem) through the login shell:
+    text the rc prints lands where the SFTP protocol begins. tracedeck said 'refused an SFTP
+    session (Max packet size exceeded); enable the sftp subsystem', which was enabled; it now
+    says what the rc printed and the two ways out. A quiet rc with that server runs."""
+    if not SSHD.exists() or not SFTP_SERVER.exists():
+        pytest.skip(f"{SSHD} or {SFTP_SERVER} is missing: install openssh-server")
+    rc = tmp_path / "rc"
+    rc.write_text(rc_text + "unset BASH_ENV\n")
+    server = start_sshd(tmp_path / "sshd", session_env=(f"BASH_ENV={rc}",), sftp=str(SFTP_SERVER))
+    try:
+        env = cli_env(_home(server, tmp_path, monkeypatch))
+        preset = write_lines_preset(tmp_path, lines=2, pause=0.01)
+        done = tracedeck("run", str(preset), "--target", server.spec, "--out", str(tmp_path / "o"), env=env)  # fmt: skip
+        said = done.stdout + done.stderr
+        if not rc_text:
+            assert done.returncode == 0, said
+            return
+        assert done.returncode != 0, said
+        assert "whose startup files print 'Welcome to gpu-node-7'" in said, said
+        assert "internal-sftp" in said and "case $- in" in said, said
+    finally:
+        server.stop()

@@ -214,9 +214,18 @@ class SshTarget:
             try:
                 sftp = await conn.start_sftp_client()
             except (OSError, asyncssh.Error) as exc:
+                said = await _rc_text(conn) if isinstance(exc, asyncssh.sftp.SFTPBadMessage) else ""
                 conn.abort()
                 if self._lost is not None or isinstance(exc, _LINK_ERRORS):
                     raise self._lost_error(exc) from exc
+                if said:
+                    raise TargetError(
+                        f"{self._where}: the SFTP session began with text that is no SFTP "
+                        f"({_reason(exc)}): sshd starts the sftp server through the login shell, "
+                        f"whose startup files print {said!r}. Make ~/.bashrc print only in "
+                        "interactive shells (`case $- in *i*) ;; *) return;; esac` at its top), "
+                        "or set `Subsystem sftp internal-sftp` in the host's sshd_config."
+                    ) from exc
                 raise TargetError(
                     f"{self._where} refused an SFTP session ({_reason(exc)}); enable the sftp "
                     "subsystem in the host's sshd_config (Subsystem sftp internal-sftp)."
@@ -505,6 +514,21 @@ class SshStream:
         self._proc.close()
         with contextlib.suppress(OSError, asyncssh.Error, TimeoutError):
             await asyncio.wait_for(self._proc.wait_closed(), timeout=2.0)
+
+
+async def _rc_text(conn: asyncssh.SSHClientConnection) -> str:
+    """What the login shell's startup files print before a command (the text before the mark);
+    "" when nothing, or when it cannot be told."""
+    mark = new_mark()
+    try:
+        result = await asyncio.wait_for(
+            conn.run(sh_command("true", None, mark), stdin=asyncssh.DEVNULL, errors="replace"),
+            timeout=15,
+        )
+    except (OSError, asyncssh.Error, TimeoutError):
+        return ""
+    head, found, _ = str(result.stdout or "").partition(mark + "\n")
+    return head.strip()[:200] if found else ""
 
 
 def _no_keys(host: str, addr: str, port: int | None) -> tuple[list[object], ...]:
