@@ -5,6 +5,7 @@ mark, and an rc that reads stdin."""
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from pathlib import Path
 from typing import TypeVar
@@ -12,7 +13,7 @@ from typing import TypeVar
 import pytest
 from sshd import SSHD, SshServer, make_ssh_home, start_sshd
 
-from runners.targets.base import Target
+from runners.targets.base import Target, TargetError
 from runners.targets.factory import parse_target
 
 pytestmark = pytest.mark.ssh
@@ -120,5 +121,37 @@ async def test_an_rc_that_reads_stdin_does_not_hold_the_command(
         async for t in _connected(server, tmp_path, monkeypatch):
             result = await guard(t.run("echo mine"))
             assert (result.exit_status, result.stdout, result.stderr) == (0, "mine\n", "")
+    finally:
+        server.stop()
+
+
+async def test_an_rc_that_never_lets_the_command_start_is_not_blamed_on_the_command(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An rc held (a `module load` waiting on a dead license server, here a FIFO nobody
+    writes) past a command's timeout: tracedeck said the command 'did not finish within 1 s
+    ... (it may still be running there)' of a command that never began. It says the login
+    shell did not start it."""
+    hold, fifo = tmp_path / "hold", tmp_path / "fifo"
+    os.mkfifo(fifo)
+    server = _server(tmp_path, f"[ -e {hold} ] && read -r x < {fifo}\nunset BASH_ENV\n")
+    try:
+        async for t in _connected(server, tmp_path, monkeypatch):
+            hold.touch()  # from here on the rc waits (the connection was made before)
+            with pytest.raises(TargetError) as caught:
+                await guard(t.run("echo mine", timeout=1))
+            said = str(caught.value)
+            assert "did not start the command within 11 s" in said, said
+            assert "never ran" in said and "did not finish" not in said, said
+            hold.unlink()
+            try:  # the held rc reads its line and its shell ends
+                release = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:  # no reader left: that shell already went with its channel
+                pass
+            else:
+                os.write(release, b"go\n")
+                os.close(release)
+            result = await guard(t.run("echo mine", timeout=5))
+            assert result.stdout == "mine\n", result
     finally:
         server.stop()

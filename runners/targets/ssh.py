@@ -340,6 +340,12 @@ class SshTarget:
                     errors="replace",
                 )
             except asyncssh.TimeoutError as exc:
+                if own_output(str(exc.stdout or ""), mark) is None:
+                    raise TargetError(
+                        f"the login shell on {self._where} did not start the command within "
+                        f"{timeout + HOST_KILL_S + 5:g} s: its startup files (~/.bashrc, "
+                        f"BASH_ENV) are slow or wait for something; it never ran: {command[:200]}"
+                    ) from exc
                 raise TargetError(
                     f"command on {self._where} did not finish within {timeout:g} s and was "
                     f"abandoned (it may still be running there): {command[:200]}"
