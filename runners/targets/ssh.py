@@ -327,6 +327,7 @@ class SshTarget:
         wrapped = sh_command(command, timeout, mark)
         loop = asyncio.get_running_loop()
         began = loop.time()
+        abandon = None if timeout is None else timeout + HOST_KILL_S + 5
         async with self._channels:
             try:
                 result = await conn.run(
@@ -335,7 +336,7 @@ class SshTarget:
                     # stdin at EOF: a startup file that reads it (a prompt, `read`) goes on at
                     # once instead of holding the command until the timeout, or forever
                     stdin=asyncssh.DEVNULL,
-                    timeout=None if timeout is None else timeout + HOST_KILL_S + 5,
+                    timeout=abandon,
                     encoding="utf-8",
                     errors="replace",
                 )
@@ -343,7 +344,7 @@ class SshTarget:
                 if own_output(str(exc.stdout or ""), mark) is None:
                     raise TargetError(
                         f"the login shell on {self._where} did not start the command within "
-                        f"{timeout + HOST_KILL_S + 5:g} s: its startup files (~/.bashrc, "
+                        f"{abandon:g} s: its startup files (~/.bashrc, "
                         f"BASH_ENV) are slow or wait for something; it never ran: {command[:200]}"
                     ) from exc
                 raise TargetError(
