@@ -68,13 +68,30 @@ def where(request: pytest.FixtureRequest, tmp_path: Path) -> Where:
     return Where(ssh_home.server.spec, ssh_home.path)
 
 
-@pytest.fixture
-def ssh_home(sshd: SshServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> SshHome:
-    """HOME set to a fresh dir whose ~/.ssh reaches the test sshd (alias testbox) and trusts it."""
-    home = make_ssh_home(sshd, tmp_path / "home")
+def enter_ssh_home(server: SshServer, path: Path, monkeypatch: pytest.MonkeyPatch) -> SshHome:
+    """HOME set to a fresh dir at path whose ~/.ssh reaches server (alias testbox), trusting it."""
+    home = make_ssh_home(server, path)
     monkeypatch.setenv("HOME", str(home.path))
     monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)  # the operator's agent stays out of tests
     return home
+
+
+def rc_host(d: Path, rc_text: str, sftp: str = "internal-sftp") -> SshServer:
+    """A real sshd whose login shell reads rc_text before each command: through BASH_ENV, the
+    rc a non-interactive bash reads, as bash run by sshd reads ~/.bashrc (an rc that unsets
+    BASH_ENV speaks, like ~/.bashrc, in that shell alone, not in the engine's own shells)."""
+    if not SSHD.exists():
+        pytest.skip(f"{SSHD} is missing: install openssh-server to run the SSH tests")
+    d.mkdir(parents=True, exist_ok=True)
+    rc = d / "host.rc"
+    rc.write_text(rc_text)
+    return start_sshd(d / "sshd", session_env=(f"BASH_ENV={rc}",), sftp=sftp)
+
+
+@pytest.fixture
+def ssh_home(sshd: SshServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> SshHome:
+    """HOME set to a fresh dir whose ~/.ssh reaches the test sshd (alias testbox) and trusts it."""
+    return enter_ssh_home(sshd, tmp_path / "home", monkeypatch)
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import enter_ssh_home, rc_host
 from faults import assert_run_gone
 from runhelp import (
     cli_env,
@@ -23,7 +24,7 @@ from runhelp import (
     wait_for,
     write_lines_preset,
 )
-from sshd import SSHD, SshServer, make_ssh_home, start_sshd
+from sshd import SshServer, make_ssh_home
 
 pytestmark = pytest.mark.ssh
 
@@ -41,15 +42,7 @@ unset BASH_ENV
 
 @pytest.fixture(scope="module")
 def noisy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshServer]:
-    if not SSHD.exists():
-        pytest.skip(f"{SSHD} is missing: install openssh-server to run the SSH tests")
-    d = tmp_path_factory.mktemp("noisy")
-    rc = d / "noisy.rc"
-    rc.write_text(RC)
-    # BASH_ENV: the rc a non-interactive bash (the login shell sshd starts for a command)
-    # reads before the command, as it reads ~/.bashrc when run by sshd; the rc unsets it, so
-    # that, like ~/.bashrc, it speaks in that shell alone (not in the engine's own shells)
-    server = start_sshd(d / "sshd", session_env=(f"BASH_ENV={rc}",))
+    server = rc_host(tmp_path_factory.mktemp("noisy"), RC)
     try:
         yield server
     finally:
@@ -57,10 +50,7 @@ def noisy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshServer]:
 
 
 def _home(server: SshServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    home = make_ssh_home(server, tmp_path / "home")
-    monkeypatch.setenv("HOME", str(home.path))
-    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
-    return home.path
+    return enter_ssh_home(server, tmp_path / "home", monkeypatch).path
 
 
 def test_the_rc_really_speaks_before_each_command(noisy: SshServer, tmp_path: Path) -> None:
@@ -136,11 +126,7 @@ def test_an_rc_that_ends_the_session_is_said_never_a_silent_empty_answer(
     """An rc that exits (or execs another program) before the command: tracedeck would read an
     empty answer (no pids: the run is over; no lock holder: the lock is free) where the command
     never ran. It says so, naming the host."""
-    if not SSHD.exists():
-        pytest.skip(f"{SSHD} is missing: install openssh-server to run the SSH tests")
-    rc = tmp_path / "exits.rc"
-    rc.write_text("echo 'this node is drained'\nexit 0\n")
-    server = start_sshd(tmp_path / "sshd", session_env=(f"BASH_ENV={rc}",))
+    server = rc_host(tmp_path / "host", "echo 'this node is drained'\nexit 0\n")
     try:
         env = cli_env(_home(server, tmp_path, monkeypatch))
         preset = write_lines_preset(tmp_path, lines=2, pause=0.01)
@@ -164,11 +150,9 @@ def test_an_sftp_server_started_through_a_talkative_login_shell_is_named_for_it(
     text the rc prints lands where the SFTP protocol begins. tracedeck said 'refused an SFTP
     session (Max packet size exceeded); enable the sftp subsystem', which was enabled; it now
     says what the rc printed and the two ways out. A quiet rc with that server runs."""
-    if not SSHD.exists() or not SFTP_SERVER.exists():
-        pytest.skip(f"{SSHD} or {SFTP_SERVER} is missing: install openssh-server")
-    rc = tmp_path / "rc"
-    rc.write_text(rc_text + "unset BASH_ENV\n")
-    server = start_sshd(tmp_path / "sshd", session_env=(f"BASH_ENV={rc}",), sftp=str(SFTP_SERVER))
+    if not SFTP_SERVER.exists():
+        pytest.skip(f"{SFTP_SERVER} is missing: install openssh-server")
+    server = rc_host(tmp_path / "host", rc_text + "unset BASH_ENV\n", sftp=str(SFTP_SERVER))
     try:
         env = cli_env(_home(server, tmp_path, monkeypatch))
         preset = write_lines_preset(tmp_path, lines=2, pause=0.01)

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
-from sshd import SSHD, SshServer, make_ssh_home, start_sshd
+from conftest import enter_ssh_home, rc_host
+from sshd import SshServer
 
 from runners.targets.base import Target, TargetError
 from runners.targets.factory import parse_target
@@ -40,17 +41,9 @@ unset BASH_ENV
 """
 
 
-def _server(tmp: Path, rc_text: str) -> SshServer:
-    if not SSHD.exists():
-        pytest.skip(f"{SSHD} is missing: install openssh-server to run the SSH tests")
-    rc = tmp / "host.rc"
-    rc.write_text(rc_text)
-    return start_sshd(tmp / "sshd", session_env=(f"BASH_ENV={rc}",))
-
-
 @pytest.fixture(scope="module")
 def ragged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshServer]:
-    server = _server(tmp_path_factory.mktemp("ragged"), RAGGED_RC)
+    server = rc_host(tmp_path_factory.mktemp("ragged"), RAGGED_RC)
     try:
         yield server
     finally:
@@ -60,9 +53,7 @@ def ragged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshServer]:
 async def _connected(
     server: SshServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[Target]:
-    home = make_ssh_home(server, tmp_path / "home")
-    monkeypatch.setenv("HOME", str(home.path))
-    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+    enter_ssh_home(server, tmp_path / "home", monkeypatch)
     t = parse_target(server.spec)
     await guard(t.connect())
     try:
@@ -116,7 +107,7 @@ async def test_an_rc_that_reads_stdin_does_not_hold_the_command(
     """Each command's stdin is at EOF from the start: the rc's `read` returns at once instead of
     holding the command forever (or, with a timeout, until tracedeck abandons it and says it
     'did not finish', of a command that never began)."""
-    server = _server(tmp_path, READS_STDIN_RC)
+    server = rc_host(tmp_path / "host", READS_STDIN_RC)
     try:
         async for t in _connected(server, tmp_path, monkeypatch):
             result = await guard(t.run("echo mine"))
@@ -134,7 +125,7 @@ async def test_an_rc_that_never_lets_the_command_start_is_not_blamed_on_the_comm
     shell did not start it."""
     hold, fifo = tmp_path / "hold", tmp_path / "fifo"
     os.mkfifo(fifo)
-    server = _server(tmp_path, f"[ -e {hold} ] && read -r x < {fifo}\nunset BASH_ENV\n")
+    server = rc_host(tmp_path / "host", f"[ -e {hold} ] && read -r x < {fifo}\nunset BASH_ENV\n")
     try:
         async for t in _connected(server, tmp_path, monkeypatch):
             hold.touch()  # from here on the rc waits (the connection was made before)
