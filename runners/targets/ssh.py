@@ -54,8 +54,14 @@ def sh_command(command: str, timeout: float | None = None, mark: str = "") -> st
             f"exec /bin/sh -c {inner}"
         )
     if mark:
-        command = f"printf '%s\\n' {mark}; printf '%s\\n' {mark} >&2; {command}"
+        command = marked(command, mark)
     return "exec /bin/sh -c " + shlex.quote(command)
+
+
+def marked(command: str, mark: str, stderr: bool = True) -> str:
+    """command, run once sh has written the mark line on stdout (and on stderr)."""
+    line = f"printf '%s\\n' {mark}"
+    return f"{line}; {line} >&2; {command}" if stderr else f"{line}; {command}"
 
 
 def new_mark() -> str:
@@ -63,12 +69,18 @@ def new_mark() -> str:
     return f"TRACEDECK-OUTPUT-{secrets.token_hex(8)}"
 
 
+def at_mark(text: str, mark: str) -> tuple[str, str] | None:
+    """What the login shell's startup files printed before the mark line (a greeting, `module
+    load` notes; bash reads ~/.bashrc before every command sshd starts), and the command's own
+    output after it. None: no mark, the command never ran."""
+    said, found, own = text.partition(mark + "\n")
+    return (said, own) if found else None
+
+
 def own_output(text: str, mark: str) -> str | None:
-    """The output after the mark line: what the login shell's startup files printed before the
-    command (a greeting, `module load` notes; bash reads ~/.bashrc before every command sshd
-    starts) is not the command's. None: no mark, the command never ran."""
-    _, found, rest = text.partition(mark + "\n")
-    return rest if found else None
+    """The command's own output (at_mark); None: the command never ran."""
+    split = at_mark(text, mark)
+    return None if split is None else split[1]
 
 
 # sshd allows 10 sessions per connection (MaxSessions); SFTP holds one, a stream (the change
@@ -428,7 +440,7 @@ class SshTarget:
         try:
             mark = new_mark()
             proc = await conn.create_process(
-                "exec /bin/sh -c " + shlex.quote(f"printf '%s\\n' {mark}; {command}"),
+                "exec /bin/sh -c " + shlex.quote(marked(command, mark, stderr=False)),
                 encoding=None,
                 stderr=asyncssh.STDOUT,
             )
@@ -534,8 +546,8 @@ async def _rc_text(conn: asyncssh.SSHClientConnection) -> str:
         )
     except (OSError, asyncssh.Error, TimeoutError):
         return ""
-    head, found, _ = str(result.stdout or "").partition(mark + "\n")
-    return head.strip()[:200] if found else ""
+    split = at_mark(str(result.stdout or ""), mark)
+    return "" if split is None else split[0].strip()[:200]
 
 
 def _no_keys(host: str, addr: str, port: int | None) -> tuple[list[object], ...]:
