@@ -4,12 +4,15 @@
 # What the main pytest process shares with its workers under /tmp is bound back in: pytest's
 # temp root (/tmp/pytest-of-USER: each worker's tmp_path lies where pytest keeps it, and a
 # failed test's files outlive the worker) and pytest-textual-snapshot's directory
-# ($TEXTUAL_SNAPSHOT_TEMPDIR, where workers leave the snapshots the report is made of).
+# ($TEXTUAL_SNAPSHOT_TEMPDIR, where workers leave the snapshots the report is made of), and this
+# checkout, whose .venv holds the Python the worker runs (a CI clone may lie under /tmp:
+# `mktemp -d`).
 # Usage: own_tmp_python.sh PYTHON [ARGS...]   (scripts/test.sh names it in --tx as python=)
 # Needs root (CAP_SYS_ADMIN) for unshare -m and mount; scripts/test.sh checks that first.
 set -euo pipefail
 base="${PYTEST_DEBUG_TEMPROOT:-${TMPDIR:-/tmp}}"
 root="${base%/}/pytest-of-$(id -un)"
+checkout="$(cd "$(dirname "$0")/.." && pwd -P)"
 case "$root" in /tmp/*) mkdir -p -m 700 "$root" ;; esac
 exec unshare -m --propagation private sh -c '
 set -e
@@ -34,4 +37,4 @@ done
 rmdir "$keep"/* "$keep" 2>/dev/null || true
 shift
 exec "$@"
-' sh "$root" "${TEXTUAL_SNAPSHOT_TEMPDIR:-}" -- "$@"
+' sh "$checkout" "$root" "${TEXTUAL_SNAPSHOT_TEMPDIR:-}" -- "$@"
