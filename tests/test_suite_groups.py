@@ -46,7 +46,9 @@ def test_a_worker_runs_the_python_of_a_checkout_that_lies_under_tmp() -> None:
         (fake / "scripts").mkdir()
         shutil.copy2(repo / "scripts" / "own_tmp_python.sh", fake / "scripts")
         (fake / ".venv" / "bin").mkdir(parents=True)
-        (fake / ".venv" / "bin" / "python").symlink_to(sys.executable)
+        # the interpreter itself, not the venv's link to it: this suite's own checkout may lie
+        # under /tmp too, and the wrapper binds back only the checkout it is part of
+        (fake / ".venv" / "bin" / "python").symlink_to(os.path.realpath(sys.executable))
         (fake / "here").write_text("the checkout\n")
         done = subprocess.run(
             ["bash", str(fake / "scripts" / "own_tmp_python.sh"), str(fake / ".venv/bin/python"),
