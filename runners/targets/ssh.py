@@ -440,9 +440,12 @@ class SshTarget:
         try:
             mark = new_mark()
             proc = await conn.create_process(
-                "exec /bin/sh -c " + shlex.quote(marked(command, mark, stderr=False)),
+                # the command's stderr joins its stdout after the mark, in sh: merged at the
+                # channel, the rc's stderr could arrive after the mark (sshd reads the two
+                # pipes apart) and be read as the command's first line; it is discarded
+                "exec /bin/sh -c " + shlex.quote(marked(f"exec 2>&1; {command}", mark, False)),
                 encoding=None,
-                stderr=asyncssh.STDOUT,
+                stderr=asyncssh.DEVNULL,
             )
         except (OSError, asyncssh.Error) as exc:
             raise self._failure(exc, "start a command") from exc
