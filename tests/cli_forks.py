@@ -1,0 +1,262 @@
+"""The `tracedeck` CLI for the tests, forked from an interpreter that has imported it already.
+
+A test runs the CLI hundreds of times; each fresh `python -m console.cli` spent ~0.3 s of CPU
+importing (numpy, asyncssh, every run kind) before doing anything, about a fifth of the suite's
+CPU. Here one server process per test process imports all of it once, then forks a child per
+command: the child gets the command's argv, environment, cwd, stdin and output pipes, runs
+`console.cli` as `python -m console.cli` would (the same `__main__` start, interrupts recorded),
+and ends through the interpreter's own shutdown. Anything that Python reads only when it starts
+(PYTHON* variables, the locale) must match the server's, else the caller runs a fresh process
+(`forkable`); tests of the program's start itself use `runhelp.spawn`, which always does.
+
+    python tests/cli_forks.py SOCKET WATCH_FD
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import pkgutil
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+# What the interpreter reads once at its start: a command whose environment differs from the
+# server's in any of these runs as a fresh process.
+AT_START = ("LANG", "LC_ALL", "LC_CTYPE")
+NO_PRELOAD = ("console.app", "console.screens", "console.widgets", "console.panels")
+
+
+def at_start(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith("PYTHON") or k in AT_START}
+
+
+def _preload() -> None:
+    """Import what the CLI's commands import (not the Textual console, not the engine)."""
+    import console.cli
+
+    console.cli.build_parser()  # discovers every run kind
+    for package in ("console", "runners", "analysis"):
+        pkg = importlib.import_module(package)
+        for info in pkgutil.walk_packages(pkg.__path__, package + "."):
+            name = info.name
+            if name.startswith(NO_PRELOAD) or name.startswith("runners.reference"):
+                continue
+            if name in ("runners.changes", "console.cli") or name.endswith("__main__"):
+                continue  # scripts: they run when imported
+            with contextlib.suppress(Exception):
+                importlib.import_module(name)
+
+
+def _child(request: dict[str, Any], fds: list[int], closing: list[Any]) -> None:
+    """In the forked child: become the command, run it and exit as Python does (its SystemExit
+    goes up to the top, so the interpreter's shutdown runs: atexit, threads joined, flushes)."""
+    for thing in closing:
+        thing.close()
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    time.tzset()
+    tempfile.tempdir = None
+    sys.argv = [str(ROOT / "console" / "cli.py"), *request["args"]]
+    from console import cli, startup
+
+    startup.installed_as_program("__main__")
+    sys.exit(cli.main(request["args"]))
+
+
+def serve(path: str, watch: int) -> None:
+    _preload()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path + ".new")
+    listener.listen(64)
+    os.rename(path + ".new", path)  # the name appears only once it accepts
+    wake_r, wake_w = socket.socketpair()
+    wake_w.setblocking(False)
+    signal.set_wakeup_fd(wake_w.fileno())
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ)
+    sel.register(wake_r, selectors.EVENT_READ)
+    watching = open(watch, "rb", buffering=0)  # noqa: SIM115 (for the life of the server)
+    sel.register(watching, selectors.EVENT_READ)
+    running: dict[int, socket.socket] = {}
+    while True:
+        for key, _ in sel.select():
+            if key.fileobj is watching:  # the test process is gone
+                for pid in running:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                return
+            if key.fileobj is wake_r:
+                wake_r.recv(4096)
+                _reap(running)
+                continue
+            conn, _ = listener.accept()
+            raw, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+            size = struct.unpack("!i", raw[:4])[0]
+            raw = raw[4:] + _exactly(conn, size - len(raw) + 4)
+            request = json.loads(raw)
+            pid = os.fork()
+            if pid == 0:
+                _child(
+                    request, fds, [sel, listener, conn, wake_r, wake_w, watching, *running.values()]
+                )
+            for fd in fds:
+                os.close(fd)
+            conn.sendall(struct.pack("!i", pid))
+            running[pid] = conn
+            _reap(running)
+
+
+def _reap(running: dict[int, socket.socket]) -> None:
+    while running:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = running.pop(pid, None)
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.sendall(struct.pack("!i", os.waitstatus_to_exitcode(status)))
+            conn.close()
+
+
+class Forks:
+    """The client: one server for this process, started at first use."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._path = ""
+        self._env: dict[str, str] = {}
+
+    def _server(self, env: dict[str, str]) -> str:
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                folder = tempfile.mkdtemp(prefix="tracedeck-forks-")
+                self._path = os.path.join(folder, "s")
+                watch_r, self._watch_w = os.pipe()  # the write end lives as long as this process
+                self._env = dict(env)
+                self._proc = subprocess.Popen(
+                    [sys.executable, __file__, self._path, str(watch_r)],
+                    cwd=ROOT,
+                    env=self._env,
+                    stdin=subprocess.DEVNULL,
+                    pass_fds=(watch_r,),
+                )
+                os.close(watch_r)
+                while not os.path.exists(self._path):
+                    if self._proc.poll() is not None:
+                        raise RuntimeError(f"the CLI fork server ended ({self._proc.returncode})")
+                    time.sleep(0.02)
+            return self._path
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def close(self) -> None:
+        """Stop the server (its running commands are killed)."""
+        with self._lock:
+            if self._proc is not None:
+                os.close(self._watch_w)  # the server sees its end and stops
+                self._proc.wait()
+                os.unlink(self._path)
+                os.rmdir(os.path.dirname(self._path))
+                self._proc = None
+
+    def forkable(self, env: dict[str, str]) -> bool:
+        return self._proc is None or at_start(env) == at_start(self._env)
+
+    def run(
+        self, args: list[str], env: dict[str, str], timeout: float
+    ) -> subprocess.CompletedProcess[str]:
+        path = self._server(env)
+        cmd = [sys.executable, "-m", "console.cli", *args]
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(path)
+            request = json.dumps({"args": args, "env": env, "cwd": str(ROOT)}).encode()
+            header = struct.pack("!i", len(request))
+            socket.send_fds(conn, [header + request[:1024]], [0, out_w, err_w])
+            conn.sendall(request[1024:])
+            os.close(out_w)
+            os.close(err_w)
+            pid = struct.unpack("!i", _exactly(conn, 4))[0]
+            out, err, timed_out = _read_both(out_r, err_r, time.monotonic() + timeout)
+            if timed_out:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                raise subprocess.TimeoutExpired(cmd, timeout, out, err)
+            code = struct.unpack("!i", _exactly(conn, 4))[0]
+        return subprocess.CompletedProcess(cmd, code, out, err)
+
+
+def _exactly(conn: socket.socket, n: int) -> bytes:
+    data = b""
+    if n <= 0:
+        return data
+    while len(data) < n:
+        got = conn.recv(n - len(data))
+        if not got:
+            raise RuntimeError("the CLI fork server closed the connection")
+        data += got
+    return data
+
+
+def _read_both(out_r: int, err_r: int, deadline: float) -> tuple[str, str, bool]:
+    """Both pipes to their end (as subprocess.run's communicate), or until the deadline."""
+    chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
+    sel = selectors.DefaultSelector()
+    for fd in chunks:
+        sel.register(fd, selectors.EVENT_READ)
+    timed_out = False
+    try:
+        while sel.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                timed_out = True
+                break
+            for key, _ in sel.select(left):
+                data = os.read(key.fd, 65536)
+                if data:
+                    chunks[key.fd].append(data)
+                else:
+                    sel.unregister(key.fd)
+    finally:
+        sel.close()
+        os.close(out_r)
+        os.close(err_r)
+    # as subprocess.run(text=True) gives them: the locale's encoding, universal newlines
+    text = [
+        b"".join(chunks[fd]).decode().replace("\r\n", "\n").replace("\r", "\n")
+        for fd in (out_r, err_r)
+    ]
+    return text[0], text[1], timed_out
+
+
+if __name__ == "__main__":
+    sys.path[0] = str(ROOT)  # as `python -m console.cli` run in the checkout has it
+    serve(sys.argv[1], int(sys.argv[2]))

@@ -1,0 +1,135 @@
+"""The tests' forked CLI (tests/cli_forks.py) is the CLI: the same output and exit status as a
+fresh `python -m console.cli`, in the caller's environment, directory and stdin, and a fresh
+process wherever the interpreter's start would differ."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cli_forks import ROOT, Forks
+from runhelp import cli_env, tracedeck, wait_for
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def forks() -> Iterator[Forks]:
+    server = Forks()
+    yield server
+    server.close()
+
+
+def fresh(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "console.cli", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--version"],
+        ["presets"],
+        ["run", "no_such_preset"],
+        ["analyze", "/nonexistent/tree"],
+        ["history", "--json"],
+        ["run", "hello_command", "--set", "matrix.n=[1]"],
+    ],
+    ids=["version", "presets", "unknown-preset", "analyze-missing", "history", "a-run"],
+)
+def test_a_forked_command_says_what_a_fresh_one_says(
+    args: list[str], forks: Forks, tmp_path: Path
+) -> None:
+    env = cli_env(tmp_path)
+    got, want = forks.run(args, env, 120), fresh(*args, env=env)
+    assert (got.returncode, got.stderr) == (want.returncode, want.stderr)
+    # a run's lines hold its run id and times; its verdict lines do not
+    if args[:2] == ["run", "hello_command"]:
+        assert (
+            got.stdout.splitlines()[-1] == want.stdout.splitlines()[-1] == "RESULT: PASS (exit 0)"
+        )
+    else:
+        assert got.stdout == want.stdout
+
+
+def test_the_command_has_the_callers_environment_argv_and_stdin(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.toml"
+    probe.write_text(
+        """[preset]
+name = "probe"
+kind = "command"
+description = "says where it runs"
+
+[target]
+host = "local"
+runs = "{runs}"
+lock = "{lock}"
+
+[engine]
+command = "sh -c 'echo home=$HOME marker=$FORKS_MARKER'"
+
+[matrix]
+n = [1]
+""".format(runs=tmp_path / "runs", lock=tmp_path / "gpu.lock")
+    )
+    env = cli_env(tmp_path, FORKS_MARKER="m-1")
+    done = tracedeck("run", str(probe), "--out", str(tmp_path / "out"), env=env)
+    assert done.returncode == 0, done.stderr
+    assert f"home={tmp_path} marker=m-1" in done.stdout
+    # the next command sees its own environment, not the first one's
+    env2 = cli_env(tmp_path / "other", FORKS_MARKER="m-2")
+    (tmp_path / "other").mkdir()
+    done = tracedeck("run", str(probe), "--out", str(tmp_path / "out"), env=env2)
+    assert f"home={tmp_path / 'other'} marker=m-2" in done.stdout
+
+
+def test_a_command_past_its_timeout_is_killed_and_raised_as_subprocess_does(
+    forks: Forks, tmp_path: Path
+) -> None:
+    marker = f"FORKS_TIMEOUT_MARK=m{os.getpid()}"
+    env = cli_env(tmp_path, FORKS_TIMEOUT_MARK=marker.split("=")[1])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(subprocess.TimeoutExpired):  # watch with no --idle follows forever
+        forks.run(["watch", str(tmp_path / "empty"), "--headless"], env, 2)
+
+    server = str(forks.pid)  # started with this environment
+
+    def alive() -> list[str]:
+        found = []
+        for environ in Path("/proc").glob("[0-9]*/environ"):
+            if environ.parent.name == server:
+                continue
+            try:
+                if marker.encode() in environ.read_bytes().split(b"\0"):
+                    found.append(environ.parent.name)
+            except OSError:
+                continue
+        return found
+
+    wait_for(lambda: not alive(), 30, "the timed-out command to be gone")
+
+
+def test_an_interpreter_setting_of_its_start_makes_a_fresh_process(
+    forks: Forks, tmp_path: Path
+) -> None:
+    env = cli_env(tmp_path)
+    forks.run(["--version"], env, 60)  # starts the server with this environment
+    assert forks.forkable(dict(env))
+    assert not forks.forkable({**env, "PYTHONPATH": str(tmp_path)})
+    assert not forks.forkable({**env, "LC_ALL": "C"})
+    plugins = tmp_path / "plugins"
+    (plugins / "runners" / "kinds").mkdir(parents=True)
+    (plugins / "runners" / "kinds" / "zz_seen.py").write_text("raise RuntimeError('zz seen')\n")
+    # with a kind package on PYTHONPATH, tracedeck() starts a fresh process, which sees it
+    done = tracedeck("presets", env={**env, "PYTHONPATH": f"{ROOT}{os.pathsep}{plugins}"})
+    assert "zz seen" in done.stdout + done.stderr
