@@ -83,9 +83,11 @@ def test_a_process_left_on_a_fleet_host_is_found_in_that_hosts_namespace(
 
         def held_there() -> tuple[list[str], list[str]] | None:
             found = scan_left(tmp_path)
-            return found if found[1] else None
+            # until it is `sleep 3007`, its sh may be seen twice: forked for flock, not yet it
+            asleep = any(p.endswith("b'sleep\\x003007\\x00'") for p in found[0])
+            return found if found[1] and asleep else None
 
-        procs, held = wait_for(held_there, what="the lock on gpu-a to be held")
+        procs, held = wait_for(held_there, what="the lock on gpu-a to be held by `sleep 3007`")
         mine = [p for p in procs if p.startswith("on gpu-a: ") and "sleep" in p]
         if len(mine) == 1:
             pid = int(re.match(r"on gpu-a: (\d+)", mine[0]).group(1))  # type: ignore[union-attr]
