@@ -11,7 +11,7 @@ from textual.app import App
 from textual.binding import Binding
 from textual.screen import Screen
 
-from console.heap import freeze_startup
+from console.heap import freeze_startup, thaw_all
 from console.panels import detail_screens
 from console.screens.compare import CompareScreen
 from console.screens.dialogs import ConfirmDialog, HostKeyDialog
@@ -70,6 +70,9 @@ class TracedeckApp(App[int]):
         freeze_startup()
         if self.replay_dir is not None:
             self.push_screen(RunScreen(ReplaySource(self.replay_dir, self.speed)))
+
+    def on_unmount(self) -> None:
+        thaw_all()
 
     def help_screens(self) -> list[tuple[str, type]]:
         return [

@@ -12,7 +12,8 @@ import gc
 
 
 def freeze_startup() -> None:
-    gc.collect()
+    """The app is up: what exists now is out of sight (any garbage of the start with it: bounded,
+    and in sight again when the app goes)."""
     gc.freeze()
 
 
@@ -24,7 +25,18 @@ def freeze_screen() -> None:
 
 
 def thaw_screen() -> None:
-    """The screen has gone: what was frozen with it can be collected (its widgets refer to one
-    another: only the collector frees them); the app's own objects are frozen again."""
+    """A screen goes and the app goes on: what was frozen with the screens before it can be
+    collected (their widgets refer to one another: only the collector frees them); the app's own
+    objects are frozen again. The screen going is still referred to while it unmounts (its
+    workers, timers, the message being handled), so it is freed one thaw later: at most one
+    gone screen is kept."""
     gc.unfreeze()
-    freeze_startup()
+    gc.collect()
+    gc.freeze()
+
+
+def thaw_all() -> None:
+    """The app is going: everything it froze is in the collector's sight again, for whoever
+    goes on in this process (a test, a caller of run_app); no collection now: the app's exit
+    would wait for one that walks the whole heap (the process's, not only the app's)."""
+    gc.unfreeze()

@@ -22,7 +22,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Log, Static
 
 from analysis.dsa_live import HIST, LiveAgg
-from console.heap import freeze_startup
+from console.heap import freeze_startup, thaw_all
 from console.panel import KindPanel
 from console.widgets.dsa_charts import ColumnHistogram, HeatMap, LayerBars
 from console.widgets.dsa_data_tabs import DsaDataTabs
@@ -574,6 +574,9 @@ class DsaWatchApp(App[int]):
     def on_mount(self) -> None:
         freeze_startup()
         self.push_screen(self.watch_screen)
+
+    def on_unmount(self) -> None:
+        thaw_all()
 
 
 def watch(args: Any) -> int:

@@ -127,7 +127,8 @@ class RunScreen(Screen[None]):
         self.call_after_refresh(freeze_screen)
 
     def on_unmount(self) -> None:
-        thaw_screen()
+        if self.app.is_running:  # (not while the app shuts down: it thaws everything then)
+            thaw_screen()
 
     def _start_feed(self) -> None:
         source = self.source
