@@ -12,6 +12,8 @@ import hashlib
 import json
 import math
 import random
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -113,7 +115,24 @@ def record(
     return rec
 
 
-def write_trace(
+_MADE: dict[str, Path] = {}  # what write_trace wrote, by its arguments: made once a process
+
+
+def write_trace(root: Path, **kw: Any) -> Path:
+    """Write <root>/block<bs>/ with shards and summary.json (see _write_trace); returns the block
+    directory. The same arguments make the same files (the records come from a seeded random),
+    so a second call copies the first's, which a big trace's tests made again and again."""
+    key = json.dumps(kw, sort_keys=True)
+    made = _MADE.get(key)
+    if made is None or not made.is_dir():
+        made = _write_trace(Path(tempfile.mkdtemp(prefix="dsa-writer-")), **kw)
+        _MADE[key] = made
+    folder = root / made.name
+    shutil.copytree(made, folder, dirs_exist_ok=True, copy_function=shutil.copyfile)  # (new mtimes)
+    return folder
+
+
+def _write_trace(
     root: Path,
     *,
     requests: int = 5,
