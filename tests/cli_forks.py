@@ -19,6 +19,7 @@ import importlib
 import json
 import os
 import pkgutil
+import select
 import selectors
 import signal
 import socket
@@ -189,29 +190,125 @@ class Forks:
     def forkable(self, env: dict[str, str]) -> bool:
         return self._proc is None or at_start(env) == at_start(self._env)
 
-    def run(
-        self, args: list[str], env: dict[str, str], timeout: float
-    ) -> subprocess.CompletedProcess[str]:
+    def start(self, args: list[str], env: dict[str, str]) -> ForkedProcess:
+        """`tracedeck ARGS` started, its output on pipes: as subprocess.Popen(..., text=True)."""
         path = self._server(env)
-        cmd = [sys.executable, "-m", "console.cli", *args]
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
             conn.connect(path)
             request = json.dumps({"args": args, "env": env, "cwd": str(ROOT)}).encode()
             header = struct.pack("!i", len(request))
             socket.send_fds(conn, [header + request[:1024]], [0, out_w, err_w])
             conn.sendall(request[1024:])
+            pid = struct.unpack("!i", _exactly(conn, 4))[0]
+        except BaseException:
+            conn.close()
+            os.close(out_r)
+            os.close(err_r)
+            raise
+        finally:
             os.close(out_w)
             os.close(err_w)
-            pid = struct.unpack("!i", _exactly(conn, 4))[0]
-            out, err, timed_out = _read_both(out_r, err_r, time.monotonic() + timeout)
-            if timed_out:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-                raise subprocess.TimeoutExpired(cmd, timeout, out, err)
-            code = struct.unpack("!i", _exactly(conn, 4))[0]
-        return subprocess.CompletedProcess(cmd, code, out, err)
+        return ForkedProcess([sys.executable, "-m", "console.cli", *args], pid, conn, out_r, err_r)
+
+    def run(
+        self, args: list[str], env: dict[str, str], timeout: float
+    ) -> subprocess.CompletedProcess[str]:
+        """As subprocess.run(..., capture_output=True, text=True, timeout=timeout)."""
+        with self.start(args, env) as proc:
+            try:
+                out, err = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+                raise
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+class ForkedProcess:
+    """A forked command, as much of subprocess.Popen as the tests use: pid, stdout and stderr
+    (text), poll, wait, communicate, send_signal, terminate, kill, returncode. Its exit status
+    comes from the server, its parent."""
+
+    def __init__(self, args: list[str], pid: int, conn: socket.socket, out: int, err: int) -> None:
+        self.args = args
+        self.pid = pid
+        self.returncode: int | None = None
+        self._conn = conn
+        self.stdout = open(out, encoding="utf-8", newline=None)  # noqa: SIM115
+        self.stderr = open(err, encoding="utf-8", newline=None)  # noqa: SIM115
+        self._got: dict[int, list[bytes]] = {out: [], err: []}
+
+    def __enter__(self) -> ForkedProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for f in (self.stdout, self.stderr):
+            if not f.closed:
+                f.close()
+        if self.returncode is None:
+            self.wait()
+
+    def _status(self, timeout: float | None) -> int | None:
+        if self.returncode is None:
+            ready, _, _ = select.select([self._conn], [], [], timeout)
+            if ready:
+                self.returncode = struct.unpack("!i", _exactly(self._conn, 4))[0]
+                self._conn.close()
+        return self.returncode
+
+    def poll(self) -> int | None:
+        return self._status(0)
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = self._status(timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # (once reaped, the pid may be another process's)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """Both pipes to their end, then the status; a timeout keeps what was read for the
+        next call, as Popen does."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        files = [f for f in (self.stdout, self.stderr) if not f.closed]
+        sel = selectors.DefaultSelector()
+        for f in files:
+            sel.register(f.fileno(), selectors.EVENT_READ)
+        try:
+            while sel.get_map():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise subprocess.TimeoutExpired(self.args, timeout or 0)
+                for key, _ in sel.select(left):
+                    data = os.read(key.fd, 65536)
+                    if data:
+                        self._got[key.fd].append(data)
+                    else:
+                        sel.unregister(key.fd)
+                        next(f for f in files if f.fileno() == key.fd).close()
+        finally:
+            sel.close()
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        self.wait(left)
+        # as Popen(text=True) gives them: UTF-8 here, universal newlines
+        out, err = (
+            b"".join(chunks).decode().replace("\r\n", "\n").replace("\r", "\n")
+            for chunks in self._got.values()
+        )
+        return out, err
 
 
 def _exactly(conn: socket.socket, n: int) -> bytes:
@@ -224,37 +321,6 @@ def _exactly(conn: socket.socket, n: int) -> bytes:
             raise RuntimeError("the CLI fork server closed the connection")
         data += got
     return data
-
-
-def _read_both(out_r: int, err_r: int, deadline: float) -> tuple[str, str, bool]:
-    """Both pipes to their end (as subprocess.run's communicate), or until the deadline."""
-    chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
-    sel = selectors.DefaultSelector()
-    for fd in chunks:
-        sel.register(fd, selectors.EVENT_READ)
-    timed_out = False
-    try:
-        while sel.get_map():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                timed_out = True
-                break
-            for key, _ in sel.select(left):
-                data = os.read(key.fd, 65536)
-                if data:
-                    chunks[key.fd].append(data)
-                else:
-                    sel.unregister(key.fd)
-    finally:
-        sel.close()
-        os.close(out_r)
-        os.close(err_r)
-    # as subprocess.run(text=True) gives them: the locale's encoding, universal newlines
-    text = [
-        b"".join(chunks[fd]).decode().replace("\r\n", "\n").replace("\r", "\n")
-        for fd in (out_r, err_r)
-    ]
-    return text[0], text[1], timed_out
 
 
 if __name__ == "__main__":

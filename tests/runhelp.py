@@ -100,7 +100,11 @@ def tracedeck(*args: str, env: dict[str, str], timeout: float = 120) -> subproce
     )
 
 
-def spawn(*args: str, env: dict[str, str]) -> subprocess.Popen[str]:
+def spawn(*args: str, env: dict[str, str], fresh: bool = False) -> subprocess.Popen[str]:
+    """`tracedeck ARGS` started, its output on pipes: forked as tracedeck() is, or a fresh
+    process (fresh: a test of the program's own start, its imports and what they record)."""
+    if not (fresh or os.environ.get("TRACEDECK_TEST_FRESH")) and _FORKS.forkable(env):
+        return _FORKS.start(list(args), env)  # type: ignore[return-value]
     return subprocess.Popen(
         [sys.executable, "-m", "console.cli", *args],
         cwd=ROOT,

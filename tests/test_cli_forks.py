@@ -5,6 +5,7 @@ process wherever the interpreter's start would differ."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from cli_forks import ROOT, Forks
-from runhelp import cli_env, tracedeck, wait_for
+from runhelp import cli_env, held_engine, spawn, tracedeck, wait_for, write_lines_preset
 
 pytestmark = pytest.mark.e2e
 
@@ -133,3 +134,35 @@ def test_an_interpreter_setting_of_its_start_makes_a_fresh_process(
     # with a kind package on PYTHONPATH, tracedeck() starts a fresh process, which sees it
     done = tracedeck("presets", env={**env, "PYTHONPATH": f"{ROOT}{os.pathsep}{plugins}"})
     assert "zz seen" in done.stdout + done.stderr
+
+
+def test_a_started_command_signalled_ends_as_a_fresh_one_does(tmp_path: Path) -> None:
+    """spawn()'s forked process: running (poll None) until Ctrl-C, which cancels its run, then
+    the same exit status and verdict as a fresh process given the same Ctrl-C."""
+    ended = []
+    for fresh_one in (False, True):
+        folder = tmp_path / ("fresh" if fresh_one else "forked")
+        folder.mkdir()
+        held, _release = held_engine(folder)
+        preset = write_lines_preset(folder)
+        out = folder / "out"
+        proc = spawn(
+            "run", str(preset), *held, "--out", str(out), env=cli_env(folder), fresh=fresh_one
+        )
+        try:
+            wait_for(lambda o=out: any(o.glob("**/run.json")), 60, "the run started")
+            wait_for(lambda o=out: "output" in events_text(o), 60, "the run's first lines")
+            assert proc.poll() is None
+            proc.send_signal(signal.SIGINT)
+            out_text, err = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        ended.append((proc.returncode, out_text.splitlines()[-1:]))
+    assert ended[0] == ended[1]
+    assert ended[0][0] != 0 and "CANCELLED" in ended[0][1][0], ended
+
+
+def events_text(out: Path) -> str:
+    return "".join(p.read_text() for p in out.glob("**/events.jsonl"))

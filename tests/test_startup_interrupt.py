@@ -47,7 +47,9 @@ def test_ctrl_c_during_start_up_launches_nothing_or_cancels(tmp_path: Path, dela
     home.mkdir()
     preset = write_lines_preset(tmp_path, lines=400, pause=0.05)
     out = tmp_path / "out"
-    console = spawn("run", str(preset), "--target", "local", "--out", str(out), env=cli_env(home))
+    console = spawn(
+        "run", str(preset), "--target", "local", "--out", str(out), env=cli_env(home), fresh=True
+    )
     try:
         wait_for(lambda: started_python(console.pid), what="the program's imports")
         assert not ignores_sigint(console.pid), "the console was started with Ctrl-C ignored"
