@@ -18,7 +18,11 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   say "installing tracedeck and its dependencies (textual, asyncssh, numpy, torch 2.13.0" \
     "CPU build, the test tools): several hundred MB, a few minutes, only this once"
   # torch pinned: 2.13.0 is a CPU build; an unpinned torch pulls a multi-GB CUDA build.
-  .venv/bin/python -m pip install -q -e '.[engine,test]' 'torch==2.13.0'
+  # --no-compile: pip would compile every installed file one at a time (torch's whole tree, ~20
+  # s of CPU); compile_imports.py compiles what tracedeck and its tests import, by importing it.
+  .venv/bin/python -m pip install -q --no-compile -e '.[engine,test]' 'torch==2.13.0'
+  say "compiling what tracedeck imports (torch, textual, numpy, ...)"
+  env -u PYTHONDONTWRITEBYTECODE .venv/bin/python scripts/compile_imports.py
   touch "$stamp"
   say "done. The command is $PWD/.venv/bin/tracedeck; to type just \`tracedeck\`, put it on" \
     "PATH: export PATH=\"$PWD/.venv/bin:\$PATH\" (add that line to ~/.bashrc to keep it)"
