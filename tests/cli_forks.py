@@ -155,6 +155,8 @@ class Forks:
     def _server(self, env: dict[str, str]) -> str:
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
+                if self._proc is not None:  # it ended: a new one, with a watch pipe of its own
+                    os.close(self._watch_w)
                 folder = tempfile.mkdtemp(prefix="tracedeck-forks-")
                 self._path = os.path.join(folder, "s")
                 watch_r, self._watch_w = os.pipe()  # the write end lives as long as this process

@@ -84,11 +84,13 @@ def cli_env(home: Path, **extra: str) -> dict[str, str]:
 _FORKS = Forks()
 
 
-def tracedeck(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
+def tracedeck(
+    *args: str, env: dict[str, str], timeout: float = 120, fresh: bool = False
+) -> subprocess.CompletedProcess:
     """`tracedeck ARGS` to its end, output captured: forked from a server that has imported the
-    CLI already (tests/cli_forks.py), or a fresh `python -m console.cli` where the environment
-    asks for one the server cannot be (or TRACEDECK_TEST_FRESH=1 in the tests' own)."""
-    if not os.environ.get("TRACEDECK_TEST_FRESH") and _FORKS.forkable(env):
+    CLI already (tests/cli_forks.py), or a fresh `python -m console.cli` (fresh, or where the
+    environment asks for one the server cannot be, or TRACEDECK_TEST_FRESH=1 in the tests')."""
+    if not (fresh or os.environ.get("TRACEDECK_TEST_FRESH")) and _FORKS.forkable(env):
         return _FORKS.run(list(args), env, patience(timeout))
     return subprocess.run(
         [sys.executable, "-m", "console.cli", *args],

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,17 +22,6 @@ def forks() -> Iterator[Forks]:
     server = Forks()
     yield server
     server.close()
-
-
-def fresh(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "console.cli", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 @pytest.mark.parametrize(
@@ -52,7 +40,7 @@ def test_a_forked_command_says_what_a_fresh_one_says(
     args: list[str], forks: Forks, tmp_path: Path
 ) -> None:
     env = cli_env(tmp_path)
-    got, want = forks.run(args, env, 120), fresh(*args, env=env)
+    got, want = forks.run(args, env, 120), tracedeck(*args, env=env, fresh=True)
     assert (got.returncode, got.stderr) == (want.returncode, want.stderr)
     # a run's lines hold its run id and times; its verdict lines do not
     if args[:2] == ["run", "hello_command"]:
