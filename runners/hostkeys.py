@@ -28,7 +28,7 @@ import hmac
 import ipaddress
 from pathlib import Path
 
-import asyncssh
+from runners.ssh_lib import asyncssh
 
 CA_MARKER = "@cert-authority"
 REVOKE_MARKER = "@revoked"

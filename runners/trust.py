@@ -15,9 +15,6 @@ import os
 import shutil
 from pathlib import Path
 
-import asyncssh
-from asyncssh.public_key import get_certificate_algs, get_public_key_algs
-
 from runners.hostkeys import (
     Line,
     Policy,
@@ -28,6 +25,7 @@ from runners.hostkeys import (
     order_algorithms,
     read_lines,
 )
+from runners.ssh_lib import asyncssh
 from runners.targets.base import ConnectionLost, HostKeyMismatch, TargetError
 
 # OpenSSH's defaults when ~/.ssh/config names no UserKnownHostsFile / GlobalKnownHostsFile.
@@ -179,9 +177,9 @@ def host_key_algorithms(resolved: ResolvedHost, files: list[list[Line]]) -> list
         list(resolved.algorithms), files, resolved.key_name, resolved.algorithms_verbatim
     )
     _, has_ca = known_types(files, resolved.key_name)
-    supported = {a.decode() for a in get_public_key_algs()}
+    supported = {a.decode() for a in asyncssh.public_key.get_public_key_algs()}
     if has_ca:
-        supported |= {a.decode() for a in get_certificate_algs()}
+        supported |= {a.decode() for a in asyncssh.public_key.get_certificate_algs()}
     offered = [a for a in ordered if a in supported]
     return offered or None
 

@@ -5,7 +5,11 @@ importing (numpy, asyncssh, every run kind) before doing anything, about a fifth
 CPU. Here one server process per test process imports all of it once, then forks a child per
 command: the child gets the command's argv, environment, cwd, stdin and output pipes, runs
 `console.cli` as `python -m console.cli` would (the same `__main__` start, interrupts recorded),
-and ends through the interpreter's own shutdown. Anything that Python reads only when it starts
+and ends through the interpreter's own shutdown. The server holds only what the program holds
+when it dispatches (console.cli, the run kinds) and third-party packages; a command's own imports
+happen in its child. One difference stays: a child's /proc/PID/environ and cmdline are the
+server's (Linux shows a process's exec-time ones), so a test that finds the CLI process itself by
+its environment or command line starts it with fresh=True. Anything that Python reads only when it starts
 (PYTHON* variables, the locale) must match the server's, else the caller runs a fresh process
 (`forkable`); tests of the program's start itself use `runhelp.spawn`, which always does.
 
@@ -18,7 +22,6 @@ import contextlib
 import importlib
 import json
 import os
-import pkgutil
 import select
 import selectors
 import signal
@@ -36,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # What the interpreter reads once at its start: a command whose environment differs from the
 # server's in any of these runs as a fresh process.
 AT_START = ("LANG", "LC_ALL", "LC_CTYPE")
-NO_PRELOAD = ("console.app", "console.screens", "console.widgets", "console.panels")
+THIRD_PARTY = ("asyncssh", "pyarrow", "pyarrow.parquet", "pyarrow.csv", "msgspec", "isal.igzip")
 
 
 def at_start(env: dict[str, str]) -> dict[str, str]:
@@ -44,20 +47,15 @@ def at_start(env: dict[str, str]) -> dict[str, str]:
 
 
 def _preload() -> None:
-    """Import what the CLI's commands import (not the Textual console, not the engine)."""
+    """Import what `python -m console.cli` has imported when it dispatches a command (the module
+    and the parser's run kinds) and the heavy third-party packages its commands import. None of
+    tracedeck's other modules: a command imports them in its child as a fresh process would, so
+    a missing import in a command fails here as it would for a user."""
     import console.cli
 
-    console.cli.build_parser()  # discovers every run kind
-    for package in ("console", "runners", "analysis"):
-        pkg = importlib.import_module(package)
-        for info in pkgutil.walk_packages(pkg.__path__, package + "."):
-            name = info.name
-            if name.startswith(NO_PRELOAD) or name.startswith("runners.reference"):
-                continue
-            if name in ("runners.changes", "console.cli") or name.endswith("__main__"):
-                continue  # scripts: they run when imported
-            with contextlib.suppress(Exception):
-                importlib.import_module(name)
+    console.cli.build_parser()  # discovers every run kind, as the program does before dispatch
+    for name in THIRD_PARTY:
+        importlib.import_module(name)
 
 
 def _child(request: dict[str, Any], fds: list[int], closing: list[Any]) -> None:
@@ -285,10 +283,10 @@ class ForkedProcess:
         """Both pipes to their end, then the status; a timeout keeps what was read for the
         next call, as Popen does."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        files = [f for f in (self.stdout, self.stderr) if not f.closed]
+        files = {f.fileno(): f for f in (self.stdout, self.stderr) if not f.closed}
         sel = selectors.DefaultSelector()
-        for f in files:
-            sel.register(f.fileno(), selectors.EVENT_READ)
+        for fd in files:
+            sel.register(fd, selectors.EVENT_READ)
         try:
             while sel.get_map():
                 left = None if deadline is None else deadline - time.monotonic()
@@ -300,7 +298,7 @@ class ForkedProcess:
                         self._got[key.fd].append(data)
                     else:
                         sel.unregister(key.fd)
-                        next(f for f in files if f.fileno() == key.fd).close()
+                        files[key.fd].close()
         finally:
             sel.close()
         left = None if deadline is None else max(0.0, deadline - time.monotonic())

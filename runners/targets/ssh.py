@@ -13,9 +13,8 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
-import asyncssh
-
 from runners.hostkeys import Line, Status, Verdict, ca_status, entries_for, judge
+from runners.ssh_lib import asyncssh
 from runners.targets.base import (
     CommandResult,
     ConnectionLost,
