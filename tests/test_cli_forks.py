@@ -163,3 +163,14 @@ def test_a_started_command_signalled_ends_as_a_fresh_one_does(tmp_path: Path) ->
 
 def events_text(out: Path) -> str:
     return "".join(p.read_text() for p in out.glob("**/events.jsonl"))
+
+
+def test_communicate_after_the_command_ended_gives_its_output_as_popen_does(
+    tmp_path: Path,
+) -> None:
+    """Its pipes already at their end when communicate() starts (the adversarial review's case:
+    it raised 'I/O operation on closed file')."""
+    proc = spawn("run", "no_such_preset", env=cli_env(tmp_path))
+    assert proc.wait(timeout=60) == 2
+    out, err = proc.communicate(timeout=60)
+    assert out == "" and "no_such_preset" in err
