@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -76,16 +77,22 @@ def enter_ssh_home(server: SshServer, path: Path, monkeypatch: pytest.MonkeyPatc
     return home
 
 
-def rc_host(d: Path, rc_text: str, sftp: str = "internal-sftp") -> SshServer:
-    """A real sshd whose login shell reads rc_text before each command: through BASH_ENV, the
-    rc a non-interactive bash reads, as bash run by sshd reads ~/.bashrc (an rc that unsets
-    BASH_ENV speaks, like ~/.bashrc, in that shell alone, not in the engine's own shells)."""
+@contextlib.contextmanager
+def rc_host(d: Path, rc_text: str, sftp: str = "internal-sftp") -> Iterator[SshServer]:
+    """A real sshd whose login shell reads rc_text before each command, stopped on leaving:
+    through BASH_ENV, the rc a non-interactive bash reads, as bash run by sshd reads ~/.bashrc
+    (an rc that unsets BASH_ENV speaks, like ~/.bashrc, in that shell alone, not in the engine's
+    own shells)."""
     if not SSHD.exists():
         pytest.skip(f"{SSHD} is missing: install openssh-server to run the SSH tests")
     d.mkdir(parents=True, exist_ok=True)
     rc = d / "host.rc"
     rc.write_text(rc_text)
-    return start_sshd(d / "sshd", session_env=(f"BASH_ENV={rc}",), sftp=sftp)
+    server = start_sshd(d / "sshd", session_env=(f"BASH_ENV={rc}",), sftp=sftp)
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture

@@ -42,11 +42,8 @@ unset BASH_ENV
 
 @pytest.fixture(scope="module")
 def noisy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshServer]:
-    server = rc_host(tmp_path_factory.mktemp("noisy"), RC)
-    try:
+    with rc_host(tmp_path_factory.mktemp("noisy"), RC) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def _home(server: SshServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
@@ -126,8 +123,7 @@ def test_an_rc_that_ends_the_session_is_said_never_a_silent_empty_answer(
     """An rc that exits (or execs another program) before the command: tracedeck would read an
     empty answer (no pids: the run is over; no lock holder: the lock is free) where the command
     never ran. It says so, naming the host."""
-    server = rc_host(tmp_path / "host", "echo 'this node is drained'\nexit 0\n")
-    try:
+    with rc_host(tmp_path / "host", "echo 'this node is drained'\nexit 0\n") as server:
         env = cli_env(_home(server, tmp_path, monkeypatch))
         preset = write_lines_preset(tmp_path, lines=2, pause=0.01)
         done = tracedeck("run", str(preset), "--target", server.spec, "--out", str(tmp_path / "o"), env=env)  # fmt: skip
@@ -135,8 +131,6 @@ def test_an_rc_that_ends_the_session_is_said_never_a_silent_empty_answer(
         said = done.stdout + done.stderr
         assert f"the login shell on {server.user}@{server.host}:{server.port} never ran" in said
         assert "this node is drained" in said
-    finally:
-        server.stop()
 
 
 SFTP_SERVER = Path("/usr/lib/openssh/sftp-server")
@@ -152,8 +146,7 @@ def test_an_sftp_server_started_through_a_talkative_login_shell_is_named_for_it(
     says what the rc printed and the two ways out. A quiet rc with that server runs."""
     if not SFTP_SERVER.exists():
         pytest.skip(f"{SFTP_SERVER} is missing: install openssh-server")
-    server = rc_host(tmp_path / "host", rc_text + "unset BASH_ENV\n", sftp=str(SFTP_SERVER))
-    try:
+    with rc_host(tmp_path / "host", rc_text + "unset BASH_ENV\n", sftp=str(SFTP_SERVER)) as server:
         env = cli_env(_home(server, tmp_path, monkeypatch))
         preset = write_lines_preset(tmp_path, lines=2, pause=0.01)
         done = tracedeck("run", str(preset), "--target", server.spec, "--out", str(tmp_path / "o"), env=env)  # fmt: skip
@@ -164,5 +157,3 @@ def test_an_sftp_server_started_through_a_talkative_login_shell_is_named_for_it(
         assert done.returncode != 0, said
         assert "whose startup files print 'Welcome to gpu-node-7'" in said, said
         assert "internal-sftp" in said and "case $- in" in said, said
-    finally:
-        server.stop()

@@ -43,11 +43,8 @@ unset BASH_ENV
 
 @pytest.fixture(scope="module")
 def ragged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshServer]:
-    server = rc_host(tmp_path_factory.mktemp("ragged"), RAGGED_RC)
-    try:
+    with rc_host(tmp_path_factory.mktemp("ragged"), RAGGED_RC) as server:
         yield server
-    finally:
-        server.stop()
 
 
 async def _connected(
@@ -107,13 +104,10 @@ async def test_an_rc_that_reads_stdin_does_not_hold_the_command(
     """Each command's stdin is at EOF from the start: the rc's `read` returns at once instead of
     holding the command forever (or, with a timeout, until tracedeck abandons it and says it
     'did not finish', of a command that never began)."""
-    server = rc_host(tmp_path / "host", READS_STDIN_RC)
-    try:
+    with rc_host(tmp_path / "host", READS_STDIN_RC) as server:
         async for t in _connected(server, tmp_path, monkeypatch):
             result = await guard(t.run("echo mine"))
             assert (result.exit_status, result.stdout, result.stderr) == (0, "mine\n", "")
-    finally:
-        server.stop()
 
 
 async def test_an_rc_that_never_lets_the_command_start_is_not_blamed_on_the_command(
@@ -125,8 +119,9 @@ async def test_an_rc_that_never_lets_the_command_start_is_not_blamed_on_the_comm
     shell did not start it."""
     hold, fifo = tmp_path / "hold", tmp_path / "fifo"
     os.mkfifo(fifo)
-    server = rc_host(tmp_path / "host", f"[ -e {hold} ] && read -r x < {fifo}\nunset BASH_ENV\n")
-    try:
+    with rc_host(
+        tmp_path / "host", f"[ -e {hold} ] && read -r x < {fifo}\nunset BASH_ENV\n"
+    ) as server:
         async for t in _connected(server, tmp_path, monkeypatch):
             hold.touch()  # from here on the rc waits (the connection was made before)
             with pytest.raises(TargetError) as caught:
@@ -144,5 +139,3 @@ async def test_an_rc_that_never_lets_the_command_start_is_not_blamed_on_the_comm
                 os.close(release)
             result = await guard(t.run("echo mine", timeout=5))
             assert result.stdout == "mine\n", result
-    finally:
-        server.stop()
