@@ -9,9 +9,9 @@ and ends through the interpreter's own shutdown. The server holds only what the 
 when it dispatches (console.cli, the run kinds) and third-party packages; a command's own imports
 happen in its child. One difference stays: a child's /proc/PID/environ and cmdline are the
 server's (Linux shows a process's exec-time ones), so a test that finds the CLI process itself by
-its environment or command line starts it with fresh=True. Anything that Python reads only when it starts
-(PYTHON* variables, the locale) must match the server's, else the caller runs a fresh process
-(`forkable`); tests of the program's start itself use `runhelp.spawn`, which always does.
+its environment or command line starts it with fresh=True. Anything that Python reads only when
+it starts (PYTHON* variables, the locale) must match the server's, else the caller runs a fresh
+process (`forkable`); tests of the program's start itself pass fresh=True to `runhelp.spawn`.
 
     python tests/cli_forks.py SOCKET WATCH_FD
 """
