@@ -223,19 +223,27 @@ def _segsum(mask: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> np.ndarra
 def _row_percentiles(counts: np.ndarray, n: np.ndarray, b: int) -> tuple[np.ndarray, np.ndarray]:
     """numpy's linear percentile (bit for bit: its index, weight and lerp) of each row's counts
     (each count is 1..b: the k-th smallest is read off the row's histogram of counts, no sort)."""
-    rowid = np.repeat(np.arange(len(n), dtype=np.int64), n)
-    hist = np.bincount(rowid * (b + 1) + counts, minlength=len(n) * (b + 1))
-    cum = hist.reshape(len(n), b + 1).cumsum(axis=1)
-    # every row's running counts, shifted past the row before: one sorted array to search
-    shift = np.arange(len(n), dtype=np.int64) * (int(cum[:, -1].max(initial=0)) + 1)
-    flat = (cum + shift[:, None]).ravel()
-    first = np.arange(len(n), dtype=np.int64) * (b + 1)
-
-    def kth(k: np.ndarray) -> np.ndarray:  # 0-based rank -> value: the counts <= it
-        return np.searchsorted(flat, k + shift, side="right") - first
-
-    p50, p95 = _percentiles(kth, n, (Q50, Q95))
+    hist = row_bincount(counts, n, b + 1)
+    p50, p95 = _percentiles(kth_of(hist[:, 1:], n), n, (Q50, Q95))
     return p50, p95
+
+
+def kth_of(hist: np.ndarray, n: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+    """For rows' histograms of counts 1..b (rows x b: [r, v - 1] is how many of row r's
+    values are v; n[r] the row's total), kth(k): each row's k-th smallest value (0-based,
+    k < n[r]; any value where n[r] is 0). The rows' running counts, back to back, are one
+    sorted array: one cumsum and a search, where a running count per row is a pass per row."""
+    rows, b = hist.shape
+    run = np.cumsum(hist, axis=None)
+    before = np.zeros(rows, dtype=np.int64)  # the values in the rows before each
+    if rows > 1:
+        np.cumsum(n[:-1], out=before[1:])
+    first = np.arange(rows, dtype=np.int64) * b - 1  # row r's value v sits at r x b + v - 1
+
+    def kth(k: np.ndarray) -> np.ndarray:
+        return np.searchsorted(run, before + k, side="right") - first
+
+    return kth
 
 
 def _percentiles(
@@ -332,7 +340,6 @@ def row_hist(
     back) and which of the blocks so numbered are touched; None for a b that neither divides
     nor is a multiple of the recorded size. fine: the smallest size dividing 8 that the batch
     is asked for (its rows' histograms of byte codes, kept in cache, give every b it divides)."""
-    rows = len(d.total_blocks)
     b0 = d.block_size
     if d.words is not None and 8 % b == 0:  # one code a byte (_byte_codes): one bincount
         data = d.words.view(np.uint8)
@@ -340,9 +347,7 @@ def row_hist(
         codes = None if cache is None else cache.get(f)
         if codes is None:
             n_codes = (f + 1) ** (8 // f)
-            owner = np.repeat(np.arange(rows, dtype=np.int64) * n_codes, d.total_blocks)
-            key = (owner[:, None] + _byte_codes(data, f).reshape(len(owner), -1)).ravel()
-            codes = np.bincount(key, minlength=rows * n_codes).reshape(rows, n_codes)
+            codes = row_bincount(_byte_codes(data, f), d.total_blocks * (b0 // 8), n_codes)
             if cache is not None:
                 cache[f] = codes
         hist = codes if f == b == 8 else codes @ _per_code(f, b)  # (8: a code is its count)
@@ -354,7 +359,6 @@ def row_hist(
 
         nb = d.total_blocks * (b0 // b)
         return hist, nb, _starts(nb), touched
-    owner = np.arange(rows, dtype=np.int64) * (b + 1)
     if d.words is not None and b in _WORD_OF and b0 % b == 0:  # a count a word of b bits
         counts: np.ndarray = np.bitwise_count(d.words.view(_WORD_OF[b]))
         nb = d.total_blocks * (b0 // b)
@@ -363,12 +367,20 @@ def row_hist(
         if counted is None:
             return None
         counts, nb = counted
-    if b0 % b == 0 and len(counts):  # each recorded block's b0 / b blocks, in their row
-        key = (np.repeat(owner, d.total_blocks)[:, None] + counts.reshape(-1, b0 // b)).ravel()
-    else:
-        key = np.repeat(owner, nb) + counts
-    hist = np.bincount(key, minlength=rows * (b + 1)).reshape(rows, b + 1)
+    hist = row_bincount(counts, nb, b + 1)
     return hist, nb, _starts(nb), lambda at: counts[at] > 0
+
+
+def row_bincount(values: np.ndarray, lens: np.ndarray, width: int) -> np.ndarray:
+    """Each row's histogram of its values (rows x width; values 0 .. width - 1, rows back to
+    back, lens[r] of row r's), in one bincount. The keys are as narrow as they can be: a
+    bincount reads them whatever their width, and the pass that makes them writes less."""
+    rows = len(lens)
+    size = rows * width
+    kind = np.uint16 if size <= 1 << 16 else np.int32 if size <= 1 << 31 else np.int64
+    owner = np.repeat(np.arange(0, size, width, dtype=kind), lens)
+    owner += values.astype(kind, copy=False)
+    return np.bincount(owner, minlength=size).reshape(rows, width)
 
 
 def summary_counted(
@@ -405,16 +417,13 @@ def summary_counted(
     ilens = run[start + take] - run[start]
     with np.errstate(invalid="ignore", divide="ignore"):
         inter_ratio = np.where(known, ilens / safe, np.nan)
-    upto = hist[:, 1:].cumsum(axis=1)  # [r, v - 1]: row r's touched blocks holding <= v
-
-    def kth(k: np.ndarray) -> np.ndarray:  # 0-based rank -> value: the first v above it
-        return np.argmax(upto > k[:, None], axis=1) + 1
-
-    p50 = _median(kth, ub)
+    p50 = _median(kth_of(hist[:, 1:], ub), ub)
+    tpb = hist.sum(axis=0)
+    tpb[0] = 0  # the untouched blocks are no touched block's count
     return Summary(
         unique_blocks=ub,
         ratio=ub / np.maximum(tb, 1),
-        tpb=np.concatenate([np.zeros(1, np.int64), hist[:, 1:].sum(axis=0)]),
+        tpb=tpb,
         tpb_p50=p50,
         inter_ratio=inter_ratio,
         bytes_read=int((ub * b * bpt).sum()),

@@ -588,3 +588,16 @@ def test_whatif_at_the_recorded_size_reads_ratios_as_written_like_the_validator(
     shard.write_text("\n".join(lines) + "\n")
     got = whatif_dir(str(folder), [16])  # the validator's checks take it out first
     assert got["invalid"] == 1 and ":3: touched_block_ratio: " in got["first_invalid"]
+
+
+@pytest.mark.parametrize("rows", [3, 700])  # 700 x 129 bins: past what uint16 keys can number
+def test_row_bincount_is_each_rows_own_histogram(rows: int) -> None:
+    from analysis.dsa_whatif import row_bincount
+
+    rng = np.random.default_rng(rows)
+    lens = rng.integers(0, 40, rows)
+    values = rng.integers(0, 129, int(lens.sum()))
+    got = row_bincount(values, lens, 129)
+    at = np.concatenate([[0], np.cumsum(lens)])
+    want = np.stack([np.bincount(values[at[r] : at[r + 1]], minlength=129) for r in range(rows)])
+    np.testing.assert_array_equal(got, want)
