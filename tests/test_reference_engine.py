@@ -294,6 +294,24 @@ def test_readout_without_a_trace_file_is_a_usage_error() -> None:
     assert "GRETA_TRACE_READOUT_OUT" in out and "--trace-out" in out
 
 
+def test_the_engine_cli_names_its_commands_and_refuses_any_other_module() -> None:
+    """Commands are the package's modules with add_arguments and run: listed from the sources
+    (no torch), found by name alone for a run; a support module, a private one or a path is an
+    unknown command (exit 2, the list shown)."""
+    listed = subprocess.run(
+        [sys.executable, "-c", "import sys, runners.reference.__main__ as m; "
+         "sys.exit(m.main(['--help']) or ('torch' in sys.modules))"],
+        cwd=REPO, capture_output=True, text=True, timeout=patience(60),
+    )  # fmt: skip
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    names = [line.split()[0] for line in listed.stdout.splitlines() if line.startswith("  ")]
+    assert "equivalence" in names and "runtime" not in names and "__main__" not in names
+    for bad in ("runtime", "__main__", "_x", "../reference/equivalence", "nosuch"):
+        out = finish(engine(bad), expect_rc=2)
+        assert f"unknown command {bad!r}" in out and "  equivalence " in out, out
+    assert "--kv-aligned" in finish(engine("equivalence", "--help"))
+
+
 # -- packaging -------------------------------------------------------------------------------
 
 

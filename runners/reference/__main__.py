@@ -22,14 +22,22 @@ def commands() -> dict[str, str]:
     """Command name -> one-line help, from the sources (no import, so no torch)."""
     found: dict[str, str] = {}
     for path in sorted(HERE.glob("*.py")):
-        if path.stem.startswith("_"):
-            continue
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-        defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
-        if {"add_arguments", "run"} <= defined:
-            doc = (ast.get_docstring(tree) or "").strip().splitlines()
-            found[path.stem] = doc[0] if doc else ""
+        doc = command_help(path)
+        if doc is not None:
+            found[path.stem] = doc
     return found
+
+
+def command_help(path: Path) -> str | None:
+    """A module's one-line help if it is a command (its source read, not imported), else None."""
+    if path.stem.startswith("_") or not path.is_file():
+        return None
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    if not {"add_arguments", "run"} <= defined:
+        return None
+    doc = (ast.get_docstring(tree) or "").strip().splitlines()
+    return doc[0] if doc else ""
 
 
 def _usage(known: dict[str, str]) -> str:
@@ -41,19 +49,20 @@ def _usage(known: dict[str, str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    known = commands()
     if not args or args[0] in ("-h", "--help"):
-        print(_usage(known))
+        print(_usage(commands()))
         return 0 if args else 2
     name = args[0]
-    if name not in known:
-        print(f"error: unknown command {name!r}\n\n{_usage(known)}", file=sys.stderr)
+    # only the named command's source is read: an engine cell starts without parsing them all
+    help_line = command_help(HERE / f"{name}.py") if name.isidentifier() else None
+    if help_line is None:
+        print(f"error: unknown command {name!r}\n\n{_usage(commands())}", file=sys.stderr)
         return 2
     module = importlib.import_module(f"runners.reference.{name}")
     from runners.reference.runtime import DeviceError, UsageError
 
     parser = argparse.ArgumentParser(
-        prog=f"python -m runners.reference {name}", description=known[name]
+        prog=f"python -m runners.reference {name}", description=help_line
     )
     module.add_arguments(parser)
     parsed = parser.parse_args(args[1:])
