@@ -601,3 +601,23 @@ def test_row_bincount_is_each_rows_own_histogram(rows: int) -> None:
     at = np.concatenate([[0], np.cumsum(lens)])
     want = np.stack([np.bincount(values[at[r] : at[r + 1]], minlength=129) for r in range(rows)])
     np.testing.assert_array_equal(got, want)
+
+
+def test_row_percentiles_are_numpys_for_every_row_empty_ones_nan() -> None:
+    """_row_percentiles (each row's histogram, one running count of all rows, one search) is
+    np.percentile of each row's counts, bit for bit; a row with no count is NaN and moves no
+    other row's answer."""
+    from analysis.dsa_whatif import Q50, Q95, _row_percentiles
+
+    rng = np.random.default_rng(7)
+    for b in (1, 4, 64, 128):
+        n = rng.integers(0, 12, 300)
+        n[:3] = 0  # empty rows first, and among the others
+        n[rng.integers(0, 300, 20)] = 0
+        counts = rng.integers(1, b + 1, int(n.sum()))
+        p50, p95 = _row_percentiles(counts, n, b)
+        at = np.concatenate([[0], np.cumsum(n)])
+        for r in range(len(n)):
+            row = counts[at[r] : at[r + 1]]
+            want = (np.percentile(row, Q50 * 100), np.percentile(row, Q95 * 100)) if len(row) else (np.nan, np.nan)  # fmt: skip
+            np.testing.assert_array_equal([p50[r], p95[r]], want, err_msg=f"b {b} row {r}")
