@@ -1,15 +1,18 @@
 """DSA traces as data: records/s of export and block-size what-if against the validator's own rate.
 
 A production-size trace (61 layers, top-2048, sequences of ~3.7K tokens, ~11 KB a record, made
-as bench_dsa_ingest.py makes it) is written to a temporary block64/ directory; then, in the
-same run and on the same files: the validator (`tracedeck analyze`'s analyze_block, the
-baseline), the per-record scan the data tools share (parse + per-record checks), the what-if
-at 4,8,16,64,128, the parquet and csv exports, and an LRU tier replay at one capacity, on one
-process and then on --workers processes (analysis.dsa_parallel; the validator too). Each
-figure is the best of --repeat runs, by the wall clock and by CPU time (this process and its
-workers), with its ratio to the one-process validator's, and this process's peak RSS at the
-end (every stage reads 4 MiB chunks; export holds at most one 1024-row group and one write in
-flight, and a few chunks wait per worker).
+as bench_dsa_ingest.py makes it) is written to a temporary block64/ directory; then, on the same
+files: the per-record scan the data tools share (parse + per-record checks), the what-if at
+4,8,16,64,128, the parquet and csv exports, and an LRU tier replay at one capacity, on one
+process and then on --workers processes (analysis.dsa_parallel). Each stage runs --repeat times,
+each time right after the validator (`tracedeck analyze`'s analyze_block, the baseline) on as
+many workers: a stage's records/s are its best run's, by the wall clock and by CPU time (this
+process and its workers), and its ratio to the validator is the median of the ratios of those
+back-to-back pairs (this machine's speed drifts by tens of percent between seconds: two
+best-ofs taken apart gave ratios that moved by 0.15 between runs of the bench). The 2-worker
+pass also pairs the validator on 2 workers with it on 1. This process's peak RSS is printed at
+the end (every stage reads 4 MiB chunks; export holds at most one 1024-row group and one write
+in flight, and a few chunks wait per worker).
 
     python bench/bench_dsa_data.py [--records 6100] [--repeat 3] [--workers 2]
 """
@@ -20,6 +23,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import sys
 import tempfile
 import time
@@ -69,21 +73,40 @@ def stage(name: str, folder: Path, out: Path, workers: int = 1) -> int:
     raise ValueError(name)
 
 
-def best(
-    name: str, folder: Path, out: Path, repeat: int, workers: int = 1
-) -> tuple[float, float, int]:
-    """Records/s by the wall clock and by CPU time (this process and its worker processes)."""
+def timed(name: str, folder: Path, out: Path, workers: int = 1) -> tuple[float, float, int]:
+    """One run of a stage: (wall seconds, CPU seconds of this process and its workers, records)."""
+    # the last run's export is removed first: replacing it would time its deletion too
+    (out / f"x.{name}").unlink(missing_ok=True)
+    t, c = time.perf_counter(), os.times()
+    n = stage(name, folder, out, workers)
+    wall = time.perf_counter() - t
+    c1 = os.times()
+    return wall, sum(c1[:4]) - sum(c[:4]), n
+
+
+def paired(
+    name: str, folder: Path, out: Path, repeat: int, workers: int, base_workers: int
+) -> dict[str, float]:
+    """The stage and the validator (on base_workers) run back to back, --repeat times, in
+    turn: its best records/s (wall, CPU) and the median over the pairs of its ratio to the
+    validator run beside it. On a shared machine whose speed drifts between seconds, a
+    ratio of two runs a second apart is steadier than a ratio of two best-ofs taken apart."""
     wall = cpu = float("inf")
+    walls, cpus = [], []
     n = 0
     for _ in range(repeat):
-        # the last repeat's export is removed first: replacing it would time its deletion too
-        (out / f"x.{name}").unlink(missing_ok=True)
-        t, c = time.perf_counter(), os.times()
-        n = stage(name, folder, out, workers)
-        wall = min(wall, time.perf_counter() - t)
-        c1 = os.times()
-        cpu = min(cpu, sum(c1[:4]) - sum(c[:4]))
-    return n / wall, n / max(cpu, 1e-9), n
+        vw, vc, _ = timed("validator", folder, out, base_workers)
+        sw, sc, n = timed(name, folder, out, workers)
+        wall, cpu = min(wall, sw), min(cpu, sc)
+        walls.append(vw / sw)
+        cpus.append(vc / max(sc, 1e-9))
+    return {
+        "wall": n / wall,
+        "cpu": n / max(cpu, 1e-9),
+        "x_wall": statistics.median(walls),
+        "x_cpu": statistics.median(cpus),
+        "n": n,
+    }
 
 
 def main() -> None:
@@ -99,15 +122,12 @@ def main() -> None:
         folder = write_trace(root / "trace", args.records)
         size = sum(f.stat().st_size for f in folder.glob("trace_steps_*"))
         print(f"loadavg before: {loadavg()} ({os.cpu_count()} cores)")
-        base_wall, base_cpu, n = best("validator", folder, root, args.repeat)
+        base = paired("validator", folder, root, 1, 1, 1)  # a warm-up, and the record count
+        n = int(base["n"])
         print(
             f"{n} records, {size / n / 1024:.1f} KB each, 61 layers, top-2048, block 64 "
             f"({size / 2**20:.0f} MiB)"
         )
-        print(
-            f"{'stage':<34} {'rec/s wall':>11} {'x validator':>11} {'rec/s cpu':>10} {'x':>6} {'same':>6}"
-        )
-        print(f"{'validator (analyze, baseline)':<34} {base_wall:>11.0f} {1:>11.2f} {base_cpu:>10.0f} {1:>6.2f} {1:>6.2f}")  # fmt: skip
         labels = {
             "scan": "scan (parse + per-record checks)",
             "whatif": f"what-if at {','.join(map(str, SIZES))}",
@@ -115,18 +135,21 @@ def main() -> None:
             "csv": "export csv",
             "tiers-lru": "tiers lru, 4096 blocks",
         }
-        same = base_wall  # the validator on as many workers as the stage
+        head = f"{'stage':<34} {'rec/s wall':>11} {'x validator':>11} {'rec/s cpu':>10} {'x':>6}"
         for workers in sorted({1, max(1, args.workers)}):
             print(
-                f"-- {workers} worker{'s' if workers > 1 else ''} (x: the 1-worker validator; "
-                "same: the validator on as many workers)"
+                f"-- {workers} worker{'s' if workers > 1 else ''}: each stage run in turn with "
+                f"the validator on {workers}, {args.repeat} times (x: the median ratio of the pairs)"
             )
-            stages = {"validator": "validator (analyze)", **labels} if workers > 1 else labels
+            print(head)
+            stages = labels
+            if workers > 1:  # (the scan alone is one process's)
+                rest = {k: v for k, v in labels.items() if k != "scan"}
+                stages = {"validator": "validator (against it on 1 worker)", **rest}
             for name, label in stages.items():
-                wall, cpu, _ = best(name, folder, root, args.repeat, workers)
-                if name == "validator":
-                    same = wall
-                print(f"{label:<34} {wall:>11.0f} {wall / base_wall:>11.2f} {cpu:>10.0f} {cpu / base_cpu:>6.2f} {wall / same:>6.2f}")  # fmt: skip
+                base_workers = 1 if name == "validator" else workers
+                got = paired(name, folder, root, args.repeat, workers, base_workers)
+                print(f"{label:<34} {got['wall']:>11.0f} {got['x_wall']:>11.2f} {got['cpu']:>10.0f} {got['x_cpu']:>6.2f}")  # fmt: skip
         if args.workers > 1:
             from bench_dsa_analyze import cpu_scaling
 
