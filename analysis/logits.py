@@ -254,9 +254,11 @@ class _LineParser:
     def _fast(self, lineno: int, raw: bytes) -> tuple[int, int, np.ndarray] | None:
         """The common line, read by simdjson; None sends the line to the exact path."""
         assert self._simd is not None
-        if raw.count(b"[") != 1:
-            # as_buffer flattens nested arrays: only a flat line is taken here (an object in
-            # the array is refused by as_buffer itself)
+        # as_buffer flattens nested arrays: only a line with one "[" is taken here (an object
+        # in the array is refused by as_buffer itself); two finds (memchr), where a count
+        # looks at every byte of the line
+        first = raw.find(b"[")
+        if first < 0 or raw.find(b"[", first + 1) >= 0:
             return None
         try:
             doc = self._simd.parse(raw)

@@ -248,6 +248,10 @@ def bad_line(tmp_path: Path, index: int, text: str, *fragments: str) -> InputErr
         ('{"token_idx": 2, "token_id": 1, "logits": [false, 1, 2]}', ("logits[0] is a boolean",)),
         ('{"token_idx": 2, "token_id": 1, "logits": [0.5, null, 2]}', ("logits[1] is a null",)),
         ('{"token_idx": 2, "token_id": 1, "logits": [0.5, [1], 2]}', ("logits[1] is a array",)),
+        # (simdjson's buffer would flatten these: a line with a second "[" anywhere is read
+        # exactly)
+        ('{"token_idx": 2, "token_id": 1, "logits": [[0.5], 1, 2]}', ("logits[0] is a array",)),
+        ('{"token_idx": 2, "token_id": 1, "logits": [0.5, 1, [2]]}', ("logits[2] is a array",)),
         (
             '{"token_idx": 2, "token_id": 1, "logits": [0.5, 1, 2, 3]}',
             ("4 values but line 1 had 3",),
