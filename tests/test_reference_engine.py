@@ -312,6 +312,36 @@ def test_the_engine_cli_names_its_commands_and_refuses_any_other_module() -> Non
     assert "--kv-aligned" in finish(engine("equivalence", "--help"))
 
 
+@pytest.mark.parametrize(
+    ("body", "rc", "out"),
+    [
+        # done: atexit handlers run and stdout is flushed before the fast exit
+        ("print('x', end=''); atexit.register(lambda: print(' atexit'))", 0, "x atexit\n"),
+        # a thread still running: Python's own shutdown waits for it
+        (
+            "threading.Thread(target=lambda: (time.sleep(0.2), print('thread'))).start()",
+            0,
+            "thread\n",
+        ),  # fmt: skip
+        ("print('failed')", 2, "failed\n"),  # any other end: Python's own shutdown
+        ("print('lost', end=''); os.close(1)", 120, ""),  # stdout not flushed: as Python says
+    ],
+)
+def test_the_engine_ends_as_python_would_only_sooner(body: str, rc: int, out: str) -> None:
+    code = (
+        "import atexit, os, sys, threading, time\n"
+        "from runners.reference.__main__ import finish\n"
+        f"{body}\n"
+        f"finish({rc if rc != 120 else 0})\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stdout buffered
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=patience(60),
+    )  # fmt: skip
+    assert (done.returncode, done.stdout) == (rc, out), done.stderr
+
+
 # -- packaging -------------------------------------------------------------------------------
 
 

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import argparse
 import ast
+import atexit
 import importlib
+import os
 import sys
+import threading
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -80,5 +83,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def finish(code: int) -> None:
+    """Ends the engine. Done (0), with no other thread: what Python's shutdown does that anyone
+    sees (atexit handlers, the standard streams flushed; a failed flush is exit 120, as there),
+    then os._exit. The rest of that shutdown is freeing torch's modules object by object, ~0.3 s
+    of CPU at the end of every cell here, after every output file was closed. Any other end
+    (an error, an interrupt, a thread still running) gets Python's own shutdown."""
+    if code != 0 or threading.active_count() > 1:
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            code = 120
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    finish(main())
