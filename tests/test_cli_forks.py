@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -174,3 +175,48 @@ def test_communicate_after_the_command_ended_gives_its_output_as_popen_does(
     assert proc.wait(timeout=60) == 2
     out, err = proc.communicate(timeout=60)
     assert out == "" and "no_such_preset" in err
+
+
+END_CASES = [
+    # (what the command does before its end, its exit code, stdout, stderr) as Python ends it
+    ("print('out', end='')", "0", "out", ""),
+    ("pass", "None", "", ""),
+    ("pass", "3", "", ""),
+    ("pass", "'words'", "", "words\n"),
+    ("atexit.register(lambda: print('atexit'))", "0", "atexit\n", ""),
+    (
+        "threading.Thread(target=lambda: (time.sleep(0.2), print('thread'))).start()",
+        "0",
+        "thread\n",
+        "",
+    ),  # fmt: skip
+    # garbage the command left, whose finalizer speaks: it still does
+    (
+        "gc.disable(); G = type('G', (), {'__del__': lambda s: print('finalized')}); g = G(); g.me = g; del g",
+        "0",
+        "finalized\n",
+        "",
+    ),  # fmt: skip
+]
+
+
+@pytest.mark.parametrize(("before", "code", "out", "err"), END_CASES)
+def test_a_forked_command_ends_as_the_interpreter_would_end_it(
+    before: str, code: str, out: str, err: str
+) -> None:
+    """cli_forks._end (os._exit after what shutdown does that anyone sees) against the
+    interpreter's own end, on the same few lines: the same code, stdout and stderr."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env["PYTHONPATH"] = str(ROOT / "tests")
+    head = "import atexit, gc, sys, threading, time\n" + before + "\n"
+    ends = {
+        "python": head + f"sys.exit({code})\n",
+        "_end": head + f"import cli_forks; cli_forks._end({code})\n",
+    }
+    for how, source in ends.items():
+        done = subprocess.run(
+            [sys.executable, "-c", source], env=env, capture_output=True, text=True, timeout=60
+        )
+        got = (done.returncode, done.stdout, done.stderr)
+        rc = {"None": 0, "'words'": 1}[code] if code in ("None", "'words'") else int(code)
+        assert got == (rc, out, err), (how, got)
