@@ -95,6 +95,7 @@ HOST_JUDGING = HostJudging(
     modules=(
         "analysis/__init__.py",
         "analysis/json_once.py",
+        "analysis/high_percentile.py",
         "analysis/logits.py",
         "analysis/parallel.py",
         "analysis/equivalence.py",

@@ -1,0 +1,96 @@
+"""high_percentile: np.percentile's own value, read off the top of the array."""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+
+import analysis.high_percentile as hp
+from analysis.high_percentile import high_percentile
+
+SIZES = (1 << 16, (1 << 16) + 1, 100_003, 1 << 20)
+
+
+def misleading(n: int) -> np.ndarray:
+    """Under 1% large values, all where the sample looks: a quarter of the sample is large."""
+    values = np.zeros(n, np.float32)
+    values[:: 4 * (n // (1 << 15))] = 5.0
+    return values
+
+
+def arrays(rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
+    sampled_only = misleading(n)
+    few = np.zeros(n, np.float32)
+    few[rng.integers(0, n, 50)] = 1.0
+    return {
+        "|Δ|-like": np.abs(rng.normal(0, 1e-4, n)).astype(np.float32),
+        "ties": np.round(np.abs(rng.normal(0, 3, n))).astype(np.float32),
+        "mostly zero": few,
+        "sorted": np.sort(np.abs(rng.normal(0, 1, n))).astype(np.float32),
+        "sorted down": np.sort(np.abs(rng.normal(0, 1, n)))[::-1].astype(np.float32),
+        "sampled only": sampled_only,
+        "heavy tail, float64": np.abs(rng.standard_cauchy(n)),
+        "signed, subnormal": (rng.normal(0, 1, n) * 1e-40).astype(np.float32),
+    }
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_it_is_numpys_percentile_bit_for_bit(n: int) -> None:
+    rng = np.random.default_rng(n)
+    for name, values in arrays(rng, n).items():
+        for q in (90, 95, 99, 100):
+            want = float(np.percentile(values.copy(), q))
+            assert high_percentile(values.copy(), q) == want, (name, n, q)
+
+
+class _NoFullPercentile(ModuleType):
+    """numpy, but np.percentile is refused: the top was not enough."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "percentile":
+            raise AssertionError("partitioned the whole array")
+        return getattr(np, name)
+
+
+def test_only_the_top_is_read_when_the_sample_is_fair(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(7)
+    values = np.abs(rng.normal(0, 1e-4, 1 << 20)).astype(np.float32)
+    want = float(np.percentile(values.copy(), 99))
+    monkeypatch.setattr(hp, "np", _NoFullPercentile("numpy"))
+    assert high_percentile(values, 99) == want
+
+
+def test_a_sample_that_misleads_falls_back_to_the_whole_array(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    values = misleading(1 << 20)
+    want = float(np.percentile(values.copy(), 99))
+    monkeypatch.setattr(hp, "np", _NoFullPercentile("numpy"))
+    with pytest.raises(AssertionError, match="partitioned the whole array"):
+        high_percentile(values, 99)
+    monkeypatch.undo()
+    assert high_percentile(values, 99) == want == 0.0
+
+
+def test_the_lerp_rounds_as_numpys_on_either_side_of_one_half() -> None:
+    # The k-th and (k+1)-th smallest set by hand, far apart in magnitude, so that numpy's two
+    # lerp forms (a + d t below t = 1/2, b - d (1 - t) from it) round differently.
+    rng = np.random.default_rng(3)
+    for n in (65_536, 65_551, 70_001, 99_999):
+        k = int(np.floor((n - 1) * 0.99))
+        for _ in range(40):
+            lo, hi = np.sort(rng.uniform(0, 1, 2) * 10.0 ** rng.integers(-6, 3, 2)).astype(
+                np.float32
+            )
+            values = np.zeros(n, np.float32)
+            values[k] = lo
+            values[k + 1 :] = hi
+            rng.shuffle(values)
+            assert high_percentile(values.copy(), 99) == float(np.percentile(values, 99)), (
+                n,
+                lo,
+                hi,
+            )
