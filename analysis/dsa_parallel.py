@@ -170,13 +170,7 @@ class Workers:
         return _Worker(pid, os.fdopen(down_w, "wb"), os.fdopen(up_r, "rb"))
 
     def _spawn(self) -> _Worker:
-        env = dict(os.environ)
-        if parallel.HELPER_COMMAND is not None:
-            argv = [*parallel.HELPER_COMMAND, "analysis.dsa_parallel"]
-        else:
-            root = parallel._PACKAGE_ROOT
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-            argv = [sys.executable, "-c", _CHILD]
+        argv, env = parallel.helper_start("analysis.dsa_parallel", _CHILD)
         proc = subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
         )

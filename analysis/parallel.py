@@ -11,11 +11,14 @@ use, so it runs the same on a host that was shipped analysis/ alone.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
+import queue
 import struct
 import subprocess
 import sys
+import threading
 from collections.abc import Generator
 from pathlib import Path
 from typing import BinaryIO
@@ -34,6 +37,18 @@ _CHILD = "import sys; from analysis.parallel import serve_side; serve_side(sys.a
 # judge on a target (runners/hosted/boot.py) sets the command it was itself run with, so the
 # helper, too, runs isolated from checked bytes; the module and the file are appended.
 HELPER_COMMAND: list[str] | None = None
+
+
+def helper_start(module: str, child: str, *args: str) -> tuple[list[str], dict[str, str]]:
+    """The argv and environment of a helper process that runs `module` (`child` as `-c` code)."""
+    env = dict(os.environ)
+    # numpy's OpenBLAS starts a thread at import that spins for ~0.1 s of CPU waiting for work,
+    # as much as a helper's own start; a helper multiplies no matrices, so it goes without.
+    env["OPENBLAS_NUM_THREADS"] = "1"
+    if HELPER_COMMAND is not None:
+        return [*HELPER_COMMAND, module, *args], env
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+    return [sys.executable, "-c", child, *args], env
 
 
 def serve_side(path: str) -> None:
@@ -69,14 +84,25 @@ def _read_exact(stream: BinaryIO, n: int) -> bytes | None:
     return data if len(data) == n else None
 
 
+# Rows the helper may run ahead of the comparison: a pipe holds a tenth of one 128k-vocab row,
+# so without this the helper waited on every row for the comparison to take it.
+_AHEAD = 8
+
+
+def _frames(stream: BinaryIO, out: queue.Queue[tuple[bytes, bytes | None]]) -> None:
+    """On a thread: the helper's frames, in order, until its end or the pipe's."""
+    while True:
+        frame = _read_exact(stream, _FRAME.size)
+        tag, size = _FRAME.unpack(frame) if frame else (b"", 0)
+        payload = _read_exact(stream, size) if frame else None
+        out.put((tag, payload))
+        if payload is None or tag in (_DONE, _ERROR):
+            return
+
+
 def iter_logits_elsewhere(path: str | Path) -> Generator[LogitsRow, None, None]:
     """iter_logits(path), read by a helper process: the same rows, the same errors."""
-    env = dict(os.environ)
-    if HELPER_COMMAND is not None:
-        argv = [*HELPER_COMMAND, "analysis.parallel", str(path)]
-    else:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
-        argv = [sys.executable, "-c", _CHILD, str(path)]
+    argv, env = helper_start("analysis.parallel", _CHILD, str(path))
     helper = subprocess.Popen(
         argv,
         stdin=subprocess.DEVNULL,
@@ -85,11 +111,14 @@ def iter_logits_elsewhere(path: str | Path) -> Generator[LogitsRow, None, None]:
         env=env,
     )
     assert helper.stdout is not None and helper.stderr is not None
+    frames: queue.Queue[tuple[bytes, bytes | None]] = queue.Queue(maxsize=_AHEAD)
+    reader = threading.Thread(
+        target=_frames, args=(helper.stdout, frames), name=f"rows of {path}", daemon=True
+    )
+    reader.start()
     try:
         while True:
-            frame = _read_exact(helper.stdout, _FRAME.size)
-            tag, size = _FRAME.unpack(frame) if frame else (b"", 0)
-            payload = _read_exact(helper.stdout, size) if frame else None
+            tag, payload = frames.get()
             if payload is None:
                 helper.wait()
                 said = helper.stderr.read().decode("utf-8", "replace").strip()[-400:]
@@ -108,5 +137,11 @@ def iter_logits_elsewhere(path: str | Path) -> Generator[LogitsRow, None, None]:
         if helper.poll() is None:
             helper.kill()  # the caller stopped early
         helper.wait()
+        # The reader ends at the pipe's end, which the helper's death brings; a full queue
+        # would hold it, so take what it still puts.
+        while reader.is_alive():
+            with contextlib.suppress(queue.Empty):
+                frames.get(timeout=0.05)
+        reader.join()
         helper.stdout.close()
         helper.stderr.close()

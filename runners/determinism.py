@@ -9,7 +9,8 @@ from runners.templates import render_plain
 PROFILES: dict[str, dict[str, str]] = {
     "rocm": {"HIP_LAUNCH_BLOCKING": "1", "AMD_SERIALIZE_KERNEL": "3", "HSA_ENABLE_SDMA": "0"},
     "cuda": {"CUDA_LAUNCH_BLOCKING": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"},
-    "cpu": {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
+    # Each CPU BLAS on one thread: a threaded sum splits in an order set by the thread count.
+    "cpu": {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"},
     "none": {},
 }
 

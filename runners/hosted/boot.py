@@ -107,6 +107,9 @@ def site_packages():
 
 
 def main():
+    # Before numpy loads: its OpenBLAS would start a thread that spins for ~0.1 s of CPU at
+    # import, waiting for work; no judge multiplies matrices.
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
     site_packages()
     if sys.argv[1] == "--imports":  # plan --check: can this python import what judging needs?
         for name in sys.argv[2:]:  # and can the login user (the engine's) change what it found?

@@ -1,0 +1,93 @@
+"""analysis.parallel: one side of a B3.67 pair read by a helper process that runs ahead."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from analysis import parallel
+from analysis.logits import InputError, iter_logits
+from analysis.parallel import iter_logits_elsewhere
+
+pytestmark = pytest.mark.e2e  # starts processes: out of the fast tier
+
+# Rows of 50,000 floats: far more than the pipe and the rows the helper may run ahead hold.
+T, V = 24, 50_000
+
+
+def write_side(path: Path, rows: int = T, broken_at: int | None = None) -> np.ndarray:
+    rng = np.random.default_rng(5)
+    logits = rng.normal(0.0, 3.0, (rows, V)).astype(np.float32)
+    with gzip.open(path, "wt", compresslevel=1) as fh:
+        for i, row in enumerate(logits):
+            key = "token_ix" if i == broken_at else "token_idx"
+            fh.write(json.dumps({key: i, "token_id": 1, "logits": row.tolist()}) + "\n")
+    return logits
+
+
+def children() -> set[int]:
+    found: set[int] = set()
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/children") as fh:
+            found |= {int(pid) for pid in fh.read().split()}
+    return found
+
+
+def readers() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("rows of ")]
+
+
+def test_the_helper_gives_the_rows_and_errors_of_reading_here(tmp_path: Path) -> None:
+    side = tmp_path / "logits.jsonl.gz"
+    logits = write_side(side)
+    here = [(r.line, r.token_idx, r.token_id, r.logits.tobytes()) for r in iter_logits(side)]
+    there = [
+        (r.line, r.token_idx, r.token_id, r.logits.tobytes()) for r in iter_logits_elsewhere(side)
+    ]
+    assert there == here and len(there) == T
+    assert np.frombuffer(there[-1][3], np.float32).tolist() == logits[-1].tolist()
+    write_side(side, broken_at=T - 2)
+    with pytest.raises(InputError) as here_error:
+        list(iter_logits(side))
+    with pytest.raises(InputError) as there_error:
+        list(iter_logits_elsewhere(side))
+    assert str(there_error.value) == str(here_error.value)
+    assert f"logits.jsonl.gz:{T - 1}" in str(there_error.value)
+    assert readers() == []
+
+
+def test_stopping_early_ends_the_helper_and_its_reader(tmp_path: Path) -> None:
+    side = tmp_path / "logits.jsonl.gz"
+    write_side(side)
+    before = children()
+    rows = iter_logits_elsewhere(side)
+    next(rows)
+    # The helper runs ahead until the rows it may hold and the pipe are full; the reader then
+    # waits on a full queue. Closing must still end both.
+    assert children() - before, "the helper should be running"
+    rows.close()
+    assert children() == before
+    assert readers() == []
+
+
+def test_a_helper_that_dies_mid_row_is_an_error_never_a_short_side(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    side = tmp_path / "logits.jsonl.gz"
+    write_side(side, rows=2)
+    dies = (
+        "import struct, sys; out = sys.stdout.buffer; "
+        "out.write(struct.pack('<cQ', b'R', 24 + 4 * 50000) + b'x' * 1000); out.flush(); "
+        "sys.stderr.write('killed by the test'); sys.exit(9)"
+    )
+    monkeypatch.setattr(parallel, "HELPER_COMMAND", [sys.executable, "-c", dies])
+    with pytest.raises(RuntimeError, match=r"ended without a word \(exit 9\): killed by the test"):
+        list(iter_logits_elsewhere(side))
+    assert readers() == []
