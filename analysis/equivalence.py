@@ -196,6 +196,8 @@ class _PairJudge:
     max_rel: float = 0.0
     max_rel_at: tuple[int, int] | None = None
     _diffs: np.ndarray | None = None
+    _scratch: np.ndarray = field(default_factory=lambda: np.empty((2, 0), np.float32))
+    _products: np.ndarray = field(default_factory=lambda: np.empty(0, np.float64))
 
     def add(
         self,
@@ -219,6 +221,8 @@ class _PairJudge:
         if self._diffs is None:
             self.vocab = a.shape[0]
             self._diffs = np.empty(max(self.capacity, 1) * self.vocab, dtype=np.float32)
+            self._scratch = np.empty((2, self.vocab), dtype=np.float32)
+            self._products = np.empty(self.vocab, dtype=np.float64)
         if a.shape != b.shape:
             raise InputError(
                 self.prefill_path,
@@ -253,7 +257,7 @@ class _PairJudge:
             # compare; every later token follows a different prefix and cannot.
             self.diverged_at = token_idx
         self.agree += argmax_a == argmax_b
-        self.cosines.append(_cosine(a, b))
+        self.cosines.append(_cosine(a, b, self._products))
         if row_max > self.max_value:
             self.max_value = row_max
             self.max_at = (token_idx, at, float(a[at]), float(b[at]))
@@ -274,10 +278,16 @@ class _PairJudge:
 
     def _relative(self, a: np.ndarray, b: np.ndarray, diff: np.ndarray, token_idx: int) -> None:
         """Track the largest |Δ| / max(|a|, |b|) (two zeros compare as equal)."""
-        scale = np.maximum(np.abs(a), np.abs(b))
+        scale, rel = self._scratch[0], self._scratch[1]
+        np.abs(a, out=scale)
+        np.abs(b, out=rel)
+        np.maximum(scale, rel, out=scale)
         with np.errstate(divide="ignore", invalid="ignore"):
-            rel = np.where(scale > 0, diff / scale, 0.0)
-        at = int(np.argmax(rel))
+            np.divide(diff, scale, out=rel)
+            at = int(np.argmax(rel))
+            if np.isnan(rel[at]):  # 0 / 0 where both sides are 0 (argmax stops at a NaN)
+                rel = np.where(scale > 0, rel, np.float32(0.0))
+                at = int(np.argmax(rel))
         if float(rel[at]) > self.max_rel:
             self.max_rel = float(rel[at])
             self.max_rel_at = (token_idx, at)
@@ -422,16 +432,22 @@ def _greedy_divergence(a: np.ndarray, b: np.ndarray, id_a: int, id_b: int) -> bo
     return bool(a[id_a] == a.max() and b[id_b] == b.max())
 
 
-def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+def _cosine(a: np.ndarray, b: np.ndarray, scratch: np.ndarray | None = None) -> float:
     """Seed section 8's cos_sim of one token, in float64 as the seed computes it; two zero rows
     count as identical. The sums are numpy's own pairwise ones, not np.dot's: BLAS picks its
     kernel by CPU (and OPENBLAS_CORETYPE), each summing in its own order, so the same rows gave
-    different last digits on the host that judged and on the console."""
-    a64, b64 = a.astype(np.float64), b.astype(np.float64)  # float32 products are exact here
-    norms = math.sqrt(np.add.reduce(a64 * a64)) * math.sqrt(np.add.reduce(b64 * b64))
+    different last digits on the host that judged and on the console. `scratch`: a float64 row
+    to reuse for the products."""
+    work = np.empty(a.shape[0], np.float64) if scratch is None else scratch
+
+    def dot(x: np.ndarray, y: np.ndarray) -> float:
+        np.multiply(x, y, out=work, dtype=np.float64)  # float32 products are exact in float64
+        return float(np.add.reduce(work))
+
+    norms = math.sqrt(dot(a, a)) * math.sqrt(dot(b, b))
     if norms == 0:
         return 1.0 if np.array_equal(a, b) else 0.0
-    return float(np.add.reduce(a64 * b64) / norms)
+    return dot(a, b) / norms
 
 
 def _result(

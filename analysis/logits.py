@@ -157,8 +157,7 @@ class _GzipLines:
         )
 
     def _inflate(self) -> None:
-        pending = bytearray()
-        scan_from = 0
+        parts: list[memoryview] = []  # the pieces of a line that began in earlier output
         lineno = 0
         members = 0
         fed = False  # bytes given to the current member's decompressor
@@ -180,32 +179,32 @@ class _GzipLines:
                         data = inflater.unused_data + data
                         inflater = _inflate_lib.decompressobj(31)
                         fed = False
-                    if not out:
-                        continue
-                    pending += out
+                    # Each byte is copied once, into its line (a join of views, or a slice).
                     start = 0
                     while True:
-                        end = pending.find(b"\n", scan_from)
+                        end = out.find(b"\n", start)
                         if end < 0:
-                            scan_from = len(pending)
+                            if start < len(out):
+                                parts.append(memoryview(out)[start:])
                             break
                         lineno += 1
-                        with memoryview(pending) as view:
-                            line = view[start:end].tobytes()
+                        if parts:
+                            parts.append(memoryview(out)[start:end])
+                            line = b"".join(parts)
+                            parts.clear()
+                        else:
+                            line = out[start:end]
                         if not self._put((lineno, line)):
                             return
-                        start = scan_from = end + 1
-                    if start:
-                        del pending[:start]
-                        scan_from -= start
+                        start = end + 1
         if self._stop.is_set():
             return
         if members == 0 and not fed:
             raise InputError(self.path, None, "empty file (0 bytes)", RERUN_HINT)
         if fed:
             raise self._corrupt(lineno, "the stream is truncated (no gzip end-of-stream)")
-        if pending:
-            self._put((lineno + 1, bytes(pending)))
+        if parts:
+            self._put((lineno + 1, b"".join(parts)))
 
 
 # ---------------------------------------------------------------- line parsing
@@ -278,10 +277,12 @@ class _LineParser:
             return None
         if not 0 <= tid < n:
             return None
-        with np.errstate(over="ignore"):
+        with np.errstate(over="ignore", invalid="ignore"):
             row32 = row.astype(np.float32)
-        if not np.isfinite(row32).all():
-            return None
+            # A finite sum has no inf or NaN among its terms (one pass, no array of flags); a
+            # sum that overflows is looked at value by value.
+            if not np.isfinite(np.add.reduce(row32)) and not np.isfinite(row32).all():
+                return None
         self.vocab = n
         self.next_idx += 1
         return idx, tid, row32

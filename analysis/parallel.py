@@ -55,13 +55,15 @@ def serve_side(path: str) -> None:
     """In the helper: every row of the file on stdout, then the end, or the error."""
     out = sys.stdout.buffer
 
-    def send(tag: bytes, payload: bytes) -> None:
-        out.write(_FRAME.pack(tag, len(payload)))
-        out.write(payload)
+    def send(tag: bytes, *payload: bytes | memoryview) -> None:
+        out.write(_FRAME.pack(tag, sum(len(p) for p in payload)))
+        for part in payload:
+            out.write(part)  # a row's logits go from its array to the pipe, not through copies
 
     try:
         for row in iter_logits(path):
-            send(_ROW, _HEAD.pack(row.line, row.token_idx, row.token_id) + row.logits.tobytes())
+            head = _HEAD.pack(row.line, row.token_idx, row.token_id)
+            send(_ROW, head, memoryview(row.logits).cast("B"))
     except InputError as exc:
         send(_ERROR, pickle.dumps(exc))
     except BrokenPipeError:

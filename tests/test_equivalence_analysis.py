@@ -163,6 +163,13 @@ def test_the_fast_and_the_exact_line_readers_agree_value_for_value() -> None:
     assert fast[:2] == exact[:2]
     assert fast[2].dtype == exact[2].dtype == np.float32
     assert fast[2].tobytes() == exact[2].tobytes()
+    # Finite values whose float32 sum overflows: still the fast path's, value for value.
+    raw = json.dumps({"token_idx": 0, "token_id": 0, "logits": [3.4e38, 3.4e38, 1.0]}).encode()
+    fast = _LineParser("f")._fast(1, raw)
+    assert fast is not None and fast[2].tobytes() == _LineParser("e")._exact(1, raw)[2].tobytes()
+    # Beyond float32: not the fast path's (the exact one names the value).
+    raw = json.dumps({"token_idx": 0, "token_id": 0, "logits": [1.0, 1e39]}).encode()
+    assert _LineParser("f")._fast(1, raw) is None
 
 
 def test_corrupt_gzip_names_the_file(tmp_path: Path) -> None:
@@ -971,3 +978,40 @@ def test_cosine_is_the_seeds_float64_cosine() -> None:
     assert _cosine(a, b) == pytest.approx(exact, rel=1e-14, abs=0)
     assert _cosine(np.zeros(4, np.float32), np.zeros(4, np.float32)) == 1.0
     assert _cosine(np.zeros(4, np.float32), np.ones(4, np.float32)) == 0.0
+
+
+def test_relative_diff_and_cosine_are_the_plain_formulas_bit_for_bit() -> None:
+    """The judge computes in reused buffers; its numbers are the plain numpy formulas' own,
+    including rows with 0 on both sides (0 / 0 counts as equal), 0 on one side, subnormals."""
+    rng = np.random.default_rng(11)
+    t, v = 6, 4096
+    a = rng.normal(0.0, 3.0, (t, v)).astype(np.float32)
+    a += np.where(a < 0, -0.5, 0.5).astype(np.float32)  # no sign flips below: rel Δ << 1
+    b = (a + rng.normal(0.0, 1e-3, (t, v))).astype(np.float32)
+    a[1, :100] = b[1, :100] = 0.0  # both zero: a NaN for a bare division, in the row...
+    a[1, 200], b[1, 200] = 1.0, -1.0  # ...that holds the largest relative Δ (2)
+    a[2, 5] = 0.0  # zero on one side only: a relative Δ of 1
+    a[3, :50] = b[3, :50] = 1e-40  # subnormal, equal
+    b[3, 50] = 3e-41
+    a[4] = b[4] = 0.0  # a whole row of zeros on both sides
+    ids = np.argmax(a, axis=1)
+    result = compare_pair(table("p", a, ids), table("d", b, ids), seed=0, kv_aligned=0, **PAIR_KW)
+    best, best_at, cosines = 0.0, None, []
+    for i in range(t):
+        diff = np.abs(a[i] - b[i])
+        scale = np.maximum(np.abs(a[i]), np.abs(b[i]))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rel = np.where(scale > 0, diff / scale, 0.0)
+        if float(rel.max()) > best:
+            best, best_at = float(rel.max()), (i, int(np.argmax(rel)))
+        a64, b64 = a[i].astype(np.float64), b[i].astype(np.float64)
+        norms = math.sqrt(np.add.reduce(a64 * a64)) * math.sqrt(np.add.reduce(b64 * b64))
+        cosines.append(1.0 if norms == 0 else float(np.add.reduce(a64 * b64) / norms))
+    p = result.precision
+    assert p is not None
+    assert (p["max_rel_diff"], p["max_rel_diff_at"]) == (
+        best,
+        {"token_idx": best_at[0], "vocab_index": best_at[1]},
+    )
+    assert best == 2.0 and best_at == (1, 200)
+    assert result.metrics["cos_sim_mean"] == float(np.mean(np.asarray(cosines, np.float64)))
