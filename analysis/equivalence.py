@@ -8,7 +8,7 @@ agree, cos_sim_mean as the mean of the per-token cosines.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from analysis.high_percentile import high_percentile
-from analysis.logits import InputError, LogitsTable, iter_logits
-from analysis.parallel import iter_logits_elsewhere
+from analysis.logits import InputError, LogitsRow, LogitsTable, iter_logits
+from analysis.parallel import SideRows, iter_logits_elsewhere
 
 THRESHOLDS: dict[str, float] = {
     "p99_abs_diff_max": 1e-3,
@@ -578,6 +578,7 @@ def compare_files(
         capacity=min(max(gen_len, 1), 1024),  # a hint: the buffer grows if T is larger
     )
     rows_a = iter_logits(prefill_path)
+    rows_b: SideRows | Generator[LogitsRow, None, None]
     rows_b = iter_logits_elsewhere(decode_path) if workers >= 2 else iter_logits(decode_path)
     try:
         while True:

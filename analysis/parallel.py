@@ -3,23 +3,27 @@ row by row, while this process reads the other side and compares (parsing holds 
 threads would not help). Memory stays O(V) per side: a row is handed over only when the
 comparison is ready for it (the pipe is the back-pressure).
 
-The helper is a plain `python -c` child, not multiprocessing: it needs no resource tracker
-(which cannot start inside a Textual app, whose stderr has no file descriptor) and shares no
-lock with this process's threads. It imports only this package, numpy and what logits.py can
-use, so it runs the same on a host that was shipped analysis/ alone.
+The helper is forked where this process runs one thread (it starts at once, its modules loaded,
+a judge on a target keeping its checked ones); else it is a plain `python -c` child, not
+multiprocessing: it needs no resource tracker (which cannot start inside a Textual app, whose
+stderr has no file descriptor) and shares no lock with this process's threads. It imports only
+this package, numpy and what logits.py can use, so it runs the same on a host that was shipped
+analysis/ alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import pickle
 import queue
+import signal
 import struct
 import subprocess
 import sys
 import threading
-from collections.abc import Generator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -51,9 +55,15 @@ def helper_start(module: str, child: str, *args: str) -> tuple[list[str], dict[s
     return [sys.executable, "-c", child, *args], env
 
 
-def serve_side(path: str) -> None:
-    """In the helper: every row of the file on stdout, then the end, or the error."""
-    out = sys.stdout.buffer
+def forkable() -> bool:
+    """May a helper be forked from this process? Only where it runs one thread: a fork beside
+    other threads could inherit a lock one of them holds."""
+    return hasattr(os, "fork") and threading.active_count() == 1
+
+
+def serve_side(path: str, out: BinaryIO | None = None) -> None:
+    """In the helper: every row of the file on `out` (stdout), then the end, or the error."""
+    out = sys.stdout.buffer if out is None else out
 
     def send(tag: bytes, *payload: bytes | memoryview) -> None:
         out.write(_FRAME.pack(tag, sum(len(p) for p in payload)))
@@ -102,48 +112,126 @@ def _frames(stream: BinaryIO, out: queue.Queue[tuple[bytes, bytes | None]]) -> N
             return
 
 
-def iter_logits_elsewhere(path: str | Path) -> Generator[LogitsRow, None, None]:
-    """iter_logits(path), read by a helper process: the same rows, the same errors."""
-    argv, env = helper_start("analysis.parallel", _CHILD, str(path))
-    helper = subprocess.Popen(
-        argv,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=env,
-    )
-    assert helper.stdout is not None and helper.stderr is not None
-    frames: queue.Queue[tuple[bytes, bytes | None]] = queue.Queue(maxsize=_AHEAD)
-    reader = threading.Thread(
-        target=_frames, args=(helper.stdout, frames), name=f"rows of {path}", daemon=True
-    )
-    reader.start()
-    try:
-        while True:
-            tag, payload = frames.get()
-            if payload is None:
-                helper.wait()
-                said = helper.stderr.read().decode("utf-8", "replace").strip()[-400:]
-                raise RuntimeError(
-                    f"{path}: the reading process ended without a word (exit {helper.returncode})"
-                    + (f": {said}" if said else "; out of memory?")
-                )
-            if tag == _DONE:
-                return
-            if tag == _ERROR:
-                raise pickle.loads(payload)
+class _Helper:
+    """The reading process: its pid, the pipe of its frames, and its stderr where spawned."""
+
+    def __init__(self, path: str, fork: bool) -> None:
+        self.popen: subprocess.Popen[bytes] | None = None
+        self.status: int | None = None
+        if fork:
+            down_r, down_w = os.pipe()
+            self.pid = os.fork()
+            if self.pid == 0:  # the helper: never returns into the caller's code
+                # A collection would write to every object shared with the parent, copying
+                # their pages; the helper makes no cycles worth finding before it exits.
+                gc.disable()
+                code = 0
+                try:
+                    os.close(down_r)
+                    with os.fdopen(down_w, "wb") as out:
+                        serve_side(path, out)
+                except BaseException:
+                    code = 3
+                finally:
+                    os._exit(code)
+            os.close(down_w)
+            self.stdout: BinaryIO = os.fdopen(down_r, "rb")
+            self.stderr: BinaryIO | None = None  # a forked helper writes to this one's
+            return
+        argv, env = helper_start("analysis.parallel", _CHILD, path)
+        self.popen = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+        )
+        assert self.popen.stdout is not None
+        self.pid, self.stdout, self.stderr = self.popen.pid, self.popen.stdout, self.popen.stderr
+
+    def wait(self, kill: bool = False) -> int:
+        """Its exit code; `kill`: SIGKILL it first if it still runs."""
+        if self.status is None and kill and self._running():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+        if self.status is None:
+            if self.popen is not None:
+                self.status = self.popen.wait()
+            else:
+                self.status = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.status
+
+    def _running(self) -> bool:
+        if self.popen is not None:
+            return self.popen.poll() is None
+        pid, status = os.waitpid(self.pid, os.WNOHANG)
+        if pid == 0:
+            return True
+        self.status = os.waitstatus_to_exitcode(status)
+        return False
+
+    def said(self) -> str:
+        if self.stderr is None:
+            return ""
+        return self.stderr.read().decode("utf-8", "replace").strip()[-400:]
+
+    def close(self) -> None:
+        self.stdout.close()
+        if self.stderr is not None:
+            self.stderr.close()
+
+
+class SideRows:
+    """iter_logits(path), read by a helper process that starts at once: the same rows, the same
+    errors. close() ends the helper and its reader, whether or not a row was taken."""
+
+    def __init__(self, path: str | Path, fork: bool | None = None) -> None:
+        self.path = str(path)
+        self.helper = _Helper(self.path, forkable() if fork is None else fork)
+        self.frames: queue.Queue[tuple[bytes, bytes | None]] = queue.Queue(maxsize=_AHEAD)
+        self.reader = threading.Thread(
+            target=_frames, args=(self.helper.stdout, self.frames), name=f"rows of {path}"
+        )
+        self.reader.daemon = True
+        self.reader.start()
+        self.closed = False
+
+    def __iter__(self) -> Iterator[LogitsRow]:
+        return self
+
+    def __next__(self) -> LogitsRow:
+        if self.closed:
+            raise StopIteration
+        tag, payload = self.frames.get()
+        if payload is None:
+            code = self.helper.wait()
+            said = self.helper.said()
+            self.close()
+            raise RuntimeError(
+                f"{self.path}: the reading process ended without a word (exit {code})"
+                + (f": {said}" if said else "; out of memory?")
+            )
+        if tag == _ROW:
             line, idx, tid = _HEAD.unpack_from(payload)
             logits = np.frombuffer(payload, dtype=np.float32, offset=_HEAD.size)
-            yield LogitsRow(line, idx, tid, logits)
-    finally:
-        if helper.poll() is None:
-            helper.kill()  # the caller stopped early
-        helper.wait()
+            return LogitsRow(line, idx, tid, logits)
+        self.close()
+        if tag == _ERROR:
+            raise pickle.loads(payload)
+        raise StopIteration  # _DONE
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.helper.wait(kill=True)  # still running: the caller stopped early
         # The reader ends at the pipe's end, which the helper's death brings; a full queue
         # would hold it, so take what it still puts.
-        while reader.is_alive():
+        while self.reader.is_alive():
             with contextlib.suppress(queue.Empty):
-                frames.get(timeout=0.05)
-        reader.join()
-        helper.stdout.close()
-        helper.stderr.close()
+                self.frames.get(timeout=0.05)
+        self.reader.join()
+        self.helper.close()
+
+
+def iter_logits_elsewhere(path: str | Path, fork: bool | None = None) -> SideRows:
+    """The rows of `path` read by a helper process. `fork`: fork the helper, or spawn it;
+    None: fork where forkable(). The helper starts now, so that it is forked before this
+    process starts the other side's threads."""
+    return SideRows(path, fork)

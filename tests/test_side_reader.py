@@ -5,9 +5,11 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import struct
 import sys
 import threading
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import pytest
@@ -44,31 +46,54 @@ def readers() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("rows of ")]
 
 
-def test_the_helper_gives_the_rows_and_errors_of_reading_here(tmp_path: Path) -> None:
-    side = tmp_path / "logits.jsonl.gz"
-    logits = write_side(side)
+@pytest.fixture(scope="module")
+def good_side(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray]:
+    side = tmp_path_factory.mktemp("side") / "logits.jsonl.gz"
+    return side, write_side(side)
+
+
+@pytest.fixture(scope="module")
+def broken_side(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    side = tmp_path_factory.mktemp("side") / "broken.jsonl.gz"
+    write_side(side, broken_at=T - 2)
+    return side
+
+
+FORK = pytest.mark.parametrize("fork", [True, False], ids=["forked", "spawned"])
+
+
+@FORK
+def test_the_helper_gives_the_rows_and_errors_of_reading_here(
+    good_side: tuple[Path, np.ndarray], broken_side: Path, fork: bool
+) -> None:
+    side, logits = good_side
     here = [(r.line, r.token_idx, r.token_id, r.logits.tobytes()) for r in iter_logits(side)]
     there = [
-        (r.line, r.token_idx, r.token_id, r.logits.tobytes()) for r in iter_logits_elsewhere(side)
+        (r.line, r.token_idx, r.token_id, r.logits.tobytes())
+        for r in iter_logits_elsewhere(side, fork)
     ]
     assert there == here and len(there) == T
     assert np.frombuffer(there[-1][3], np.float32).tolist() == logits[-1].tolist()
-    write_side(side, broken_at=T - 2)
+    side = broken_side
     with pytest.raises(InputError) as here_error:
         list(iter_logits(side))
     with pytest.raises(InputError) as there_error:
-        list(iter_logits_elsewhere(side))
+        list(iter_logits_elsewhere(side, fork))
     assert str(there_error.value) == str(here_error.value)
-    assert f"logits.jsonl.gz:{T - 1}" in str(there_error.value)
+    assert f"broken.jsonl.gz:{T - 1}" in str(there_error.value)
     assert readers() == []
 
 
-def test_stopping_early_ends_the_helper_and_its_reader(tmp_path: Path) -> None:
-    side = tmp_path / "logits.jsonl.gz"
-    write_side(side)
+@FORK
+@pytest.mark.parametrize("taken", [0, 1])
+def test_stopping_early_ends_the_helper_and_its_reader(
+    good_side: tuple[Path, np.ndarray], fork: bool, taken: int
+) -> None:
+    side = good_side[0]
     before = children()
-    rows = iter_logits_elsewhere(side)
-    next(rows)
+    rows = iter_logits_elsewhere(side, fork)
+    for _ in range(taken):  # none: the other side failed before this one was read
+        next(rows)
     # The helper runs ahead until the rows it may hold and the pipe are full; the reader then
     # waits on a full queue. Closing must still end both.
     assert children() - before, "the helper should be running"
@@ -77,7 +102,7 @@ def test_stopping_early_ends_the_helper_and_its_reader(tmp_path: Path) -> None:
     assert readers() == []
 
 
-def test_a_helper_that_dies_mid_row_is_an_error_never_a_short_side(
+def test_a_spawned_helper_that_dies_mid_row_is_an_error_never_a_short_side(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     side = tmp_path / "logits.jsonl.gz"
@@ -89,5 +114,38 @@ def test_a_helper_that_dies_mid_row_is_an_error_never_a_short_side(
     )
     monkeypatch.setattr(parallel, "HELPER_COMMAND", [sys.executable, "-c", dies])
     with pytest.raises(RuntimeError, match=r"ended without a word \(exit 9\): killed by the test"):
-        list(iter_logits_elsewhere(side))
+        list(iter_logits_elsewhere(side, fork=False))
     assert readers() == []
+
+
+def test_a_forked_helper_that_dies_mid_row_is_an_error_never_a_short_side(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    side = tmp_path / "logits.jsonl.gz"
+    write_side(side, rows=2)
+
+    def dies(path: str, out: BinaryIO | None = None) -> None:  # runs in the forked helper
+        assert out is not None
+        out.write(struct.pack("<cQ", b"R", 24 + 4 * V) + b"x" * 1000)
+        out.flush()
+        os._exit(9)
+
+    monkeypatch.setattr(parallel, "serve_side", dies)
+    with pytest.raises(RuntimeError, match=r"ended without a word \(exit 9\); out of memory\?"):
+        list(iter_logits_elsewhere(side, fork=True))
+    assert readers() == []
+
+
+def test_the_helper_is_forked_only_where_this_process_runs_one_thread(tmp_path: Path) -> None:
+    side = tmp_path / "logits.jsonl.gz"
+    write_side(side, rows=2)
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        rows = iter_logits_elsewhere(side)
+        assert rows.helper.popen is not None  # spawned: another thread runs here
+        rows.close()
+    finally:
+        stop.set()
+        other.join()
