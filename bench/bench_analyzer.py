@@ -3,8 +3,9 @@ against the floor of this machine, all measured in the same run.
 
 Writes one pair of TOKENS x VOCAB logits.jsonl.gz files (float32 logits with a realistic
 spread; decode = prefill + small noise) in a temporary B3.67 tree, and a 6-pair tree of hard
-links to it. Then, each in a fresh child process that reports its wall time, CPU time (user +
-sys, all threads) and peak RSS: the literal section 8 analyzer (json.loads and np.array per
+links to it. Then, each in a fresh child process (numpy loaded as the tracedeck program loads
+it) that reports its wall time, CPU time (user + sys, all threads, its helper processes
+included) and peak RSS: the literal section 8 analyzer (json.loads and np.array per
 line); tracedeck on the pair with 1 worker and with 2 (the decode side read by a second
 process); tracedeck on the 6-pair tree with 1 worker and with 2 (pairs in a pool); and the
 floor: both files inflated with ISA-L on two threads, and one file's lines parsed by orjson
@@ -189,8 +190,11 @@ def floor_parse(root: Path) -> dict[str, float]:
 
 
 def _cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    """This process's CPU time and its ended children's (a side reader, a pool of pairs)."""
+    return sum(
+        usage.ru_utime + usage.ru_stime
+        for usage in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    )
 
 
 def child(which: str, root: Path) -> None:
@@ -215,12 +219,16 @@ def child(which: str, root: Path) -> None:
 
 
 def run_child(which: str, root: Path) -> dict[str, Any]:
+    # Each child loads numpy as the tracedeck program does (console/quiet_blas.py): without
+    # OpenBLAS's pool, whose threads spin ~0.1 s of CPU at load; no child multiplies matrices.
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
     out = subprocess.run(
         [sys.executable, __file__, "--child", which, str(root)],
         check=True,
         capture_output=True,
         text=True,
         cwd=REPO,
+        env=env,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 

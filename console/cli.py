@@ -5,9 +5,17 @@ from __future__ import annotations
 import signal
 import sys
 
-from console.startup import installed_as_program, interrupted, stop_recording_interrupts
+from console.quiet_blas import load_numpy
+from console.startup import (
+    installed_as_program,
+    interrupted,
+    is_program,
+    stop_recording_interrupts,
+)
 
 installed_as_program(__name__)  # before the imports below: a Ctrl-C in them is recorded
+if is_program(__name__):
+    load_numpy()  # before the imports below load it with OpenBLAS's spinning threads
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402

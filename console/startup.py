@@ -22,13 +22,17 @@ def _record(signum: int, frame: FrameType | None) -> None:
     _interrupts.append(signum)
 
 
+def is_program(module_name: str) -> bool:
+    """Is this process the `tracedeck` program (not an importer such as the test suite)?"""
+    return module_name == "__main__" or Path(sys.argv[0]).name == "tracedeck"
+
+
 def installed_as_program(module_name: str) -> bool:
     """Start recording Ctrl-C when this process is the `tracedeck` program (not an importer such
     as the test suite); True when recording."""
     global _recording
-    program = module_name == "__main__" or Path(sys.argv[0]).name == "tracedeck"
     if (
-        program
+        is_program(module_name)
         and not _recording
         and threading.current_thread() is threading.main_thread()
         and signal.getsignal(signal.SIGINT) is signal.default_int_handler

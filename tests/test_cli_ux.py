@@ -200,3 +200,33 @@ def test_doctor_names_a_held_lock_and_an_unreachable_host(tmp_path: Path) -> Non
     doc = json.loads(unreachable.stdout)
     assert doc["problems"] == 1
     assert [c["what"] for c in doc["target_checks"] if c["level"] == "problem"] == ["reachable"]
+
+
+OPENBLAS_PROBE = """
+import os, sys
+sys.argv[0] = "tracedeck"  # the program, as its entry point starts it
+import console.cli  # noqa: F401
+import numpy  # noqa: F401
+print(len(os.listdir("/proc/self/task")), os.environ.get("OPENBLAS_NUM_THREADS", "unset"))
+"""
+
+
+@pytest.mark.e2e  # starts a process: out of the fast tier
+@pytest.mark.parametrize(("given", "said"), [(None, "1 unset"), ("1", "1 1")])
+def test_the_program_loads_numpy_without_openblas_threads_and_leaves_the_environment(
+    given: str | None, said: str
+) -> None:
+    """OpenBLAS's pool would spin ~0.1 s of CPU at start; the variable that keeps it away is
+    not left for the engines and commands tracedeck starts (a variable given is kept)."""
+    import os
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    if given is not None:
+        env["OPENBLAS_NUM_THREADS"] = given
+    env["PYTHONPATH"] = str(ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", OPENBLAS_PROBE], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == said.split()
