@@ -1,0 +1,58 @@
+"""Recorded events decode only into their declared shapes: each plain field's JSON type is checked."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import pytest
+
+from runners.events import CORE_EVENTS, CellFinished, OutputLines, event_from_dict
+
+OUTPUT = {"type": "output", "cell": 1, "stream": "stdout", "lines": ["a"], "file": "f", "end_offset": 3, "t": 1.0}  # fmt: skip
+FINISHED = {"type": "cell_finished", "cell": 0, "state": "passed", "exit_code": 0, "duration_s": 1.5, "t": 2.0}  # fmt: skip
+
+
+class Code(enum.IntEnum):
+    OK = 0
+
+
+@pytest.mark.parametrize(
+    ("base", "field", "value", "declared"),
+    [
+        (OUTPUT, "cell", "1", "int"),
+        (OUTPUT, "cell", True, "int"),  # a bool is no int here
+        (OUTPUT, "cell", 1.0, "int"),
+        (OUTPUT, "lines", "a", "list[str]"),
+        (OUTPUT, "stream", None, "str"),
+        (OUTPUT, "t", "now", "float"),
+        (FINISHED, "exit_code", 0.5, "int | None"),
+        (FINISHED, "duration_s", [1], "float | None"),
+        (FINISHED, "host", 3, "str"),
+    ],
+)
+def test_a_field_of_another_json_type_is_refused_by_name(
+    base: dict[str, Any], field: str, value: Any, declared: str
+) -> None:
+    with pytest.raises(ValueError) as info:
+        event_from_dict({**base, field: value}, CORE_EVENTS)
+    assert str(info.value) == f"{base['type']}: field {field!r} is {value!r}, not {declared}"
+
+
+def test_the_types_each_field_allows_are_taken() -> None:
+    out = event_from_dict({**OUTPUT, "host": "gpu1"}, CORE_EVENTS)
+    assert out == OutputLines(cell=1, stream="stdout", lines=["a"], file="f", end_offset=3, t=1.0, host="gpu1")  # fmt: skip
+    done = event_from_dict({**FINISHED, "exit_code": None, "duration_s": 2}, CORE_EVENTS)
+    assert isinstance(done, CellFinished) and done.exit_code is None and done.duration_s == 2
+    # Not JSON's own types, but what they say (an event built in code, then its dict).
+    assert event_from_dict({**FINISHED, "exit_code": Code.OK}, CORE_EVENTS).exit_code == 0
+
+
+def test_a_missing_or_unknown_field_is_named() -> None:
+    short = {k: v for k, v in OUTPUT.items() if k != "file"}
+    with pytest.raises(ValueError, match="^output: .*'file'"):
+        event_from_dict(short, CORE_EVENTS)
+    with pytest.raises(ValueError, match="^output: .*'colour'"):
+        event_from_dict({**OUTPUT, "colour": "red"}, CORE_EVENTS)
+    with pytest.raises(ValueError, match="^unknown event type 'nope'"):
+        event_from_dict({**OUTPUT, "type": "nope"}, CORE_EVENTS)
