@@ -20,11 +20,9 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-import signal
 import struct
 import subprocess
 import sys
-import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -96,7 +94,7 @@ def _read_frame(stream: BinaryIO) -> tuple[bytes, bytes] | None:
     return (tag, payload) if len(payload) == size else None
 
 
-class _Worker:
+class _Worker(parallel.Child):
     """One worker process and this side's ends of its two pipes."""
 
     def __init__(
@@ -106,23 +104,11 @@ class _Worker:
         stdout: BinaryIO,
         popen: subprocess.Popen[bytes] | None = None,
     ) -> None:
-        self.pid = pid
+        super().__init__(pid, popen)
         self.stdin = stdin
         self.stdout = stdout
-        self.popen = popen  # a spawned worker's (its stderr a pipe); a forked one writes to ours
+        # a spawned worker's stderr is a pipe; a forked one writes to ours
         self.stderr = popen.stderr if popen is not None else None
-        self.status: int | None = None
-
-    def wait(self, kill: bool = False) -> int:
-        if self.status is None:
-            if kill:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(self.pid, signal.SIGKILL)
-            if self.popen is not None:
-                self.status = self.popen.wait()
-            else:
-                self.status = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
-        return self.status
 
 
 class Workers:
@@ -137,7 +123,7 @@ class Workers:
         self.waiting: deque[tuple[int, str, int]] = deque()  # worker, path, first line
         self.next = 0
         payload = pickle.dumps(job)
-        fork = hasattr(os, "fork") and threading.active_count() == 1
+        fork = parallel.forkable()
         try:
             for _ in range(count):
                 proc = self._fork() if fork else self._spawn()
@@ -150,21 +136,17 @@ class Workers:
     def _fork(self) -> _Worker:
         down_r, down_w = os.pipe()  # chunks to the worker
         up_r, up_w = os.pipe()  # its answers
-        pid = os.fork()
-        if pid == 0:  # the worker: never returns into the caller's code
-            code = 0
-            try:
-                os.close(down_w)
-                os.close(up_r)
-                for other in self.procs:  # their pipes' ends here would keep them open
-                    os.close(other.stdin.fileno())
-                    os.close(other.stdout.fileno())
-                with os.fdopen(down_r, "rb") as fin, os.fdopen(up_w, "wb") as fout:
-                    serve(fin, fout)
-            except BaseException:
-                code = 3
-            finally:
-                os._exit(code)
+
+        def work() -> None:
+            os.close(down_w)
+            os.close(up_r)
+            for other in self.procs:  # their pipes' ends here would keep them open
+                os.close(other.stdin.fileno())
+                os.close(other.stdout.fileno())
+            with os.fdopen(down_r, "rb") as fin, os.fdopen(up_w, "wb") as fout:
+                serve(fin, fout)
+
+        pid = parallel.forked(work)
         os.close(down_r)
         os.close(up_w)
         return _Worker(pid, os.fdopen(down_w, "wb"), os.fdopen(up_r, "rb"))

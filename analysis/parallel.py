@@ -23,7 +23,7 @@ import struct
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -112,42 +112,36 @@ def _frames(stream: BinaryIO, out: queue.Queue[tuple[bytes, bytes | None]]) -> N
             return
 
 
-class _Helper:
-    """The reading process: its pid, the pipe of its frames, and its stderr where spawned."""
+def forked(run: Callable[[], None]) -> int:
+    """Fork a helper that runs `run` and exits (3 if it raised), never returning into the
+    caller's code; its pid here. Only where forkable()."""
+    pid = os.fork()
+    if pid:
+        return pid
+    # What the parent made is never collected here: a collection would write to every object
+    # shared with the parent, copying their pages.
+    gc.freeze()
+    code = 0
+    try:
+        run()
+    except BaseException:
+        code = 3
+    finally:
+        os._exit(code)
 
-    def __init__(self, path: str, fork: bool) -> None:
-        self.popen: subprocess.Popen[bytes] | None = None
+
+class Child:
+    """A helper process, forked (pid) or spawned (popen): waited for once, killed only while
+    it runs."""
+
+    def __init__(self, pid: int, popen: subprocess.Popen[bytes] | None = None) -> None:
+        self.pid = pid
+        self.popen = popen
         self.status: int | None = None
-        if fork:
-            down_r, down_w = os.pipe()
-            self.pid = os.fork()
-            if self.pid == 0:  # the helper: never returns into the caller's code
-                # A collection would write to every object shared with the parent, copying
-                # their pages; the helper makes no cycles worth finding before it exits.
-                gc.disable()
-                code = 0
-                try:
-                    os.close(down_r)
-                    with os.fdopen(down_w, "wb") as out:
-                        serve_side(path, out)
-                except BaseException:
-                    code = 3
-                finally:
-                    os._exit(code)
-            os.close(down_w)
-            self.stdout: BinaryIO = os.fdopen(down_r, "rb")
-            self.stderr: BinaryIO | None = None  # a forked helper writes to this one's
-            return
-        argv, env = helper_start("analysis.parallel", _CHILD, path)
-        self.popen = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
-        )
-        assert self.popen.stdout is not None
-        self.pid, self.stdout, self.stderr = self.popen.pid, self.popen.stdout, self.popen.stderr
 
     def wait(self, kill: bool = False) -> int:
         """Its exit code; `kill`: SIGKILL it first if it still runs."""
-        if self.status is None and kill and self._running():
+        if self.status is None and kill and self.running():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
         if self.status is None:
@@ -157,7 +151,9 @@ class _Helper:
                 self.status = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
         return self.status
 
-    def _running(self) -> bool:
+    def running(self) -> bool:
+        if self.status is not None:
+            return False
         if self.popen is not None:
             return self.popen.poll() is None
         pid, status = os.waitpid(self.pid, os.WNOHANG)
@@ -165,6 +161,32 @@ class _Helper:
             return True
         self.status = os.waitstatus_to_exitcode(status)
         return False
+
+
+class _Helper(Child):
+    """The reading process and the pipe of its frames (and its stderr where spawned)."""
+
+    def __init__(self, path: str, fork: bool) -> None:
+        if fork:
+            down_r, down_w = os.pipe()
+
+            def serve() -> None:
+                os.close(down_r)
+                with os.fdopen(down_w, "wb") as out:
+                    serve_side(path, out)
+
+            super().__init__(forked(serve))
+            os.close(down_w)
+            self.stdout: BinaryIO = os.fdopen(down_r, "rb")
+            self.stderr: BinaryIO | None = None  # a forked helper writes to this one's
+            return
+        argv, env = helper_start("analysis.parallel", _CHILD, path)
+        popen = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+        )
+        assert popen.stdout is not None
+        super().__init__(popen.pid, popen)
+        self.stdout, self.stderr = popen.stdout, popen.stderr
 
     def said(self) -> str:
         if self.stderr is None:
