@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from analysis.high_percentile import high_percentile
+from analysis.high_percentile import TopValues, high_percentile
 from analysis.logits import InputError, LogitsRow, LogitsTable, iter_logits
 from analysis.parallel import SideRows, iter_logits_elsewhere
 
@@ -175,13 +175,15 @@ class _Candidate:
 
 @dataclass
 class _PairJudge:
-    """Takes a pair's rows one token at a time; keeps |Δ| for the exact p99 and O(1) per token."""
+    """Takes a pair's rows one token at a time; keeps |Δ| for the exact p99 (every one, or with
+    keep_all False the top few per cent: TopValues) and O(1) per token."""
 
     prefill_path: str
     decode_path: str
     kv_aligned: int
     thresholds: dict[str, float]
     capacity: int = 128
+    keep_all: bool = True
     count: int = 0
     vocab: int = 0
     max_value: float = -1.0
@@ -195,7 +197,8 @@ class _PairJudge:
     max_at: tuple[int, int, float, float] | None = None  # token_idx, vocab index, a, b
     max_rel: float = 0.0
     max_rel_at: tuple[int, int] | None = None
-    _diffs: np.ndarray | None = None
+    _diffs: np.ndarray | None = None  # every |Δ| (keep_all), else the current row's
+    _tops: TopValues | None = None
     _scratch: np.ndarray = field(default_factory=lambda: np.empty((2, 0), np.float32))
     _products: np.ndarray = field(default_factory=lambda: np.empty(0, np.float64))
 
@@ -220,7 +223,11 @@ class _PairJudge:
             )
         if self._diffs is None:
             self.vocab = a.shape[0]
-            self._diffs = np.empty(max(self.capacity, 1) * self.vocab, dtype=np.float32)
+            if self.keep_all:
+                self._diffs = np.empty(max(self.capacity, 1) * self.vocab, dtype=np.float32)
+            else:
+                self._diffs = np.empty(self.vocab, dtype=np.float32)
+                self._tops = TopValues(99, first=_TOP_FIRST)
             self._scratch = np.empty((2, self.vocab), dtype=np.float32)
             self._products = np.empty(self.vocab, dtype=np.float64)
         if a.shape != b.shape:
@@ -232,7 +239,7 @@ class _PairJudge:
                 "both sides must log the full logits of the same model",
             )
         v = self.vocab
-        start = self.count * v
+        start = self.count * v if self.keep_all else 0
         if start + v > self._diffs.shape[0]:
             grown = np.empty(2 * self._diffs.shape[0], dtype=np.float32)
             grown[:start] = self._diffs[:start]
@@ -262,6 +269,8 @@ class _PairJudge:
             self.max_value = row_max
             self.max_at = (token_idx, at, float(a[at]), float(b[at]))
         self._relative(a, b, diff, token_idx)
+        if self._tops is not None:
+            self._tops.add(diff)
         self.count += 1
         if self.kv_aligned == 1 and self.first is None:
             self._track_failure(
@@ -353,11 +362,15 @@ class _PairJudge:
     def metrics(self) -> dict[str, float]:
         if self.count == 0 or self._diffs is None:
             raise InputError(self.prefill_path, None, "no tokens to compare", PAIR_HINT)
-        flat = self._diffs[: self.count * self.vocab]
-        # np.percentile's own value (linear interpolation) over every |Δ|, reordering the
-        # buffer in place: it is not needed afterwards.
-        p99 = high_percentile(flat, 99)
-        self._diffs = None
+        if self._tops is not None:
+            p99 = self._tops.percentile()
+            if p99 is None:
+                raise _EveryDiffNeeded
+        else:
+            # np.percentile's own value (linear interpolation) over every |Δ|, reordering the
+            # buffer in place: it is not needed afterwards.
+            p99 = high_percentile(self._diffs[: self.count * self.vocab], 99)
+        self._diffs = self._tops = None
         return {
             "max_abs_diff": self.max_value,
             "p99_abs_diff": p99,
@@ -422,6 +435,16 @@ class _PairJudge:
             "max_rel_diff": self.max_rel,
             "max_rel_diff_at": {"token_idx": rel_at[0], "vocab_index": rel_at[1]},
         }
+
+
+# The first |Δ| values a streamed pair keeps whole (4 MiB), setting the threshold above which
+# the rest are kept (TopValues).
+_TOP_FIRST = 1 << 20
+
+
+class _EveryDiffNeeded(Exception):
+    """The pair's p99 |Δ| lies under the threshold its first tokens set (its later tokens
+    differ far less): only a pass that keeps every |Δ| can tell it."""
 
 
 def _greedy_divergence(a: np.ndarray, b: np.ndarray, id_a: int, id_b: int) -> bool:
@@ -563,20 +586,53 @@ def compare_files(
 ) -> PairResult:
     """Judges a pair straight from its two logits.jsonl.gz files, streaming both in lockstep.
 
-    Memory is O(V) per side plus the float32 |Δ| of the pair (needed for the exact p99).
-    With workers >= 2 the decode side is read by a second process at the same time.
-    on_token(tokens read, gen_len) is called after each token (progress of a large pair).
+    Memory is O(V) per side plus the top few per cent of the pair's |Δ| (what its exact p99
+    needs: TopValues). A pair whose later tokens differ far less than its first is read a
+    second time, keeping every |Δ| (float32, T x V). With workers >= 2 the decode side is read
+    by a second process at the same time. on_token(tokens read, gen_len) is called after each
+    token (progress of a large pair; it starts again on a second reading).
     """
     if kv_aligned not in (0, 1):
         raise ValueError(f"kv_aligned must be 0 or 1, got {kv_aligned!r}")
     prefill_path, decode_path = str(prefill_path), str(decode_path)
     judge = _PairJudge(
-        prefill_path,
-        decode_path,
-        kv_aligned,
-        resolve_thresholds(thresholds),
-        capacity=min(max(gen_len, 1), 1024),  # a hint: the buffer grows if T is larger
+        prefill_path, decode_path, kv_aligned, resolve_thresholds(thresholds), keep_all=False
     )
+
+    def result(judge: _PairJudge) -> PairResult:
+        _judge_rows(judge, workers, gen_len, on_token)
+        tokens = judge.count + judge.skipped
+        return _result(
+            judge,
+            seed=seed,
+            kv_aligned=kv_aligned,
+            dtype=dtype,
+            prompt_len=prompt_len,
+            gen_len=gen_len,
+            tokens=tokens,
+        )
+
+    try:
+        return result(judge)
+    except _EveryDiffNeeded:
+        every = _PairJudge(
+            prefill_path,
+            decode_path,
+            kv_aligned,
+            resolve_thresholds(thresholds),
+            capacity=max(judge.count, 1),
+        )
+        return result(every)
+
+
+def _judge_rows(
+    judge: _PairJudge,
+    workers: int,
+    gen_len: int,
+    on_token: Callable[[int, int], None] | None,
+) -> None:
+    """Read both sides of judge's pair in lockstep into it, to the end of both files."""
+    prefill_path, decode_path = judge.prefill_path, judge.decode_path
     rows_a = iter_logits(prefill_path)
     rows_b: SideRows | Generator[LogitsRow, None, None]
     rows_b = iter_logits_elsewhere(decode_path) if workers >= 2 else iter_logits(decode_path)
@@ -604,15 +660,6 @@ def compare_files(
     finally:
         rows_a.close()
         rows_b.close()
-    return _result(
-        judge,
-        seed=seed,
-        kv_aligned=kv_aligned,
-        dtype=dtype,
-        prompt_len=prompt_len,
-        gen_len=gen_len,
-        tokens=judge.count + judge.skipped,
-    )
 
 
 # ---------------------------------------------------------------- documents

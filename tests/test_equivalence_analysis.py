@@ -1015,3 +1015,46 @@ def test_relative_diff_and_cosine_are_the_plain_formulas_bit_for_bit() -> None:
     )
     assert best == 2.0 and best_at == (1, 200)
     assert result.metrics["cos_sim_mean"] == float(np.mean(np.asarray(cosines, np.float64)))
+
+
+@pytest.mark.parametrize(
+    ("shape", "readings"),
+    [("steady", 1), ("growing", 1), ("shrinking", 2), ("identical", 1), ("zero, then noise", 1)],
+)
+def test_a_streamed_pairs_p99_is_numpys_whether_or_not_its_top_was_enough(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shape: str, readings: int
+) -> None:
+    """compare_files keeps only the top of the |Δ| past its first values; a pair whose later
+    tokens differ far less than its first is read again keeping every |Δ|. Either way its p99
+    is np.percentile's over every |Δ|, and the other metrics are those of a loaded pair."""
+    import analysis.equivalence as equivalence
+
+    t, v = 40, 512
+    monkeypatch.setattr(equivalence, "_TOP_FIRST", 4 * v)  # the threshold after 4 tokens
+    rng = np.random.default_rng(8)
+    a = rng.normal(-1.0, 3.0, (t, v)).astype(np.float32)
+    scale = {
+        "steady": np.full(t, 1e-4),
+        "growing": np.linspace(1e-5, 1e-3, t),
+        "shrinking": np.linspace(1e-3, 1e-6, t),
+        "identical": np.zeros(t),
+        "zero, then noise": np.r_[np.zeros(6), np.full(t - 6, 1e-4)],
+    }[shape]
+    b = (a + rng.normal(0.0, 1.0, (t, v)) * scale[:, None]).astype(np.float32)
+    ids = np.argmax(a, axis=1)
+    pre, dec = (
+        write_table(tmp_path / "p.jsonl.gz", a, ids),
+        write_table(tmp_path / "d.jsonl.gz", b, ids),
+    )
+    passes = []
+    real = equivalence._judge_rows
+    monkeypatch.setattr(
+        equivalence,
+        "_judge_rows",
+        lambda judge, *rest: (passes.append(judge.keep_all), real(judge, *rest)),
+    )
+    streamed = compare_files(pre, dec, seed=0, kv_aligned=0, **PAIR_KW)
+    assert passes == [False, True][:readings]
+    loaded = compare_pair(table("p", a, ids), table("d", b, ids), seed=0, kv_aligned=0, **PAIR_KW)
+    assert streamed.metrics["p99_abs_diff"] == float(np.percentile(np.abs(a - b), 99))
+    assert streamed.metrics == loaded.metrics

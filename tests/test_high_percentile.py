@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import analysis.high_percentile as hp
-from analysis.high_percentile import high_percentile
+from analysis.high_percentile import TopValues, high_percentile
 
 SIZES = (1 << 16, (1 << 16) + 1, 100_003, 1 << 20)
 
@@ -94,3 +94,66 @@ def test_the_lerp_rounds_as_numpys_on_either_side_of_one_half() -> None:
                 lo,
                 hi,
             )
+
+
+def stream(kind: str, rows: int = 40, v: int = 4096) -> list[np.ndarray]:
+    rng = np.random.default_rng(len(kind))
+    scale = {
+        "stationary": np.ones(rows),
+        "growing": np.linspace(1, 8, rows),
+        "shrinking a little": np.linspace(1, 0.8, rows),
+        "shrinking": np.linspace(8, 0.01, rows),
+    }
+    if kind in scale:
+        return [np.abs(rng.normal(0, s * 1e-4, v)).astype(np.float32) for s in scale[kind]]
+    zero = np.zeros(v, np.float32)
+    noisy = [np.abs(rng.normal(0, 1e-4, v)).astype(np.float32) for _ in range(rows)]
+    if kind == "identical":
+        return [zero.copy() for _ in range(rows)]
+    if kind == "zero, then noise":
+        return [zero.copy() for _ in range(8)] + noisy
+    if kind == "noise, then zero":
+        return noisy[:8] + [zero.copy() for _ in range(rows)]
+    if kind == "ties":
+        return [np.round(r * 2e4).astype(np.float32) for r in noisy]
+    raise AssertionError(kind)
+
+
+KINDS = ["stationary", "growing", "shrinking a little", "shrinking", "identical",
+         "zero, then noise", "noise, then zero", "ties"]  # fmt: skip
+# Those whose p99 lies under the threshold the first rows set: only a pass that keeps every
+# value can tell it (None), never a wrong value.
+UNDER = {"shrinking", "noise, then zero"}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("q", [99, 95, 100])
+def test_top_values_is_numpys_percentile_or_says_it_cannot(kind: str, q: int) -> None:
+    rows = stream(kind)
+    tops = TopValues(q, first=4 * 4096)
+    scratch = np.empty(4096, np.float32)
+    for row in rows:
+        scratch[:] = row
+        tops.add(scratch)  # the caller reuses its row: what is kept is copied
+        scratch[:] = -1.0
+    want = float(np.percentile(np.concatenate(rows), q))
+    got = tops.percentile()
+    if kind in UNDER and q == 99:
+        assert got is None
+    elif kind in UNDER and q != 100:
+        assert got in (None, want), (kind, q)
+    else:
+        assert got == want, (kind, q)
+    kept = sum(part.shape[0] for part in tops.parts)
+    if kind in ("stationary", "shrinking a little") and q == 99:
+        assert kept < 0.1 * tops.n  # the top, not the stream
+    assert tops.below + kept == tops.n
+
+
+def test_top_values_of_a_short_stream_keeps_everything() -> None:
+    rows = stream("stationary", rows=3)
+    tops = TopValues(99, first=4 * 4096)
+    for row in rows:
+        tops.add(row)
+    assert tops.threshold is None and tops.below == 0
+    assert tops.percentile() == float(np.percentile(np.concatenate(rows), 99))
