@@ -1,7 +1,7 @@
 """Reading a pair's two sides at once: one side is read by a helper process and streamed here
 row by row, while this process reads the other side and compares (parsing holds the GIL, so
-threads would not help). Memory stays O(V) per side: a row is handed over only when the
-comparison is ready for it (the pipe is the back-pressure).
+threads would not help). Memory stays O(V) per side: the helper runs at most _AHEAD rows
+ahead of the comparison (a bounded queue, then the pipe, are the back-pressure).
 
 The helper is forked where this process runs one thread (it starts at once, its modules loaded,
 a judge on a target keeping its checked ones); else it is a plain `python -c` child, not
