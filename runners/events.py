@@ -355,7 +355,11 @@ def event_from_owned(data: dict[str, Any], types: Mapping[str, type[Event]]) -> 
     cls = types.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise ValueError(f"unknown event type {kind!r}")
-    _checker(cls)(data, kind)
+    build = _builder(cls)
+    made = build(data, kind) if build is not None else None
+    if made is not None:
+        return made
+    _checker(cls)(data, kind)  # what is wrong, said as it always was
     try:
         return cls(**data)
     except TypeError as exc:  # a field missing, or one no such event has
@@ -393,6 +397,44 @@ def _checker(cls: type[Event]) -> Callable[[dict[str, Any], str], None]:
     source = "\n".join(["def check(data, kind):", *body, "    return None"])
     exec(compile(source, f"<field checks of {cls.__qualname__}>", "exec"), names)
     return names["check"]  # type: ignore[no-any-return]
+
+
+@functools.cache
+def _builder(cls: type[Event]) -> Callable[[dict[str, Any], str], Event | None] | None:
+    """build(data, kind): the event, its plain fields checked as _checker checks them (the
+    same ValueError), made without the dataclass's __init__ and its keyword binding (most of
+    an event's decoding); None, with data untouched, for a field missing or one no such event
+    has (cls(**data) then says which). None for a class whose __init__ does more than set its
+    fields (a __post_init__, a field not set by __init__)."""
+    fields = dataclasses.fields(cls)
+    if hasattr(cls, "__post_init__") or not all(f.init for f in fields):
+        return None
+    plain = {name: (allowed, text) for name, allowed, text in _field_types(cls)}
+    names: dict[str, Any] = {"_ABSENT": _ABSENT, "_check_field": _check_field, "cls": cls}
+    body = ["def build(data, kind):", "    found = 0"]
+    for i, f in enumerate(fields):
+        body.append(f"    value = data.get({f.name!r}, _ABSENT)")
+        if f.default is not dataclasses.MISSING:
+            names[f"default{i}"] = f.default
+            body.append(f"    if value is _ABSENT: v{i} = default{i}")
+        elif f.default_factory is not dataclasses.MISSING:
+            names[f"factory{i}"] = f.default_factory
+            body.append(f"    if value is _ABSENT: v{i} = factory{i}()")
+        else:
+            body.append("    if value is _ABSENT: return None")
+        body += ["    else:", "        found += 1"]
+        if f.name in plain:
+            names[f"allowed{i}"], names[f"text{i}"] = plain[f.name]
+            body += [
+                f"        if type(value) not in allowed{i}:",
+                f"            _check_field(kind, {f.name!r}, value, allowed{i}, text{i})",
+            ]
+        body.append(f"        v{i} = value")
+    body += ["    if found != len(data): return None", "    made = object.__new__(cls)"]
+    body += [f"    made.{f.name} = v{i}" for i, f in enumerate(fields)]
+    body.append("    return made")
+    exec(compile("\n".join(body), f"<builder of {cls.__qualname__}>", "exec"), names)
+    return names["build"]  # type: ignore[no-any-return]
 
 
 @functools.cache

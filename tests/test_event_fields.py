@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import enum
+import time
 from typing import Any
 
 import pytest
 
-from runners.events import CORE_EVENTS, CellFinished, OutputLines, event_from_dict
+from runners.events import CORE_EVENTS, CellFinished, OutputLines, RunStarted, event_from_dict
 
 OUTPUT = {"type": "output", "cell": 1, "stream": "stdout", "lines": ["a"], "file": "f", "end_offset": 3, "t": 1.0}  # fmt: skip
 FINISHED = {"type": "cell_finished", "cell": 0, "state": "passed", "exit_code": 0, "duration_s": 1.5, "t": 2.0}  # fmt: skip
@@ -56,3 +57,32 @@ def test_a_missing_or_unknown_field_is_named() -> None:
         event_from_dict({**OUTPUT, "colour": "red"}, CORE_EVENTS)
     with pytest.raises(ValueError, match="^unknown event type 'nope'"):
         event_from_dict({**OUTPUT, "type": "nope"}, CORE_EVENTS)
+
+
+RUN_STARTED = {"type": "run_started", "run_id": "r", "preset": "p", "kind": "command", "target": "local", "local_dir": "/l", "remote_dir": "/r", "cells": [], "profile": "none", "env": {}}  # fmt: skip
+
+
+def test_decoding_makes_the_event_its_constructor_makes() -> None:
+    """Events are made without their __init__ where it only sets fields: the same fields,
+    defaults and factories (a fresh list each time, the time of decoding when `t` is absent);
+    a class whose __init__ does more (CellFinished checks its state word) still runs it."""
+    before = time.time()
+    one, two = (event_from_dict(RUN_STARTED, CORE_EVENTS) for _ in range(2))
+    want = RunStarted(**{k: v for k, v in RUN_STARTED.items() if k != "type"}, t=one.t)
+    assert one == want and one.notes == [] and one.notes is not two.notes
+    assert before <= one.t <= time.time() and not one.attached and one.host == ""
+    for recorded in (OUTPUT, {**OUTPUT, "host": "h"}, {**RUN_STARTED, "notes": ["n"], "t": 5.0}):
+        made = event_from_dict(recorded, CORE_EVENTS)
+        assert made == type(made)(**{k: v for k, v in recorded.items() if k != "type"})
+    with pytest.raises(ValueError, match="'lost!' is not a valid CellState"):
+        event_from_dict({**FINISHED, "state": "lost!"}, CORE_EVENTS)
+
+
+def test_a_wrong_type_is_said_before_a_missing_field_as_before() -> None:
+    short = {k: v for k, v in OUTPUT.items() if k != "cell"}
+    with pytest.raises(ValueError, match="^output: field 'end_offset' is '3', not int$"):
+        event_from_dict({**short, "end_offset": "3"}, CORE_EVENTS)
+    with pytest.raises(ValueError, match="^output: field 'cell' is '1', not int$"):
+        event_from_dict(
+            {**{k: v for k, v in OUTPUT.items() if k != "file"}, "cell": "1"}, CORE_EVENTS
+        )
