@@ -355,13 +355,8 @@ def event_from_owned(data: dict[str, Any], types: Mapping[str, type[Event]]) -> 
     cls = types.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise ValueError(f"unknown event type {kind!r}")
-    build = _builder(cls)
-    made = build(data, kind) if build is not None else None
-    if made is not None:
-        return made
-    _checker(cls)(data, kind)  # what is wrong, said as it always was
     try:
-        return cls(**data)
+        return _builder(cls)(data, kind)
     except TypeError as exc:  # a field missing, or one no such event has
         raise ValueError(f"{kind}: {exc}") from None
 
@@ -381,37 +376,21 @@ def _check_field(kind: str, name: str, value: Any, allowed: tuple[type, ...], te
 
 
 @functools.cache
-def _checker(cls: type[Event]) -> Callable[[dict[str, Any], str], None]:
-    """check(data, kind) for cls's plain fields, written out one statement per field: decoding
-    a long record checks every event, and a loop over the fields cost more than the parse. A
-    value of an exact JSON type the field allows passes at once; any other is _check_field's
-    (a subclass such as bool for an int field: refused there)."""
-    body, names = [], {"_ABSENT": _ABSENT, "_check_field": _check_field}
-    for i, (name, allowed, text) in enumerate(_field_types(cls)):
-        names[f"allowed{i}"], names[f"text{i}"] = allowed, text
-        body += [
-            f"    value = data.get({name!r}, _ABSENT)",
-            f"    if value is not _ABSENT and type(value) not in allowed{i}:",
-            f"        _check_field(kind, {name!r}, value, allowed{i}, text{i})",
-        ]
-    source = "\n".join(["def check(data, kind):", *body, "    return None"])
-    exec(compile(source, f"<field checks of {cls.__qualname__}>", "exec"), names)
-    return names["check"]  # type: ignore[no-any-return]
+def _builder(cls: type[Event]) -> Callable[[dict[str, Any], str], Event]:
+    """build(data, kind): the event, written out for cls one statement per field (decoding a
+    long record makes every event, and a loop over the fields cost more than the parse).
 
-
-@functools.cache
-def _builder(cls: type[Event]) -> Callable[[dict[str, Any], str], Event | None] | None:
-    """build(data, kind): the event, its plain fields checked as _checker checks them (the
-    same ValueError), made without the dataclass's __init__ and its keyword binding (most of
-    an event's decoding); None, with data untouched, for a field missing or one no such event
-    has (cls(**data) then says which). None for a class whose __init__ does more than set its
-    fields (a __post_init__, a field not set by __init__)."""
+    Each plain field present is checked (a value of an exact JSON type the field allows passes
+    at once; any other is _check_field's: a subclass such as bool for an int field is refused
+    there), in field order. The event is then made without the dataclass's __init__ and its
+    keyword binding, where that only sets the fields; else (a field missing, one no such event
+    has, a class with a __post_init__ or a field __init__ does not set) by cls(**data), whose
+    TypeError says what is wrong."""
     fields = dataclasses.fields(cls)
-    if hasattr(cls, "__post_init__") or not all(f.init for f in fields):
-        return None
+    direct = not hasattr(cls, "__post_init__") and all(f.init for f in fields)
     plain = {name: (allowed, text) for name, allowed, text in _field_types(cls)}
     names: dict[str, Any] = {"_ABSENT": _ABSENT, "_check_field": _check_field, "cls": cls}
-    body = ["def build(data, kind):", "    found = 0"]
+    body = ["def build(data, kind):", "    found = 0", "    whole = True"]
     for i, f in enumerate(fields):
         body.append(f"    value = data.get({f.name!r}, _ABSENT)")
         if f.default is not dataclasses.MISSING:
@@ -421,7 +400,7 @@ def _builder(cls: type[Event]) -> Callable[[dict[str, Any], str], Event | None] 
             names[f"factory{i}"] = f.default_factory
             body.append(f"    if value is _ABSENT: v{i} = factory{i}()")
         else:
-            body.append("    if value is _ABSENT: return None")
+            body.append("    if value is _ABSENT: whole = False")
         body += ["    else:", "        found += 1"]
         if f.name in plain:
             names[f"allowed{i}"], names[f"text{i}"] = plain[f.name]
@@ -430,9 +409,11 @@ def _builder(cls: type[Event]) -> Callable[[dict[str, Any], str], Event | None] 
                 f"            _check_field(kind, {f.name!r}, value, allowed{i}, text{i})",
             ]
         body.append(f"        v{i} = value")
-    body += ["    if found != len(data): return None", "    made = object.__new__(cls)"]
-    body += [f"    made.{f.name} = v{i}" for i, f in enumerate(fields)]
-    body.append("    return made")
+    if direct:
+        body += ["    if whole and found == len(data):", "        made = object.__new__(cls)"]
+        body += [f"        made.{f.name} = v{i}" for i, f in enumerate(fields)]
+        body.append("        return made")
+    body.append("    return cls(**data)")
     exec(compile("\n".join(body), f"<builder of {cls.__qualname__}>", "exec"), names)
     return names["build"]  # type: ignore[no-any-return]
 
