@@ -6,6 +6,7 @@ import gzip
 import json
 import os
 import struct
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import BinaryIO
 
 import numpy as np
 import pytest
+from runhelp import wait_for
 
 from analysis import parallel
 from analysis.logits import InputError, iter_logits
@@ -149,3 +151,40 @@ def test_the_helper_is_forked_only_where_this_process_runs_one_thread(tmp_path: 
     finally:
         stop.set()
         other.join()
+
+
+KILLED_JUDGE = """
+import sys, time
+from analysis.parallel import iter_logits_elsewhere
+rows = iter_logits_elsewhere(sys.argv[1], fork=True)
+next(rows)
+print(rows.helper.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_forked_helper_ends_when_the_judge_is_killed(good_side: tuple[Path, np.ndarray]) -> None:
+    """The judge SIGKILLed mid-pair: its helper, blocked on a full pipe, meets the pipe's end
+    and exits; nothing is left reading the engine's files."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    judge = subprocess.Popen(
+        [sys.executable, "-c", KILLED_JUDGE, str(good_side[0])],
+        stdout=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
+    assert judge.stdout is not None
+    helper = int(judge.stdout.readline())
+    assert not gone(helper)
+    judge.kill()
+    judge.wait()
+    judge.stdout.close()
+    wait_for(lambda: gone(helper), 30, "the forked helper to end")
