@@ -256,6 +256,37 @@ async def test_commands_beyond_the_channel_limit_queue_on_one_connection(
         await t.close()
 
 
+async def test_a_session_refused_while_sshd_is_full_is_asked_for_again(
+    sshd: SshServer, ssh_home: SshHome, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """sshd frees a closed session's slot late; a refusal is asked for again, not a failure.
+    All ten sessions held (SFTP and nine streams), a command is refused, pauses, and runs
+    once a stream ends."""
+    import runners.targets.ssh as ssh
+
+    paused = asyncio.Event()
+    sleep = asyncio.sleep
+
+    async def pause(seconds: float) -> None:
+        paused.set()
+        await sleep(seconds)
+
+    monkeypatch.setattr(ssh.asyncio, "sleep", pause)
+    t = parse_target(sshd.spec)
+    await guard(t.connect())
+    streams = [await guard(t.open_stream("cat")) for _ in range(9)]
+    try:
+        command = asyncio.ensure_future(t.run("echo ran"))
+        await guard(paused.wait())  # refused: sshd holds every session
+        assert not command.done()
+        await guard(streams.pop().close())
+        assert (await guard(command)).stdout == "ran\n"
+    finally:
+        for stream in streams:
+            await stream.close()
+        await t.close()
+
+
 # -- ssh: host keys, auth, config -------------------------------------------------------------
 
 

@@ -10,8 +10,9 @@ import posixpath
 import secrets
 import shlex
 import stat
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
 from runners.hostkeys import Line, Status, Verdict, ca_status, entries_for, judge
 from runners.ssh_lib import asyncssh
@@ -85,6 +86,19 @@ def own_output(text: str, mark: str) -> str | None:
 # sshd allows 10 sessions per connection (MaxSessions); SFTP holds one, a stream (the change
 # notifier) one, leave one spare.
 MAX_COMMAND_CHANNELS = 7
+
+T = TypeVar("T")
+
+# sshd frees a closed session's slot only once it collects the channel, which can come after
+# the next channel open on the same connection: a session refused right after others closed
+# is that lag, not the limit. A refused channel is asked for again after each of these pauses.
+CHANNEL_RETRY_S = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6)
+# (OpenSSH says "open failed" with OPEN_CONNECT_FAILED when it has no session to give.)
+_REFUSALS = (
+    asyncssh.OPEN_CONNECT_FAILED,
+    asyncssh.OPEN_ADMINISTRATIVELY_PROHIBITED,
+    asyncssh.OPEN_RESOURCE_SHORTAGE,
+)
 
 # Errors that mean the link itself failed, whatever operation was under way. (A refused channel,
 # ChannelOpenError, means that only when the connection is gone too: see _failure.)
@@ -341,15 +355,17 @@ class SshTarget:
         abandon = None if timeout is None else timeout + HOST_KILL_S + 5
         async with self._channels:
             try:
-                result = await conn.run(
-                    wrapped,
-                    check=False,
-                    # stdin at EOF: a startup file that reads it (a prompt, `read`) goes on at
-                    # once instead of holding the command until the timeout, or forever
-                    stdin=asyncssh.DEVNULL,
-                    timeout=abandon,
-                    encoding="utf-8",
-                    errors="replace",
+                result = await self._refused_again(
+                    lambda: conn.run(
+                        wrapped,
+                        check=False,
+                        # stdin at EOF: a startup file that reads it (a prompt, `read`) goes on at
+                        # once instead of holding the command until the timeout, or forever
+                        stdin=asyncssh.DEVNULL,
+                        timeout=abandon,
+                        encoding="utf-8",
+                        errors="replace",
+                    )
                 )
             except asyncssh.TimeoutError as exc:
                 if own_output(str(exc.stdout or ""), mark) is None:
@@ -438,13 +454,15 @@ class SshTarget:
         conn, _ = self._live()
         try:
             mark = new_mark()
-            proc = await conn.create_process(
-                # the command's stderr joins its stdout after the mark, in sh: merged at the
-                # channel, the rc's stderr could arrive after the mark (sshd reads the two
-                # pipes apart) and be read as the command's first line; it is discarded
-                "exec /bin/sh -c " + shlex.quote(marked(f"exec 2>&1; {command}", mark, False)),
-                encoding=None,
-                stderr=asyncssh.DEVNULL,
+            proc = await self._refused_again(
+                lambda: conn.create_process(
+                    # the command's stderr joins its stdout after the mark, in sh: merged at the
+                    # channel, the rc's stderr could arrive after the mark (sshd reads the two
+                    # pipes apart) and be read as the command's first line; it is discarded
+                    "exec /bin/sh -c " + shlex.quote(marked(f"exec 2>&1; {command}", mark, False)),
+                    encoding=None,
+                    stderr=asyncssh.DEVNULL,
+                )
             )
         except (OSError, asyncssh.Error) as exc:
             raise self._failure(exc, "start a command") from exc
@@ -494,6 +512,19 @@ class SshTarget:
                 f"{self._where}:{path} is not a regular file (a FIFO, device or directory): "
                 "not fetched"
             )
+
+    async def _refused_again(self, open_channel: Callable[[], Awaitable[T]]) -> T:
+        """open_channel(), asked again (CHANNEL_RETRY_S) while sshd refuses the channel and the
+        connection stands; a refused channel never started its command."""
+        for pause in (*CHANNEL_RETRY_S, None):
+            try:
+                return await open_channel()
+            except asyncssh.ChannelOpenError as exc:
+                gone = self._lost is not None or self._conn is None or self._conn.is_closed()
+                if pause is None or gone or exc.code not in _REFUSALS:
+                    raise
+            await asyncio.sleep(pause)
+        raise AssertionError("unreachable")
 
     def _failure(self, exc: BaseException, what: str) -> TargetError:
         """ConnectionLost when the link is gone (whatever the error said), else a TargetError."""
