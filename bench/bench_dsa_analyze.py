@@ -156,7 +156,7 @@ def main() -> None:
             f"{'the same, cutting the arrays out of the lines':44s} {n / cut:8.0f} "
             f"{base / cut:7.2f} {n / cut:9.0f} {cut / floor:10.2f}"
         )
-        single = None
+        single, split = None, ""
         for workers in range(1, max(1, args.workers) + 1):
             wall, cpu, result = best(
                 lambda w=workers: analyze_block(folder, None, None, w), args.repeat
@@ -164,6 +164,13 @@ def main() -> None:
             assert isinstance(result, dict) and result["verdict"] == "TRACE_OK", result
             if single is None:
                 single = result
+                # where a record's time goes on one core, against what the goal allows
+                parse_us, rest_us = floor / n * 1e6, (wall - floor) / n * 1e6
+                split = (
+                    f"one worker, a record: the positions parse {parse_us:.1f} us (the floor), "
+                    f"the rest of analyze {rest_us:.1f} us (within 1.5x of the floor the rest "
+                    f"takes at most {parse_us / 2:.1f} us)"
+                )
             used = min(workers, cores())
             per_core = n / wall / used
             same = "same result" if result == single else "RESULT DIFFERS"
@@ -172,6 +179,7 @@ def main() -> None:
                 f"{label:44s} {n / wall:8.0f} {base / wall:7.2f} {per_core:9.0f} "
                 f"{(n / floor) / per_core:10.2f}   cpu {cpu:.2f} s, {same}"
             )
+        print(split)
         print(
             f"control: {args.workers} processes spinning get x{cpu_scaling(args.workers):.2f} "
             "one's speed on this machine now (the most N workers can gain)"

@@ -54,7 +54,9 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench_dsa_analyze import cpu_scaling  # noqa: E402
 from bench_dsa_ingest import loadavg, make_lines  # noqa: E402
+from cpu_share import Stretch, processes  # noqa: E402
 from loopwatch import LoopWatch  # noqa: E402
 
 import runners.dsa_worker  # noqa: E402
@@ -304,7 +306,8 @@ async def live_run(rate: float, seconds: float, helper: bool = True) -> float:
         (folder / "writer.py").write_text(WRITER)
         preset = folder / "bench_dsa_live.toml"
         preset.write_text(
-            LIVE_PRESET.format(python=sys.executable, tmp=tmp, rate=rate, seconds=seconds)
+            # the engine writes past the measured stretch, so that its CPU is read while it lives
+            LIVE_PRESET.format(python=sys.executable, tmp=tmp, rate=rate, seconds=seconds + 2)
         )
         app = create_app(out_dir=folder / "out", preset_paths=[preset])
         rss: list[float] = []
@@ -317,15 +320,24 @@ async def live_run(rate: float, seconds: float, helper: bool = True) -> float:
             screen.record_ticks = True
             watch = LoopWatch()
             watch.start()
+            cpu = Stretch()
+            cpu.start()
             start = time.perf_counter()
             while time.perf_counter() - start < seconds:
                 await asyncio.sleep(0.05)
                 if time.perf_counter() - start >= len(rss):
                     rss.append(rss_mb())
+            cpu.stop()
             watch.stop()
             folded = screen.panel.book.totals()["records"]  # type: ignore[attr-defined]
             ticks = list(screen.ticks)
             await screen.stop_following()
+        writer = f"{tmp}/writer.py"
+        deadline = time.monotonic() + 30
+        while any(writer in p.cmd for p in processes().values()):  # it writes into tmp
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the bench's engine ({writer}) did not end")
+            await asyncio.sleep(0.1)
         where = "a helper process" if helper else "a thread beside the screen's loop (baseline)"
         report(
             f"live run screen, engine at {rate:,.0f} records/s for {seconds:g} s, judged in "
@@ -339,6 +351,25 @@ async def live_run(rate: float, seconds: float, helper: bool = True) -> float:
             f"  judged and folded {folded:,} in {seconds:g} s ({folded / seconds:,.0f} of "
             f"{rate:,.0f} records/s kept up with)"
         )
+        console = cpu.used(os.getpid())
+        judge = cpu.used_by("runners.dsa_worker", under=os.getpid()) if helper else 0.0
+        engine = cpu.used_by(writer)
+        print(
+            f"  CPU in cores over the {seconds:g} s: this console {console / seconds:.2f}"
+            + (f", its judge helper {judge / seconds:.2f}" if helper else " (judge included)")
+            + f", the engine {engine / seconds:.2f}; the machine {cpu.busy / seconds:.2f} of "
+            f"{os.cpu_count()}"
+        )
+        if helper and folded:
+            # at the full rate: the judge and this console (which reads at the judge's pace)
+            # do rate / kept times their work; the engine already writes at that rate
+            judge_at, console_at = judge / folded * rate, console / folded * rate
+            print(
+                f"  the judge used {judge / folded * 1e6:.0f} us of CPU a record: at "
+                f"{rate:,.0f} records/s it needs {judge_at:.2f} cores, this console "
+                f"{console_at:.2f} and the engine {engine / seconds:.2f}: "
+                f"{judge_at + console_at + engine / seconds:.2f} cores in all"
+            )
         return folded / seconds
 
 
@@ -359,6 +390,10 @@ def main() -> None:
         base = asyncio.run(live_run(args.rate, args.seconds, helper=False))
         kept = asyncio.run(live_run(args.rate, args.seconds))
         print(f"live: judged in a helper process {kept / max(base, 1):.2f}x the baseline's rate")
+        print(
+            f"control: 2 processes spinning get x{cpu_scaling(2):.2f} one's speed on this "
+            "machine now (the cores there are to share)"
+        )
     print(f"loadavg after: {loadavg()}")
 
 
