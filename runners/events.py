@@ -47,7 +47,29 @@ class Event:
         return data
 
     def to_json(self) -> bytes:
-        return orjson.dumps(self.to_dict(), option=orjson.OPT_SERIALIZE_NUMPY)
+        """orjson.dumps(self.to_dict()), byte for byte, without to_dict's deep copy of every
+        value (a TraceBatch's digest: 1.6 ms an event, where these take 25 us)."""
+        data = {name: getattr(self, name) for name in _field_names(type(self))}
+        if not data["host"]:
+            del data["host"]
+        data["type"] = self.type
+        return orjson.dumps(data, default=_nested, option=_JSON_OPTIONS)
+
+
+_JSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_PASSTHROUGH_DATACLASS
+
+
+def _nested(value: Any) -> Any:
+    """A dataclass inside an event's value, as asdict makes it (orjson's own form would leave
+    out its fields whose names begin with an underscore)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    raise TypeError(f"Type is not JSON serializable: {type(value).__name__}")
+
+
+@functools.cache
+def _field_names(cls: type[Event]) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
 
 
 @event
