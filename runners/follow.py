@@ -103,10 +103,10 @@ class FileFollower:
                     break  # an incomplete last line (or one crossing `until`): not handed out
                 self._chunk *= 2  # past MAX_LINE: the line is skipped (_skip_oversize)
                 continue
-            complete = data[: cut + 1]
-            batch = complete.split(b"\n")[:-1]
+            batch = data.split(b"\n")
+            batch.pop()  # the incomplete last line (b"" when the data ends with a newline)
             collected.extend(batch)
-            self.offset += len(complete)
+            self.offset += cut + 1
             self.lines_read += len(batch)
             if len(data) < want:
                 break
