@@ -645,8 +645,9 @@ def _judge_rows(
                     # One side ended; count the other's tokens so the message is exact.
                     rest = rows_b if ra is None else rows_a
                     extra = 1 + sum(1 for _ in rest)
-                    t_a = judge.count + (0 if ra is None else extra)
-                    t_b = judge.count + (0 if rb is None else extra)
+                    both = judge.count + judge.skipped  # the rows read on both sides
+                    t_a = both + (0 if ra is None else extra)
+                    t_b = both + (0 if rb is None else extra)
                     _check_lengths(prefill_path, t_a, decode_path, t_b)
                 break
             if on_token is not None:

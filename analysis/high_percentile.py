@@ -4,6 +4,8 @@ stream of rows that keeps only its top (TopValues: the pair's p99 |Δ| in O(V) m
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 # Below this many values, or for a percentile this low, np.percentile itself is as quick.
@@ -12,33 +14,41 @@ _MIN_Q = 90
 _SAMPLE = 1 << 15
 
 
-def percentile_from_top(top: np.ndarray, below: int, n: int, q: int) -> float | None:
-    """np.percentile of n values, bit for bit, from `top`, the values at or above a threshold
-    (1-D, any order; reordered here), the other `below` values all being under it; None when
-    the percentile lies among those (they are needed then).
+def percentile_from_top(top: np.ndarray, below: int, n: int, q: float) -> float | None:
+    """np.percentile(values, q) of n values, bit for bit, from `top`, the values at or above a
+    threshold (1-D, any order; reordered here), the other `below` values all being under it;
+    None when the percentile lies among those (they are needed then).
 
-    numpy's linear method is a lerp of the k-th and (k+1)-th smallest values, k from (n-1) q:
-    both are in `top` when no more than k values are below it.
+    numpy's linear method is a lerp of the k-th and (k+1)-th smallest values, k from (n-1) q
+    (the largest value with itself from k = n - 1 on): both are in `top` when no more than k
+    values are below it. Its steps are taken here in its order, with its types: a q of
+    Python's int or float weighs in as a Python float (the values' dtype is kept), any other
+    q as the numpy value it is. (A tie of 0.0 and -0.0 may give either sign, as numpy's own
+    partition order decides; |Δ| holds no -0.0.)
     """
-    quantile = np.true_divide(q, 100)  # numpy's own steps, in its order, from here on
-    virtual = (n - 1) * quantile
-    previous = np.floor(virtual)
+    quantile = np.true_divide(q, 100)
+    virtual = np.asanyarray((n - 1) * quantile)
     if virtual >= n - 1:
-        return float(top.max()) if top.size else None  # numpy: the largest value
-    k = int(previous)
-    i = k - below
-    if i < 0:
-        return None
-    top.partition((i, i + 1))
-    a, b = top[i : i + 1], top[i + 1 : i + 2]
-    t = float(virtual - previous)  # a Python float: numpy's weak promotion keeps a's dtype
+        if not top.size:
+            return None
+        k = -1  # numpy's index of the largest value, which it then lerps with itself
+        a = b = top[top.argmax() : top.argmax() + 1]
+    else:
+        k = int(np.floor(virtual))
+        i = k - below
+        if i < 0:
+            return None
+        top.partition((i, i + 1))
+        a, b = top[i : i + 1], top[i + 1 : i + 2]
+    gamma = np.asanyarray(virtual - np.intp(k), dtype=virtual.dtype)
+    t = float(gamma) if type(q) in (int, float) else gamma
     d = b - a
     lerp = np.add(a, d * t)
     np.subtract(b, d * (1 - t), out=lerp, where=t >= 0.5, casting="unsafe", dtype=lerp.dtype)
     return float(lerp[0])
 
 
-def high_percentile(values: np.ndarray, q: int) -> float:
+def high_percentile(values: np.ndarray, q: float) -> float:
     """np.percentile(values, q), bit for bit, of a 1-D float array without NaN; it may reorder
     `values` (as overwrite_input=True does).
 
@@ -67,17 +77,21 @@ class TopValues:
     when the stream turned out to hold its percentile under the threshold (values that shrink
     after the first ones): then only a pass that keeps every value can tell it."""
 
-    def __init__(self, q: int, first: int = 1 << 20) -> None:
+    def __init__(self, q: float, first: int = 1 << 20) -> None:
         self.q = q
         self.first = first
         self.parts: list[np.ndarray] = []
         self.n = 0
         self.below = 0
         self.threshold: np.generic | None = None
+        self.dtype: np.dtype[Any] | None = None  # of all the rows together, as concatenated
 
     def add(self, values: np.ndarray) -> None:
         """Take a 1-D row (copied where kept: the caller may reuse it)."""
         self.n += values.shape[0]
+        # rows of another dtype than the kept ones: numpy's percentile of them all is taken in
+        # the dtype they make together
+        self.dtype = values.dtype if self.dtype is None else np.result_type(self.dtype, values)
         if self.threshold is None:
             self.parts.append(values.copy())
             if self.n >= self.first:
@@ -99,7 +113,7 @@ class TopValues:
     def percentile(self) -> float | None:
         if self.n == 0:
             raise ValueError("no values")
-        top = np.concatenate(self.parts) if self.parts else np.empty(0, np.float32)
+        top = np.concatenate(self.parts).astype(self.dtype, copy=False)
         if self.threshold is None:  # every value is here
             return high_percentile(top, self.q)
         return percentile_from_top(top, self.below, self.n, self.q)

@@ -509,6 +509,26 @@ def test_token_count_mismatch(tmp_path: Path) -> None:
         compare_pair(read_logits(pre), read_logits(dec), seed=0, kv_aligned=1, **PAIR_KW)
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_token_counts_after_the_modes_part_ways_are_exact(tmp_path: Path, workers: int) -> None:
+    """The sides write different tokens from token 2 (kv_aligned 0: compared no further, still
+    read to the end); then one side is a token short: the message counts every token."""
+    a, b, ids = pair_data(tokens=8, vocab=30)
+    split = (ids[2] + 1) % 30
+    b[2, split] = a[2].max() + 1  # decode's greedy pick at token 2 is another token
+    other = np.argmax(b, axis=1)
+    assert other[2] == split and (other[:2] == ids[:2]).all()
+    pre = write_table(tmp_path / "p.jsonl.gz", a, ids)
+    dec = write_table(tmp_path / "d.jsonl.gz", b[:7], other[:7])
+    kw = {**PAIR_KW, "workers": workers}
+    with pytest.raises(InputError) as info:
+        compare_files(pre, dec, seed=0, kv_aligned=0, **kw)
+    assert str(info.value).startswith(f"{pre}: 8 tokens here but 7 in {dec}")
+    with pytest.raises(InputError) as info:
+        compare_files(dec, pre, seed=0, kv_aligned=0, **kw)
+    assert str(info.value).startswith(f"{dec}: 7 tokens here but 8 in {pre}")
+
+
 def test_vocab_mismatch_between_sides(tmp_path: Path) -> None:
     a, _, ids = pair_data(tokens=3, vocab=40)
     b, _, _ = pair_data(tokens=3, vocab=41)

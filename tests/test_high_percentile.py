@@ -157,3 +157,56 @@ def test_top_values_of_a_short_stream_keeps_everything() -> None:
         tops.add(row)
     assert tops.threshold is None and tops.below == 0
     assert tops.percentile() == float(np.percentile(np.concatenate(rows), 99))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # inf - inf
+@pytest.mark.parametrize(
+    "values",
+    [
+        np.array([1.0, 2.0, np.inf, 3.0], np.float32),  # numpy lerps inf with itself: NaN
+        np.full(8, -0.0, np.float32),  # ... and -0.0 with itself: 0.0
+        np.array([5.0, 1.0, 4.0, 4.0], np.float64),
+    ],
+    ids=["inf", "negative zeros", "float64"],
+)
+def test_the_hundredth_percentile_is_numpys_lerp_of_the_largest_value(values: np.ndarray) -> None:
+    want = np.percentile(values, 100)
+    got = hp.percentile_from_top(values.copy(), 0, len(values), 100)
+    assert got is not None and np.array_equal([got], [want], equal_nan=True)
+    assert str(got) == str(want)  # the sign of a zero too
+    stream = TopValues(100, first=2)
+    for row in np.array_split(values, 3):
+        stream.add(row)
+    got = stream.percentile()
+    assert got is not None and str(got) == str(float(want))
+
+
+@pytest.mark.parametrize("q", [np.float64(99), np.float32(99.5), np.int64(97), 99.9, 99])
+def test_a_numpy_q_is_weighed_as_numpy_weighs_it(q: Any) -> None:
+    rng = np.random.default_rng(7)
+    values = np.abs(rng.normal(0, 1e-4, 1 << 17)).astype(np.float32)
+    want = float(np.percentile(values, q))
+    assert high_percentile(values.copy(), q) == want
+    stream = TopValues(q, first=1 << 12)
+    for row in np.array_split(values, 64):
+        stream.add(row)
+    assert stream.percentile() in (want, None)
+    low = hp.percentile_from_top(values.copy(), 0, len(values), q)
+    assert low == want
+
+
+def test_top_values_of_rows_of_two_dtypes_is_their_joint_percentile() -> None:
+    """Float64 rows under the threshold and float32 ones over it: numpy's percentile of them all
+    is taken in float64, and so is the stream's."""
+    rng = np.random.default_rng(3)
+    rows = [
+        rng.uniform(0, 1, 64).astype(np.float32),
+        rng.uniform(0, 0.01, 64),  # float64, all under the threshold set by the first row
+        rng.uniform(0.5, 1, 64).astype(np.float32),
+    ]
+    for q in (90, 95, 99):
+        stream = TopValues(q, first=64)
+        for row in rows:
+            stream.add(row)
+        want = float(np.percentile(np.concatenate(rows), q))
+        assert stream.percentile() == want
