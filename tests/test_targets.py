@@ -287,6 +287,69 @@ async def test_a_session_refused_while_sshd_is_full_is_asked_for_again(
         await t.close()
 
 
+async def _pauses(monkeypatch: pytest.MonkeyPatch) -> list[asyncio.Event]:
+    """Events set by the SSH target's 1st, 2nd, ... pause before asking for a channel again."""
+    import runners.targets.ssh as ssh
+
+    events = [asyncio.Event() for _ in ssh.CHANNEL_RETRY_S]
+    count = 0
+    sleep = asyncio.sleep
+
+    async def pause(seconds: float) -> None:
+        nonlocal count
+        events[min(count, len(events) - 1)].set()
+        count += 1
+        await sleep(seconds)
+
+    monkeypatch.setattr(ssh.asyncio, "sleep", pause)
+    return events
+
+
+async def test_a_refused_command_whose_link_was_replaced_is_lost_at_once(
+    sshd: SshServer, ssh_home: SshHome, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reconnect during a refused command's pause: the command's link is gone, and the next
+    refusal on it says so (a lost link to resume on), not a failure after every pause."""
+    pauses = await _pauses(monkeypatch)
+    t = parse_target(sshd.spec)
+    await guard(t.connect())
+    streams = [await guard(t.open_stream("cat")) for _ in range(9)]
+    try:
+        command = asyncio.ensure_future(t.run("echo ran"))
+        await guard(pauses[0].wait())  # refused: sshd holds every session
+        await guard(t.close())
+        await guard(t.connect())  # another link now; the command's is closed
+        with pytest.raises(ConnectionLost):
+            await guard(command)
+        assert not pauses[2].is_set()  # not asked for again on the closed link
+        assert (await guard(t.run("echo again"))).stdout == "again\n"
+    finally:
+        for stream in streams:
+            await stream.close()
+        await t.close()
+
+
+async def test_time_refused_is_not_counted_against_a_commands_timeout(
+    sshd: SshServer, ssh_home: SshHome, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Refused for longer than its 1 s timeout, a command that then exits 124 on its own
+    (timeout(1)'s code) is that exit, not 'killed by the host's timeout'."""
+    pauses = await _pauses(monkeypatch)
+    t = parse_target(sshd.spec)
+    await guard(t.connect())
+    streams = [await guard(t.open_stream("cat")) for _ in range(9)]
+    try:
+        command = asyncio.ensure_future(t.run("exit 124", timeout=1))
+        await guard(pauses[4].wait())  # 0.75 s of pauses done and 0.8 s more begun: over 1 s
+        await guard(streams.pop().close())
+        result = await guard(command)
+        assert result.exit_status == 124
+    finally:
+        for stream in streams:
+            await stream.close()
+        await t.close()
+
+
 # -- ssh: host keys, auth, config -------------------------------------------------------------
 
 

@@ -351,22 +351,25 @@ class SshTarget:
         mark = new_mark()
         wrapped = sh_command(command, timeout, mark)
         loop = asyncio.get_running_loop()
-        began = loop.time()
+        began: list[float] = []  # when the command's channel was asked for, each time
         abandon = None if timeout is None else timeout + HOST_KILL_S + 5
+
+        def start() -> Awaitable[asyncssh.SSHCompletedProcess]:
+            began.append(loop.time())
+            return conn.run(
+                wrapped,
+                check=False,
+                # stdin at EOF: a startup file that reads it (a prompt, `read`) goes on at once
+                # instead of holding the command until the timeout, or forever
+                stdin=asyncssh.DEVNULL,
+                timeout=abandon,
+                encoding="utf-8",
+                errors="replace",
+            )
+
         async with self._channels:
             try:
-                result = await self._refused_again(
-                    lambda: conn.run(
-                        wrapped,
-                        check=False,
-                        # stdin at EOF: a startup file that reads it (a prompt, `read`) goes on at
-                        # once instead of holding the command until the timeout, or forever
-                        stdin=asyncssh.DEVNULL,
-                        timeout=abandon,
-                        encoding="utf-8",
-                        errors="replace",
-                    )
-                )
+                result = await self._refused_again(conn, start)
             except asyncssh.TimeoutError as exc:
                 if own_output(str(exc.stdout or ""), mark) is None:
                     raise TargetError(
@@ -379,9 +382,9 @@ class SshTarget:
                     f"abandoned (it may still be running there): {command[:200]}"
                 ) from exc
             except (OSError, asyncssh.Error) as exc:
-                raise self._failure(exc, "run a command") from exc
+                raise self._failure(conn, exc, "run a command") from exc
         status = result.returncode
-        if timeout is not None and status == TIMED_OUT and loop.time() - began >= timeout:
+        if timeout is not None and status == TIMED_OUT and loop.time() - began[-1] >= timeout:
             raise TargetError(
                 f"command on {self._where} did not finish within {timeout:g} s and was killed "
                 f"there: {command[:200]}"
@@ -403,7 +406,7 @@ class SshTarget:
         return CommandResult(status, own_out, err if own_err is None else own_err)
 
     async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
-        _, sftp = self._live()
+        conn, sftp = self._live()
         part = path + ".part"
         try:
             parent = posixpath.dirname(path)
@@ -421,7 +424,7 @@ class SshTarget:
                     await sftp.remove(path)
                 await sftp.rename(part, path)
         except (OSError, asyncssh.Error) as exc:
-            failure = self._failure(exc, f"write {path}")
+            failure = self._failure(conn, exc, f"write {path}")
             if not isinstance(failure, ConnectionLost):
                 with contextlib.suppress(OSError, asyncssh.Error):
                     await sftp.remove(part)
@@ -430,24 +433,24 @@ class SshTarget:
     async def read_from(self, path: str, offset: int, max_bytes: int) -> bytes | None:
         if offset < 0 or max_bytes < 0:
             raise ValueError(f"read_from({path!r}): offset and max_bytes must be >= 0")
-        _, sftp = self._live()
+        conn, sftp = self._live()
         try:
             async with sftp.open(path, "rb") as f:
                 data = await f.read(max_bytes, offset) if max_bytes else b""
         except asyncssh.sftp.SFTPNoSuchFile:
             return None
         except (OSError, asyncssh.Error) as exc:
-            raise self._failure(exc, f"read {path}") from exc
+            raise self._failure(conn, exc, f"read {path}") from exc
         return bytes(data)
 
     async def list_dir(self, path: str) -> list[str] | None:
-        _, sftp = self._live()
+        conn, sftp = self._live()
         try:
             names = await sftp.listdir(path)
         except asyncssh.sftp.SFTPNoSuchFile:
             return None
         except (OSError, asyncssh.Error) as exc:
-            raise self._failure(exc, f"list {path}") from exc
+            raise self._failure(conn, exc, f"list {path}") from exc
         return sorted(str(n) for n in names if n not in (".", ".."))
 
     async def open_stream(self, command: str) -> SshStream:
@@ -455,6 +458,7 @@ class SshTarget:
         try:
             mark = new_mark()
             proc = await self._refused_again(
+                conn,
                 lambda: conn.create_process(
                     # the command's stderr joins its stdout after the mark, in sh: merged at the
                     # channel, the rc's stderr could arrive after the mark (sshd reads the two
@@ -462,16 +466,16 @@ class SshTarget:
                     "exec /bin/sh -c " + shlex.quote(marked(f"exec 2>&1; {command}", mark, False)),
                     encoding=None,
                     stderr=asyncssh.DEVNULL,
-                )
+                ),
             )
         except (OSError, asyncssh.Error) as exc:
-            raise self._failure(exc, "start a command") from exc
+            raise self._failure(conn, exc, "start a command") from exc
         return SshStream(proc, mark.encode() + b"\n")
 
     async def download(
         self, path: str, local: Path, progress: Callable[[int, int], None] | None = None
     ) -> None:
-        _, sftp = self._live()
+        conn, sftp = self._live()
         local.parent.mkdir(parents=True, exist_ok=True)
         part = local.with_name(local.name + ".part")
 
@@ -503,7 +507,7 @@ class SshTarget:
             if local_failure is not None:
                 raise local_failure from exc
             if isinstance(exc, OSError | asyncssh.Error):
-                raise self._failure(exc, f"download {path} to {local}") from exc
+                raise self._failure(conn, exc, f"download {path} to {local}") from exc
             raise
 
     def _regular(self, attrs: asyncssh.SFTPAttrs, path: str) -> None:
@@ -513,23 +517,30 @@ class SshTarget:
                 "not fetched"
             )
 
-    async def _refused_again(self, open_channel: Callable[[], Awaitable[T]]) -> T:
-        """open_channel(), asked again (CHANNEL_RETRY_S) while sshd refuses the channel and the
-        connection stands; a refused channel never started its command."""
+    async def _refused_again(
+        self, conn: asyncssh.SSHClientConnection, open_channel: Callable[[], Awaitable[T]]
+    ) -> T:
+        """open_channel() on conn, asked again (CHANNEL_RETRY_S) while sshd refuses the channel
+        and conn stands; a refused channel never started its command."""
         for pause in (*CHANNEL_RETRY_S, None):
             try:
                 return await open_channel()
             except asyncssh.ChannelOpenError as exc:
-                gone = self._lost is not None or self._conn is None or self._conn.is_closed()
-                if pause is None or gone or exc.code not in _REFUSALS:
+                if pause is None or self._gone(conn) or exc.code not in _REFUSALS:
                     raise
             await asyncio.sleep(pause)
         raise AssertionError("unreachable")
 
-    def _failure(self, exc: BaseException, what: str) -> TargetError:
-        """ConnectionLost when the link is gone (whatever the error said), else a TargetError."""
-        gone = self._lost is not None or (self._conn is not None and self._conn.is_closed())
-        if gone or isinstance(exc, _LINK_ERRORS):
+    def _gone(self, conn: asyncssh.SSHClientConnection) -> bool:
+        """Whether conn is lost: closed, known lost, or already replaced by a reconnect."""
+        return conn is not self._conn or self._lost is not None or conn.is_closed()
+
+    def _failure(
+        self, conn: asyncssh.SSHClientConnection, exc: BaseException, what: str
+    ) -> TargetError:
+        """ConnectionLost when conn, the operation's link, is gone (whatever the error said),
+        else a TargetError."""
+        if self._gone(conn) or isinstance(exc, _LINK_ERRORS):
             return self._lost_error(exc)
         return TargetError(f"cannot {what} on {self._where}: {_reason(exc)}")
 
