@@ -23,6 +23,7 @@ import struct
 import subprocess
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -201,7 +202,8 @@ class _Helper(Child):
 
 class SideRows:
     """iter_logits(path), read by a helper process that starts at once: the same rows, the same
-    errors. close() ends the helper and its reader, whether or not a row was taken."""
+    errors. close() ends the helper and its reader, whether or not a row was taken; so does
+    losing the last reference to it (or the interpreter's exit) without close()."""
 
     def __init__(self, path: str | Path, fork: bool | None = None) -> None:
         self.path = str(path)
@@ -213,6 +215,8 @@ class SideRows:
         self.reader.daemon = True
         self.reader.start()
         self.closed = False
+        # holds no reference to self: a SideRows dropped unclosed is still ended
+        self._end = weakref.finalize(self, _end_side, self.helper, self.frames, self.reader)
 
     def __iter__(self) -> Iterator[LogitsRow]:
         return self
@@ -239,17 +243,21 @@ class SideRows:
         raise StopIteration  # _DONE
 
     def close(self) -> None:
-        if self.closed:
-            return
         self.closed = True
-        self.helper.wait(kill=True)  # still running: the caller stopped early
-        # The reader ends at the pipe's end, which the helper's death brings; a full queue
-        # would hold it, so take what it still puts.
-        while self.reader.is_alive():
-            with contextlib.suppress(queue.Empty):
-                self.frames.get(timeout=0.05)
-        self.reader.join()
-        self.helper.close()
+        self._end()  # once: later calls do nothing
+
+
+def _end_side(
+    helper: _Helper, frames: queue.Queue[tuple[bytes, bytes | None]], reader: threading.Thread
+) -> None:
+    helper.wait(kill=True)  # still running: the caller stopped early
+    # The reader ends at the pipe's end, which the helper's death brings; a full queue would
+    # hold it, so take what it still puts.
+    while reader.is_alive():
+        with contextlib.suppress(queue.Empty):
+            frames.get(timeout=0.05)
+    reader.join()
+    helper.close()
 
 
 def iter_logits_elsewhere(path: str | Path, fork: bool | None = None) -> SideRows:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import gzip
 import json
 import os
@@ -100,6 +101,21 @@ def test_stopping_early_ends_the_helper_and_its_reader(
     # waits on a full queue. Closing must still end both.
     assert children() - before, "the helper should be running"
     rows.close()
+    assert children() == before
+    assert readers() == []
+
+
+@FORK
+def test_a_reader_dropped_without_close_ends_its_helper(
+    good_side: tuple[Path, np.ndarray], fork: bool
+) -> None:
+    side = good_side[0]
+    before = children()
+    rows = iter_logits_elsewhere(side, fork)
+    next(rows)
+    assert children() - before, "the helper should be running"
+    del rows  # no close(): its last reference goes
+    gc.collect()
     assert children() == before
     assert readers() == []
 
