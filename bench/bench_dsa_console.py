@@ -17,7 +17,10 @@ Prints the gaps between drain ticks (responsive: none over 100 ms; the tick is 6
 drain cost, the worst event-loop stall and the longest callback in CPU time (bench/loopwatch.py),
 the records folded, RSS after 1 s and at the end (flat: the aggregates are bounded), and the load
 average. The live mode runs twice: judged in a thread beside the loop (the baseline), then in
-the judge's helper process.
+the judge's helper process; for each it prints the CPU this console, the judge's helper, the
+engine and the whole machine used over the stretch (bench/cpu_share.py, from /proc), and for the
+helper the judge's CPU per record and the cores --rate would need at those costs, beside a
+control of what two spinning processes get on the machine at that moment.
 
     python bench/bench_dsa_console.py [--mode run|watch|backlog|live|all] [--rate 20000]
                                       [--seconds 10]
