@@ -610,8 +610,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     printer = Printer(json_lines=args.json)
     previous = None
-    code = 0
     from runners.events import RunFinished
+
+    end: RunFinished | None = None  # the run's exit code is its end's, and only its end's
     from runners.run_view import as_recorded, believed_end, item_words
 
     try:  # each item's recorded word is shown as its recomputation has it
@@ -632,11 +633,21 @@ def cmd_replay(args: argparse.Namespace) -> int:
             if event.exit_code:
                 _err(event.summary["error"])
         printer(event)
-        code = getattr(event, "exit_code", code)
+        if isinstance(event, RunFinished):
+            end = event
     if recorded.torn_tail:
         _err(
             f"{path}: the last line is incomplete (the console stopped mid-write); "
             f"`tracedeck attach {args.dir}` resumes from the last complete event"
+        )
+    if end is not None:
+        code = end.exit_code
+    else:  # no verdict was recorded: never a pass, whatever its cells said
+        code = EXIT_INFRA
+        _err(
+            f"{path}: the record has no end (no run_finished event): the run had not finished "
+            f"when its console stopped recording, or it still runs; `tracedeck attach "
+            f"{args.dir}` follows it to its verdict"
         )
     from console.ci_cmd import write_reports
 

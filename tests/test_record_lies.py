@@ -133,3 +133,22 @@ def test_a_run_id_two_directories_record_is_refused_naming_both(tmp_path: Path) 
     done = tracedeck("diff", run_id, run_id, "--out", str(out), env=cli_env(tmp_path))
     assert done.returncode == 2 and "is recorded by 2 directories" in done.stderr
     assert str(local) in done.stderr and str(twin) in done.stderr
+
+
+@pytest.mark.parametrize("cut", ["no end", "torn end", "passing cells, no end"])
+def test_a_record_without_its_end_never_replays_as_a_pass(cut: str, tmp_path: Path) -> None:
+    """The exit code of a replay is its run_finished's: a record cut before it (a console
+    killed mid-run) exits 3 and says so, even when its last cell passed with exit code 0."""
+    out = tmp_path / "out"
+    command = "true" if cut == "passing cells, no end" else "sh -c 'test {n} != 2'"
+    local = _run(tmp_path, out, command, "[1, 2]")
+    path = local / "events.jsonl"
+    lines = path.read_text().splitlines()
+    at = max(i for i, line in enumerate(lines) if json.loads(line)["type"] == "run_finished")
+    kept = lines[:at]
+    tail = lines[at][: len(lines[at]) // 2] if cut == "torn end" else ""
+    assert json.loads(kept[-1]).get("exit_code", 0) == 0 or cut != "passing cells, no end"
+    path.write_text("\n".join(kept) + "\n" + tail)
+    done = tracedeck("replay", str(local), "--headless", env=cli_env(tmp_path))
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "the record has no end (no run_finished event)" in done.stderr
