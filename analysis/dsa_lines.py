@@ -88,6 +88,16 @@ def read_span(path: Path, offset: int, size: int) -> Lines:
         return Lines(bytes(out))
 
 
+def feed_file(stream: TraceStream, path: Path, chunk: int = READ_CHUNK) -> dict[str, Any] | None:
+    """Stream one shard through the judge in bounded chunks; a torn last line is a problem."""
+    for line_no, lines, torn in complete_lines(path, chunk):
+        if not torn:
+            stream.feed(str(path), lines, line_no)
+            continue
+        return torn_line(stream, path, line_no, len(lines[0]))
+    return None
+
+
 def torn_line(stream: TraceStream, path: Path, line_no: int, size: int) -> dict[str, Any]:
     """A last line with no newline: one invalid record, and its problem."""
     fail = torn_fail(size)

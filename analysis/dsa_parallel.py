@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import stat
 import struct
 import subprocess
 import sys
@@ -29,7 +30,14 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from analysis import parallel
-from analysis.dsa_lines import READ_CHUNK, chunk_spans, complete_lines, read_span, torn_line
+from analysis.dsa_lines import (
+    READ_CHUNK,
+    chunk_spans,
+    complete_lines,
+    feed_file,
+    read_span,
+    torn_line,
+)
 from analysis.dsa_stream import Checked, TraceStream
 
 _FRAME = struct.Struct("<cQ")  # tag, payload length
@@ -181,7 +189,7 @@ class Workers:
             raise WorkerError(self._died(proc, f"{path}:{first_line}"))
         tag, payload = frame
         if tag != _CHUNK:
-            raise WorkerError(f"a worker judging the trace failed at {payload.decode('utf-8', 'replace')}")  # fmt: skip
+            raise WorkerError(_failed(payload))
         at, got = pickle.loads(payload)
         if at != first_line:
             raise WorkerError(f"a worker answered for another chunk than {path}:{first_line}")
@@ -196,6 +204,11 @@ class Workers:
 
     def _died(self, proc: _Worker, where: str) -> str:
         status = proc.wait(kill=True)
+        # It may have said why before it ended (an error, after answers not yet read): its
+        # pipe holds that, and ends, now that it is gone.
+        while (frame := _read_frame(proc.stdout)) is not None:
+            if frame[0] != _CHUNK:
+                return _failed(frame[1])
         said = proc.stderr.read().decode("utf-8", "replace").strip()[-400:] if proc.stderr else ""
         return (
             f"a worker process judging the trace (pid {proc.pid}) ended without a word at "
@@ -220,6 +233,10 @@ class Workers:
         self.close()
 
 
+def _failed(payload: bytes) -> str:
+    return f"a worker judging the trace failed at {payload.decode('utf-8', 'replace')}"
+
+
 def feed_files(
     stream: TraceStream, files: list[Path], workers: int, chunk: int = READ_CHUNK
 ) -> list[dict[str, Any]]:
@@ -239,6 +256,12 @@ def feed_files(
 
     try:
         for path in files:
+            if _piped(path):  # read once, as written: a pipe has no spans to hand out
+                while pending:
+                    fold()
+                if (cut_line := feed_file(stream, path, chunk)) is not None:
+                    torn.append(cut_line)
+                continue
             for offset, size, line_no, cut in chunk_spans(path, chunk):
                 if pool is None and workers >= 2 and _known(stream):
                     pool = Workers(workers, StreamCheck(_consts(stream)))
@@ -272,6 +295,15 @@ def _worth(files: list[Path], workers: int, chunk: int) -> int:
         with contextlib.suppress(OSError):  # a file that cannot be read fails where it is read
             size += path.stat().st_size
     return workers if size > workers * chunk else 1
+
+
+def _piped(path: Path) -> bool:
+    """Whether path is a FIFO (a shard piped in: `zcat shard.gz > FIFO`), which is read once,
+    in order, here: a span of it cannot be read again, nor by another process."""
+    try:
+        return stat.S_ISFIFO(os.stat(path).st_mode)
+    except OSError:
+        return False  # the reader names what is wrong with it
 
 
 def _known(stream: TraceStream) -> bool:
@@ -311,6 +343,13 @@ def map_chunks(
     pending = 0
     try:
         for path in files:
+            if _piped(path):  # read once, as written: a pipe has no spans to hand out
+                while pending:
+                    pending -= 1
+                    yield pool.result()  # type: ignore[union-attr]
+                for line_no, lines, torn in complete_lines(path, chunk):
+                    yield job(str(path), lines, line_no, torn)  # type: ignore[arg-type]
+                continue
             for offset, size, line_no, torn in chunk_spans(path, chunk):
                 if pool is None and workers >= 2 and ready():
                     pool = Workers(workers, job)

@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from analysis.dsa_lines import READ_CHUNK, complete_lines, torn_line
+from analysis.dsa_lines import READ_CHUNK, feed_file
 from analysis.dsa_record import Fail
 from analysis.dsa_stats import compare_summary, percentile
 from analysis.dsa_stream import (
@@ -219,16 +219,6 @@ def shard_name_problems(
             why = f"trace_steps_{want[0]}_{want[1]}.jsonl (config.requests {requests}, max_requests_per_file {per})"  # fmt: skip
             out.append(problem(f, None, None, Fail("shards", why, f"{name} (its name claims requests it cannot hold)")))  # fmt: skip
     return out
-
-
-def feed_file(stream: TraceStream, path: Path, chunk: int = READ_CHUNK) -> dict[str, Any] | None:
-    """Stream one shard through the judge in bounded chunks; a torn last line is a problem."""
-    for line_no, lines, torn in complete_lines(path, chunk):
-        if not torn:
-            stream.feed(str(path), lines, line_no)
-            continue
-        return torn_line(stream, path, line_no, len(lines[0]))
-    return None
 
 
 SUMMARY_MAX = 1 << 24  # no engine's summary.json comes near (the live path reads as much)

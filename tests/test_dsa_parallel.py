@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -124,6 +125,23 @@ def test_a_worker_that_dies_is_an_error_never_a_verdict(tmp_path: Path) -> None:
         with pytest.raises(WorkerError, match="ended without a word"):
             pool.submit(str(path), offset, size, line_no)  # worker 1's turn
             pool.result()
+
+
+def test_a_worker_that_failed_is_heard_even_when_the_next_chunk_finds_it_gone(
+    tmp_path: Path,
+) -> None:
+    """Its error was sent before it ended, but the next chunk is handed to it first: the
+    broken pipe still reports what the worker said, not a death 'without a word'."""
+    consts = {"topk": 32, "layers": 3, "block_size": 16, "bytes_per_token": 0}
+    gone = tmp_path / "removed.jsonl"
+    with Workers(1, StreamCheck(consts)) as pool:
+        pool.submit(str(gone), 0, 10, 1)  # the worker cannot read it: its error, then its end
+        [pid] = pool.pids
+        while not _zombie(pid):
+            os.sched_yield()
+        with pytest.raises(WorkerError) as info:
+            pool.submit(str(gone), 10, 10, 2)
+        assert f"failed at {gone}:1: FileNotFoundError" in str(info.value)
 
 
 def test_int_lists_as_json_text_are_msgspecs_slices_and_nulls_included() -> None:
@@ -270,3 +288,63 @@ def test_workers_start_only_for_more_than_a_chunk_each(tmp_path: Path) -> None:
     size = sum(f.stat().st_size for f in files)
     assert _worth(files, 3, 4000) == 3 and _worth(files, 2, 4000) == 2  # the tests above
     assert _worth(files, 2, size // 2 + 1) == 1 and _worth(files, 1, 1) == 1
+
+
+def _piped_in(shard: Path) -> threading.Thread:
+    """shard replaced by a FIFO that a thread writes its lines into (`zcat shard.gz > FIFO`).
+    The writer's end is open before the judge opens it; the shard is more than a pipe holds,
+    so the writer ends (and closes its end) only once the judge has read it."""
+    data = shard.read_bytes()
+    assert len(data) > 4 * 65536, "a shard larger than the pipe's buffer"
+    shard.unlink()
+    os.mkfifo(shard)
+    fd = os.open(shard, os.O_RDWR)  # a FIFO's O_RDWR never waits for a reader
+
+    def write() -> None:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    return writer
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("which", [0, 1, -1])
+def test_a_shard_piped_in_is_judged_as_the_file_it_carries(
+    tmp_path: Path, workers: int, which: int
+) -> None:
+    """A FIFO shard is read once, in order, by the judging process (its spans cannot be read
+    again by a worker); the other shards' chunks still go to the workers."""
+    folder = write_trace(tmp_path / "t", requests=8, per_file=2, layers=3, steps=40, topk=24)
+    broken = shard_files(folder)[2]
+    lines = broken.read_text().splitlines()
+    rec = json.loads(lines[4])
+    rec["unique_blocks"] += 1
+    lines[4] = json.dumps(rec)
+    broken.write_text("\n".join(lines) + "\n")
+    want = analyze_block(folder, None, None, 1, chunk=4000)
+    assert want["verdict"] != "TRACE_OK" and want["first_fail"]["line"] == 5
+    writer = _piped_in(shard_files(folder)[which])
+    got = analyze_block(folder, None, None, workers, chunk=4000)
+    writer.join(timeout=60)
+    assert not writer.is_alive()
+    assert got == want
+
+
+def test_tiers_with_a_shard_piped_in_replay_what_one_process_does(tmp_path: Path) -> None:
+    """map_chunks' consumers (tiers, what-if, export) read a FIFO shard once, here."""
+    from analysis.dsa_tiers import tiers_dir
+
+    folder = write_trace(tmp_path / "t", requests=8, per_file=2, layers=3, steps=40, topk=24)
+    one = tiers_dir(str(folder), [2, 8, 64], "lru", workers=1, chunk=4000)
+    assert one["used"] > 100
+    writer = _piped_in(shard_files(folder)[1])
+    many = tiers_dir(str(folder), [2, 8, 64], "lru", workers=2, chunk=4000)
+    writer.join(timeout=60)
+    assert not writer.is_alive()
+    assert many == one
