@@ -89,6 +89,15 @@ class RunStarted(Event):
     # because the host's python lacks numpy).
     notes: list[str] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        for n, cell in enumerate(self.cells):  # what every reader of the cells takes from them
+            index = cell.get("index") if isinstance(cell, dict) else None
+            if type(index) is not int or not isinstance(cell.get("params"), dict):
+                raise ValueError(
+                    f"run_started: field 'cells' item {n} is {repr(cell)[:80]}, not a cell (an "
+                    "integer index and a params object)"
+                )
+
 
 @event
 class EngineVersion(Event):
@@ -210,7 +219,13 @@ class CellFinished(Event):
     scheduler: str = ""
 
     def __post_init__(self) -> None:
-        self.state = CellState(self.state).value  # a plain word on the wire, checked on decoding
+        try:  # a plain word on the wire, checked on decoding
+            self.state = CellState(self.state).value
+        except ValueError:
+            words = ", ".join(s.value for s in CellState)
+            raise ValueError(
+                f"cell_finished: field 'state' is {repr(self.state)[:60]}, not one of {words}"
+            ) from None
 
 
 @event
@@ -404,14 +419,23 @@ def _builder(cls: type[Event]) -> Callable[[dict[str, Any], str], Event]:
 
     Each plain field present is checked (a value of an exact JSON type the field allows passes
     at once; any other is _check_field's: a subclass such as bool for an int field is refused
-    there), in field order. The event is then made without the dataclass's __init__ and its
+    there), in field order, and so are the items of a list field and the values of a dict
+    field whose item type is plain (list[str], dict[str, float]; not Any). The event is then
+    made without the dataclass's __init__ and its
     keyword binding, where that only sets the fields; else (a field missing, one no such event
     has, a class with a __post_init__ or a field __init__ does not set) by cls(**data), whose
     TypeError says what is wrong."""
     fields = dataclasses.fields(cls)
     direct = not hasattr(cls, "__post_init__") and all(f.init for f in fields)
     plain = {name: (allowed, text) for name, allowed, text in _field_types(cls)}
-    names: dict[str, Any] = {"_ABSENT": _ABSENT, "_check_field": _check_field, "cls": cls}
+    inner = {f.name: got for f in fields if (got := _element_types(str(f.type))) is not None}
+    names: dict[str, Any] = {
+        "_ABSENT": _ABSENT,
+        "_check_field": _check_field,
+        "_check_elements": _check_elements,
+        "_join": "".join,
+        "cls": cls,
+    }
     body = ["def build(data, kind):", "    found = 0", "    whole = True"]
     for i, f in enumerate(fields):
         body.append(f"    value = data.get({f.name!r}, _ABSENT)")
@@ -430,6 +454,22 @@ def _builder(cls: type[Event]) -> Callable[[dict[str, Any], str], Event]:
                 f"        if type(value) not in allowed{i}:",
                 f"            _check_field(kind, {f.name!r}, value, allowed{i}, text{i})",
             ]
+        if f.name in inner:  # a list's items, a dict's values
+            names[f"each{i}"], names[f"etext{i}"] = inner[f.name]
+            check = f"_check_elements(kind, {f.name!r}, value, each{i}, etext{i})"
+            if inner[f.name][0] == (str,):  # output lines: str.join checks them in C
+                items = (
+                    "value.values()" if f.name in plain and dict in plain[f.name][0] else "value"
+                )
+                body += [
+                    "        if value:",
+                    "            try:",
+                    f"                _join({items})",
+                    "            except TypeError:",
+                    f"                {check}",
+                ]
+            else:
+                body += ["        if value:", f"            {check}"]
         body.append(f"        v{i} = value")
     if direct:
         body += ["    if whole and found == len(data):", "        made = object.__new__(cls)"]
@@ -438,6 +478,34 @@ def _builder(cls: type[Event]) -> Callable[[dict[str, Any], str], Event]:
     body.append("    return cls(**data)")
     exec(compile("\n".join(body), f"<builder of {cls.__qualname__}>", "exec"), names)
     return names["build"]  # type: ignore[no-any-return]
+
+
+def _check_elements(kind: str, name: str, value: Any, allowed: tuple[type, ...], text: str) -> None:
+    """Each item of a list field, each value of a dict field, of a JSON type its declared
+    element type allows (a bool is no int here either)."""
+    for item in value.values() if isinstance(value, dict) else value:
+        if type(item) not in allowed and (
+            not isinstance(item, allowed) or (isinstance(item, bool) and bool not in allowed)
+        ):
+            raise ValueError(f"{kind}: field {name!r} holds {repr(item)[:60]}, not {text}")
+
+
+@functools.cache
+def _element_types(declared: str) -> tuple[tuple[type, ...], str] | None:
+    """(the JSON types, the declared type) of a list field's items or a dict field's values
+    where that type is plain; None where it is Any (or no list or dict)."""
+    for part in (p.strip() for p in declared.split("|")):
+        if not part.endswith("]"):
+            continue
+        if part.startswith("list["):
+            inner = part[5:-1]
+        elif part.startswith("dict["):
+            inner = part[5:-1].split(",", 1)[1].strip()
+        else:
+            continue
+        allowed = _JSON_TYPES.get(inner.split("[", 1)[0])
+        return (allowed, inner) if allowed is not None else None
+    return None
 
 
 @functools.cache
