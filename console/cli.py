@@ -431,6 +431,7 @@ async def _launch_and_follow(session) -> int:  # type: ignore[no-untyped-def]
     try:
         await launch
     except asyncio.CancelledError:
+        loop.remove_signal_handler(signal.SIGINT)
         if session.stage in ("starting", "started"):
             _err(
                 f"stopped waiting for the launch of run {session.record.run_id}; it may have "
@@ -444,10 +445,11 @@ async def _launch_and_follow(session) -> int:  # type: ignore[no-untyped-def]
         await session.close()
         return EXIT_INTERRUPT
     except Exception:
+        loop.remove_signal_handler(signal.SIGINT)
         await session.close()
         raise
-    finally:
-        loop.remove_signal_handler(signal.SIGINT)
+    # Launched: this handler stays until the follow's replaces it. Put back to the default
+    # between the two, a Ctrl-C raised KeyboardInterrupt there, and the run went on unreported.
     if interrupts:
         _err(f"run {session.record.run_id} started; cancelling it now ({commands})")
         cancelling = asyncio.ensure_future(session.cancel())
