@@ -455,12 +455,11 @@ def _builder(cls: type[Event]) -> Callable[[dict[str, Any], str], Event]:
                 f"            _check_field(kind, {f.name!r}, value, allowed{i}, text{i})",
             ]
         if f.name in inner:  # a list's items, a dict's values
-            names[f"each{i}"], names[f"etext{i}"] = inner[f.name]
+            each, names[f"etext{i}"], of_dict = inner[f.name]
+            names[f"each{i}"] = each
             check = f"_check_elements(kind, {f.name!r}, value, each{i}, etext{i})"
-            if inner[f.name][0] == (str,):  # output lines: str.join checks them in C
-                items = (
-                    "value.values()" if f.name in plain and dict in plain[f.name][0] else "value"
-                )
+            if each == (str,):  # output lines: str.join checks them in C
+                items = "value.values()" if of_dict else "value"
                 body += [
                     "        if value:",
                     "            try:",
@@ -491,20 +490,21 @@ def _check_elements(kind: str, name: str, value: Any, allowed: tuple[type, ...],
 
 
 @functools.cache
-def _element_types(declared: str) -> tuple[tuple[type, ...], str] | None:
-    """(the JSON types, the declared type) of a list field's items or a dict field's values
-    where that type is plain; None where it is Any (or no list or dict)."""
+def _element_types(declared: str) -> tuple[tuple[type, ...], str, bool] | None:
+    """(the JSON types, the declared type, whether of a dict) of a list field's items or a
+    dict field's values where that type is plain; None where it is Any (or no list or dict)."""
     for part in (p.strip() for p in declared.split("|")):
         if not part.endswith("]"):
             continue
+        of_dict = part.startswith("dict[")
         if part.startswith("list["):
             inner = part[5:-1]
-        elif part.startswith("dict["):
+        elif of_dict:
             inner = part[5:-1].split(",", 1)[1].strip()
         else:
             continue
         allowed = _JSON_TYPES.get(inner.split("[", 1)[0])
-        return (allowed, inner) if allowed is not None else None
+        return (allowed, inner, of_dict) if allowed is not None else None
     return None
 
 
