@@ -333,11 +333,16 @@ def map_chunks(
     ready() says no (the job learns from its first chunks what it needs) or workers < 2
     (then each chunk is read once, by complete_lines: the same chunks, the same lines),
     then by `workers` processes, each handed a copy of the job as it is then."""
+
+    def here(path: Path) -> Iterator[Any]:
+        """Every chunk of path read once, as complete_lines reads it (no spans first)."""
+        for line_no, lines, torn in complete_lines(path, chunk):
+            yield job(str(path), lines, line_no, torn)  # type: ignore[arg-type]
+
     workers = _worth(files, workers, chunk)
-    if workers < 2:  # every chunk here: read once, as complete_lines reads it (no spans first)
+    if workers < 2:
         for path in files:
-            for line_no, lines, torn in complete_lines(path, chunk):
-                yield job(str(path), lines, line_no, torn)  # type: ignore[arg-type]
+            yield from here(path)
         return
     pool: Workers | None = None
     pending = 0
@@ -347,8 +352,7 @@ def map_chunks(
                 while pending:
                     pending -= 1
                     yield pool.result()  # type: ignore[union-attr]
-                for line_no, lines, torn in complete_lines(path, chunk):
-                    yield job(str(path), lines, line_no, torn)  # type: ignore[arg-type]
+                yield from here(path)
                 continue
             for offset, size, line_no, torn in chunk_spans(path, chunk):
                 if pool is None and workers >= 2 and ready():
