@@ -595,9 +595,8 @@ def compare_files(
     if kv_aligned not in (0, 1):
         raise ValueError(f"kv_aligned must be 0 or 1, got {kv_aligned!r}")
     prefill_path, decode_path = str(prefill_path), str(decode_path)
-    judge = _PairJudge(
-        prefill_path, decode_path, kv_aligned, resolve_thresholds(thresholds), keep_all=False
-    )
+    limits = resolve_thresholds(thresholds)
+    judge = _PairJudge(prefill_path, decode_path, kv_aligned, limits, keep_all=False)
 
     def result(judge: _PairJudge) -> PairResult:
         _judge_rows(judge, workers, gen_len, on_token)
@@ -616,11 +615,7 @@ def compare_files(
         return result(judge)
     except _EveryDiffNeeded:
         every = _PairJudge(
-            prefill_path,
-            decode_path,
-            kv_aligned,
-            resolve_thresholds(thresholds),
-            capacity=max(judge.count, 1),
+            prefill_path, decode_path, kv_aligned, limits, capacity=max(judge.count, 1)
         )
         return result(every)
 
